@@ -1,0 +1,35 @@
+"""tunedjax: make JAX/Flax training fast without expert tuning.
+
+One switch (`set_config`) turns on the tuners; each keeps what it learned in a
+cache that survives restarts. This namespace holds the public names only.
+
+Example:
+  >>> import tunedjax as tj
+  >>> with tj.config_context({"layout": {"enable": True}}):
+  ...   tj.get_config().layout.enable
+  True
+"""
+
+from tunedjax import autotune as autotune
+from tunedjax import rewrite as rewrite
+from tunedjax._config import Config as Config
+from tunedjax._config import config_context as config_context
+from tunedjax._config import get_config as get_config
+from tunedjax._config import set_config as set_config
+from tunedjax._errors import ConfigError as ConfigError
+from tunedjax._errors import RewriteError as RewriteError
+from tunedjax._errors import TunedJaxError as TunedJaxError
+from tunedjax._version import __version__ as __version__
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "RewriteError",
+    "TunedJaxError",
+    "__version__",
+    "autotune",
+    "config_context",
+    "get_config",
+    "rewrite",
+    "set_config",
+]

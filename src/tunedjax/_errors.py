@@ -1,0 +1,96 @@
+"""Errors raised by tunedjax.
+
+Every error says what was wrong, shows the offending value, and says how to fix
+it (equinox and grain style). Long message templates live here as constants so
+that the code raising them stays readable and the wording stays consistent.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class TunedJaxError(Exception):
+  """Base class of every error tunedjax raises on purpose.
+
+  Catch this to handle any tunedjax error; the subclasses say which part failed.
+  """
+
+
+class ConfigError(TunedJaxError, ValueError):
+  """A configuration key, type or value is not valid.
+
+  Raised by `tunedjax.set_config`, `tunedjax.config_context` and when reading
+  the file named by ``$TUNEDJAX_CONFIG``. The message names the key, shows the
+  value and lists what is allowed.
+
+  Example:
+    >>> import tunedjax as tj
+    >>> try:
+    ...   tj.set_config({"kernel": {"tuning_range": [10, 1]}})
+    ... except tj.ConfigError as e:
+    ...   print("kernel.tuning_range" in str(e))
+    True
+  """
+
+
+class RewriteError(TunedJaxError):
+  """A rewrite pass produced something that does not fit the program.
+
+  For example a rule returned a value of another shape or dtype than the
+  equation it replaced, where the program needs the original type (a loop
+  carry, the output of a sub-jaxpr). The message names the pass, the primitive
+  and the expected and received types.
+  """
+
+
+UNKNOWN_KEY = (
+    "Unknown configuration key {key!r}{suggestion}. Valid keys here: {valid}."
+)
+BAD_TYPE = (
+    "Configuration key {key!r} must be {expected}, got {value!r} "
+    "(type {type_name})."
+)
+BAD_CHOICE = (
+    "Configuration key {key!r} must be one of {choices}, got {value!r}."
+)
+BAD_RANGE = (
+    "Configuration key {key!r} must be {expected}, got {value!r}."
+)
+BAD_FILE = (
+    "Could not read a tunedjax configuration from {path!r}: {reason}. The file "
+    "must hold one JSON object with the keys of tunedjax.Config, for example "
+    '{{"kernel": {{"enable": true, "tuning_range": [1, 10]}}}}.'
+)
+BAD_SOURCE = (
+    "{func} expects {accepted}; got {value!r} (type {type_name})."
+)
+IN_FILE = (
+    "In the tunedjax configuration file {path!r}: {message}"
+)
+FROM_ENV = (
+    " The path comes from the environment variable ${var}: fix the file or "
+    "unset ${var}."
+)
+REWRITE_TYPE_MISMATCH = (
+    "Pass {pass_name!r} changed the type of {where}: expected {expected}, got "
+    "{got}. A rule may change types inside a region, but values that leave a "
+    "sub-jaxpr (a loop carry, a branch output, a call result) or the function "
+    "must keep their original type: give the Pass a `materialize` hook that "
+    "converts them back."
+)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+  """Returns ' (did you mean X?)' for the closest choice, or ''."""
+  close = difflib.get_close_matches(word, list(choices), n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def format_choices(choices: Iterable[object]) -> str:
+  """Formats valid choices as a readable list: 'a', 'b' or 'c'."""
+  items = [repr(c) for c in choices]
+  if len(items) <= 1:
+    return "".join(items)
+  return ", ".join(items[:-1]) + " or " + items[-1]

@@ -1,0 +1,147 @@
+"""The one place where tunedjax touches JAX internals.
+
+Everything else in tunedjax uses public `jax` and `jax.extend` APIs. What JAX
+does not expose publicly (tracing a function to a jaxpr over given abstract
+values, the per-equation context, converting an element type while keeping a
+weak type) is wrapped here, with the names of the higher-order primitives, so
+that a JAX upgrade touches this file only.
+
+Supported: jax 0.10.x (Python 3.11, CI) and 0.11.x (the GPU image).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.extend.linear_util as lu
+import jax.extend.source_info_util as source_info_util
+# The only imports of jax._src in tunedjax.
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax_internal
+
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+DropVar = jex_core.DropVar
+Var = jex_core.Var
+
+# Higher-order primitives whose sub-jaxprs are code to rewrite, by the names
+# they carry across the supported JAX versions, mapped to the params that hold
+# those sub-jaxprs. In jax 0.10 `pjit` is named `jit` and `checkpoint` is named
+# `remat2`; both spellings are listed so either version matches.
+HIGHER_ORDER_PARAMS: dict[str, tuple[str, ...]] = {
+    "jit": ("jaxpr",),
+    "pjit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "call": ("call_jaxpr",),
+    "remat2": ("jaxpr",),
+    "remat": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+    "scan": ("jaxpr",),
+    "while": ("cond_jaxpr", "body_jaxpr"),
+    "cond": ("branches",),
+}
+
+# Higher-order primitives whose open sub-jaxpr may take the rewritten jaxpr's
+# new constants as extra leading operands (they have no per-operand params).
+OPERANDS_FROM_CONSTS = frozenset({"remat2", "remat", "checkpoint", "core_call", "call"})
+
+# Primitives whose jaxpr params are combiners (how to merge two elements), not
+# code that a pass rewrites. They are bound as written, silently.
+COMBINER_PRIMITIVES = frozenset({
+    "scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+    "scatter-min", "scatter_min", "scatter-max", "scatter_max", "scatter_sub",
+    "scatter-sub", "reduce", "reduce_window", "select_and_scatter",
+    "argsort", "sort",
+})
+
+
+def is_higher_order(name: str) -> bool:
+  return name in HIGHER_ORDER_PARAMS
+
+
+def has_jaxpr_params(params: dict[str, Any]) -> bool:
+  """Whether any param holds a jaxpr (to spot unknown higher-order primitives)."""
+  return next(iter(jex_core.jaxprs_in_params(params)), None) is not None
+
+
+def bind_equation(eqn: JaxprEqn, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+  """Binds `eqn`'s primitive on `invals` with `params`, always returning a list."""
+  bind_params = eqn.primitive.get_bind_params(params)
+  out = eqn.primitive.bind(*invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def equation_context(eqn: JaxprEqn) -> Iterator[None]:
+  """Re-enters what was active when `eqn` was traced: its source location and
+  name stack (so profiles and errors point at user code) and its equation
+  context (compute type, RNG partitioning, XLA metadata)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager):
+    yield
+
+
+def trace_to_jaxpr(fn: Callable[..., Sequence[Any]], in_avals: Sequence[Any],
+                   debug_info: Any) -> ClosedJaxpr:
+  """Traces `fn` (flat arrays in, flat list out) over exactly `in_avals`.
+
+  Unlike `jax.make_jaxpr`, this keeps weak types and any other property of the
+  given abstract values, so a rewritten sub-jaxpr has the same input types as
+  the original (loop carries are checked for that).
+  """
+  wrapped = lu.wrap_init(fn, debug_info=debug_info)
+  jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+  return ClosedJaxpr(jaxpr, consts)
+
+
+def closed_to_open(closed: ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
+  """Turns a closed jaxpr into an open one that takes its consts as leading inputs."""
+  if not closed.consts:
+    return closed.jaxpr, []
+  return _pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def convert_element_type(x: Any, dtype: Any, weak_type: bool) -> Any:
+  """`lax.convert_element_type` that can also set the result's weak type."""
+  return _lax_internal._convert_element_type(x, dtype, weak_type)
+
+
+def wrap_custom_rule(name: str, params: dict[str, Any],
+                     rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict[str, Any]:
+  """Makes the derivative rule of a custom_jvp/custom_vjp call rewritten too.
+
+  A custom derivative is traced lazily, when the call is differentiated: the
+  thunk that builds it returns an open jaxpr and its consts (`custom_vjp`'s
+  forward pass), or those and which output tangents are zero (`custom_jvp`'s
+  jvp). The wrapper rewrites that jaxpr with the same pass, so that
+  `jax.grad(rewritten_f)` runs the rewritten forward computation. The backward
+  function of a custom_vjp is user code traced at transpose time and is left
+  as written.
+  """
+  key = {"custom_vjp_call": "fwd_jaxpr_thunk", "custom_jvp_call": "jvp_jaxpr_fun"}.get(name)
+  thunk = params.get(key) if key else None
+  if thunk is None:
+    return params
+
+  def rewritten_thunk(*args: Any) -> Any:
+    jaxpr, consts, *rest = thunk.call_wrapped(*args)
+    new = rewrite(ClosedJaxpr(jaxpr, consts))
+    return (new.jaxpr, list(new.consts), *rest)
+
+  return {**params, key: lu.wrap_init(rewritten_thunk, debug_info=thunk.debug_info)}
+
+
+def typeof(x: Any) -> Any:
+  """The abstract value of `x` (an array, tracer or Python scalar)."""
+  return jax.typeof(x)

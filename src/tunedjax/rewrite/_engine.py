@@ -1,0 +1,375 @@
+"""The jaxpr rewriting engine every tunedjax pass builds on.
+
+A pass is a table of per-primitive rules (`Pass`). The engine traces a
+function to a closed jaxpr and evaluates it equation by equation on whatever
+values it is given (concrete arrays, or the tracers of an enclosing `jax.jit`,
+`jax.grad` or `jax.vmap`). An equation with a rule is handed to the rule; any
+other equation is bound unchanged. Higher-order primitives (`jit`, `scan`,
+`while`, `cond`, `remat`, `custom_jvp_call`, ...) are rebuilt with their
+sub-jaxprs rewritten by the same rules and their other params intact, so a
+pass reaches into loop bodies and branches. Because the evaluation happens
+inside the caller's trace, `jax.jit` caching, `grad`, `vmap` and sharding keep
+working: the result is just another JAX function.
+
+This is the design of JAX's "Writing custom interpreters" tutorial and of
+`jax.experimental.sparse`: one evaluation loop, a `primitive -> rule` table, a
+default rule that passes the equation through, and explicit rules for the
+higher-order primitives.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+
+from tunedjax import _errors
+from tunedjax._config import Config, get_config
+from tunedjax.rewrite import _compat
+
+logger = logging.getLogger("tunedjax.rewrite")
+
+JaxprEqn = _compat.JaxprEqn
+ClosedJaxpr = _compat.ClosedJaxpr
+
+
+class Rule(Protocol):
+  """A rewrite rule: replaces one equation with any JAX computation.
+
+  Args:
+    ctx: the engine's `Context` (platform, config, counters, `default`/`bind`).
+    eqn: the equation being evaluated: `eqn.primitive`, `eqn.params`, and the
+      abstract values `[v.aval for v in eqn.invars]` / `eqn.outvars`.
+    invals: the equation's input values (arrays or tracers, or whatever the
+      pass put in its environment).
+
+  Returns:
+    A sequence with one value per `eqn.outvars`.
+  """
+
+  def __call__(self, ctx: Context, eqn: JaxprEqn, invals: Sequence[Any]) -> Sequence[Any]:
+    ...
+
+
+def _identity_materialize(value: Any, aval: Any) -> Any:
+  del aval
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """A jaxpr rewrite pass: a name and a table of per-primitive rules.
+
+  Attributes:
+    name: shown in reports, logs and errors.
+    rules: primitive name (`"dot_general"`, `"conv_general_dilated"`, ...) to
+      `Rule`. Names of higher-order primitives may be given too: the rule then
+      replaces the engine's recursion for them (and may call
+      `ctx.default(eqn, invals)` to get it back).
+    materialize: `(value, aval) -> array`, turns a value from the pass's
+      environment into a plain array of type `aval`. It is applied wherever a
+      value leaves the pass's reach: inputs of equations bound unchanged,
+      results of sub-jaxprs (loop carries, branch outputs) and of the function.
+      A pass that keeps values in another representation (a pending
+      transpose, a lower precision) converts them back here. Default: identity.
+    skip_untouched: bind a higher-order equation as written when no rule can
+      fire inside it (the default; it saves re-tracing its body). False
+      re-traces every sub-jaxpr, which is useful for testing the engine and
+      measuring its worst case.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tunedjax import rewrite
+    >>> def sin_to_cos(ctx, eqn, invals):
+    ...   ctx.count("sin replaced")
+    ...   return [jnp.cos(invals[0])]
+    >>> p = rewrite.Pass("sin_to_cos", {"sin": sin_to_cos})
+    >>> f = rewrite.transform(lambda x: jnp.sin(x) * 2.0, p)
+    >>> float(f(0.0))
+    2.0
+  """
+
+  name: str
+  rules: Mapping[str, Rule] = dataclasses.field(default_factory=dict)
+  materialize: Callable[[Any, Any], Any] = _identity_materialize
+  skip_untouched: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise TypeError(f"Pass name must be a non-empty string, got {self.name!r}.")
+    bad = [k for k in self.rules if not isinstance(k, str)]
+    if bad:
+      raise TypeError(
+          f"Pass {self.name!r}: rule keys must be primitive names (str), got "
+          f"{bad!r}. Use `primitive.name`, e.g. jax.lax.sin_p.name == 'sin'.")
+    object.__setattr__(self, "rules", dict(self.rules))
+
+
+class Context:
+  """What a rule can see and use while the engine evaluates a jaxpr.
+
+  One `Context` lives for one evaluation (one trace of the function), so
+  nothing from one call leaks into another.
+
+  Attributes:
+    pass_: the `Pass` being applied.
+    platform: the platform the program is compiled for (`"cpu"`, `"gpu"`, `"tpu"`).
+    config: the tunedjax `Config` active when the function was traced.
+    counts: a `collections.Counter` a rule adds to with `count`; shown in reports.
+  """
+
+  def __init__(self, pass_: Pass, *, platform: str | None = None,
+               config: Config | None = None):
+    self.pass_ = pass_
+    self.platform = platform or jax.default_backend()
+    self.config = config if config is not None else get_config()
+    self.counts: collections.Counter[str] = collections.Counter()
+    self._touches: dict[int, tuple[Any, bool]] = {}
+    self._rewritten: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
+    self._warned_unknown: set[str] = set()
+
+  def __repr__(self) -> str:
+    return (f"Context(pass={self.pass_.name!r}, platform={self.platform!r}, "
+            f"counts={dict(self.counts)})")
+
+  def count(self, what: str, n: int = 1) -> None:
+    """Adds `n` to the counter `what` (for example "casts inserted")."""
+    self.counts[what] += n
+
+  def materialize(self, value: Any, aval: Any) -> Any:
+    """Turns `value` into a plain array of type `aval` (the pass's hook)."""
+    return self.pass_.materialize(value, aval)
+
+  def bind(self, eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[Any]:
+    """Binds `eqn`'s primitive on `invals` as given, with `params` overriding
+    the equation's own. No recursion, no materialization: the rule decides."""
+    return _compat.bind_equation(eqn, invals, {**eqn.params, **params})
+
+  def default(self, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """What the engine does for `eqn` without a rule: materialize the inputs,
+    then rebuild a higher-order equation with its sub-jaxprs rewritten, or
+    bind any other equation unchanged."""
+    invals = [self.materialize(x, v.aval) for x, v in zip(invals, eqn.invars)]
+    name = eqn.primitive.name
+    if _compat.is_higher_order(name) and self._eqn_touched(eqn):
+      return self._rebuild_higher_order(eqn, invals)
+    if (name not in self._warned_unknown and not _compat.is_higher_order(name)
+        and name not in _compat.COMBINER_PRIMITIVES
+        and _compat.has_jaxpr_params(eqn.params)):
+      self._warned_unknown.add(name)
+      logger.debug("pass %r: higher-order primitive %r is not known to the "
+                   "rewrite engine; its sub-jaxprs are left untouched.",
+                   self.pass_.name, name)
+    return _compat.bind_equation(eqn, invals, eqn.params)
+
+  # -- evaluation -------------------------------------------------------------
+
+  def eval_jaxpr(self, jaxpr: _compat.Jaxpr, consts: Sequence[Any],
+                 args: Sequence[Any]) -> list[Any]:
+    """Evaluates `jaxpr` with the pass's rules; returns the raw outputs."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+      return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    if len(args) != len(jaxpr.invars):
+      raise TypeError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(args)}.")
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    rules = self.pass_.rules
+    for eqn in jaxpr.eqns:
+      invals = [read(v) for v in eqn.invars]
+      rule = rules.get(eqn.primitive.name)
+      with _compat.equation_context(eqn):
+        outvals = rule(self, eqn, invals) if rule is not None else self.default(eqn, invals)
+      if len(outvals) != len(eqn.outvars):
+        raise _errors.RewriteError(
+            f"Pass {self.pass_.name!r}: the rule for {eqn.primitive.name!r} "
+            f"returned {len(outvals)} values for {len(eqn.outvars)} outputs. "
+            "A rule returns a sequence with one value per equation output.")
+      for v, x in zip(eqn.outvars, outvals):
+        if not isinstance(v, _compat.DropVar):
+          env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+  def finish(self, outs: Sequence[Any], avals: Sequence[Any], where: str) -> list[Any]:
+    """Materializes `outs` and checks they have exactly the types `avals`."""
+    result = []
+    for i, (x, aval) in enumerate(zip(outs, avals)):
+      x = self.materialize(x, aval)
+      got = _compat.typeof(x)
+      if (getattr(got, "shape", None) != getattr(aval, "shape", None)
+          or getattr(got, "dtype", None) != getattr(aval, "dtype", None)):
+        raise _errors.RewriteError(_errors.REWRITE_TYPE_MISMATCH.format(
+            pass_name=self.pass_.name, where=f"output {i} of {where}",
+            expected=aval.str_short(), got=got.str_short()))
+      if getattr(got, "weak_type", False) != getattr(aval, "weak_type", False):
+        x = _compat.convert_element_type(x, aval.dtype, aval.weak_type)
+      result.append(x)
+    return result
+
+  def rewrite_closed(self, closed: ClosedJaxpr, where: str = "a sub-jaxpr") -> ClosedJaxpr:
+    """Returns `closed` rewritten by the pass, with the same input and output
+    types (memoized per jaxpr within this context)."""
+    if not self._touches_jaxpr(closed.jaxpr):
+      return closed
+    hit = self._rewritten.get(id(closed))
+    if hit is not None:
+      return hit[1]
+
+    def evaluate(*args: Any) -> list[Any]:
+      outs = self.eval_jaxpr(closed.jaxpr, closed.consts, args)
+      return self.finish(outs, closed.out_avals, where)
+
+    new = _compat.trace_to_jaxpr(evaluate, closed.in_avals, closed.jaxpr.debug_info)
+    self._rewritten[id(closed)] = (closed, new)  # keeps `closed` alive: ids stay unique
+    return new
+
+  # -- higher-order primitives -------------------------------------------------
+
+  def _rebuild_higher_order(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    where = f"the {name!r} equation's body"
+    params = dict(eqn.params)
+    extra_operands: list[Any] = []
+    for key in _compat.HIGHER_ORDER_PARAMS[name]:
+      sub = params.get(key)
+      if isinstance(sub, ClosedJaxpr):
+        params[key] = self.rewrite_closed(sub, where)
+      elif isinstance(sub, tuple):
+        params[key] = tuple(self.rewrite_closed(b, where) for b in sub)
+      elif isinstance(sub, _compat.Jaxpr):
+        new_open, consts = _compat.closed_to_open(
+            self.rewrite_closed(ClosedJaxpr(sub, ()), where))
+        if consts and name not in _compat.OPERANDS_FROM_CONSTS:
+          raise _errors.RewriteError(
+              f"Pass {self.pass_.name!r} introduced constants inside the body "
+              f"of {name!r}, which cannot take extra operands. Build constants "
+              "from the rule's inputs (e.g. jnp.zeros_like) instead.")
+        params[key] = new_open
+        extra_operands = consts
+    params = _compat.wrap_custom_rule(
+        name, params, lambda c: self.rewrite_closed(c, f"the derivative rule of {name!r}"))
+    return _compat.bind_equation(eqn, [*extra_operands, *invals], params)
+
+  def _eqn_touched(self, eqn: JaxprEqn) -> bool:
+    for key in _compat.HIGHER_ORDER_PARAMS.get(eqn.primitive.name, ()):
+      sub = eqn.params.get(key)
+      subs = sub if isinstance(sub, tuple) else (sub,)
+      for s in subs:
+        if s is not None and self._touches_jaxpr(getattr(s, "jaxpr", s)):
+          return True
+    return False
+
+  def _touches_jaxpr(self, jaxpr: _compat.Jaxpr) -> bool:
+    """Whether any rule can fire in `jaxpr` or its sub-jaxprs (memoized)."""
+    if not self.pass_.skip_untouched:
+      return True
+    hit = self._touches.get(id(jaxpr))
+    if hit is not None:
+      return hit[1]
+    rules = self.pass_.rules
+    result = any(
+        eqn.primitive.name in rules
+        or (_compat.is_higher_order(eqn.primitive.name) and self._eqn_touched(eqn))
+        for eqn in jaxpr.eqns)
+    self._touches[id(jaxpr)] = (jaxpr, result)
+    return result
+
+
+def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any
+          ) -> tuple[ClosedJaxpr, list[Any], Any]:
+  """Traces `fun(*args, **kwargs)` to a closed jaxpr.
+
+  Returns:
+    `(closed_jaxpr, flat_args, out_tree)`: the jaxpr, the leaves of
+    `(args, kwargs)` in the order of its inputs, and the pytree structure of
+    its result.
+  """
+  closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
+  flat_args = jax.tree_util.tree_leaves((args, kwargs))
+  return closed, flat_args, jax.tree_util.tree_structure(out_shape)
+
+
+def eval_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], pass_: Pass, *,
+               context: Context | None = None) -> list[Any]:
+  """Evaluates a closed jaxpr on flat `args` with `pass_`'s rules.
+
+  Args:
+    closed: the jaxpr, e.g. from `jax.make_jaxpr`.
+    args: one value per input (arrays or tracers).
+    pass_: the rules to apply.
+    context: a `Context` to use (to read its `counts` afterwards); a new one
+      for the current platform and config by default.
+
+  Returns:
+    The outputs, materialized to the jaxpr's output types.
+  """
+  ctx = context if context is not None else Context(pass_)
+  outs = ctx.eval_jaxpr(closed.jaxpr, closed.consts, list(args))
+  return ctx.finish(outs, closed.out_avals, "the function")
+
+
+def rewrite_jaxpr(closed: ClosedJaxpr, pass_: Pass, *,
+                  context: Context | None = None) -> ClosedJaxpr:
+  """Returns the closed jaxpr that `pass_` makes of `closed`, same types in and out.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tunedjax import rewrite
+    >>> p = rewrite.Pass("double_sin", {"sin": lambda ctx, e, x: [2 * jnp.sin(x[0])]})
+    >>> closed = jax.make_jaxpr(jnp.sin)(1.0)
+    >>> [e.primitive.name for e in rewrite.rewrite_jaxpr(closed, p).eqns]
+    ['sin', 'mul']
+  """
+  ctx = context if context is not None else Context(pass_)
+  return ctx.rewrite_closed(closed, "the function")
+
+
+def transform(fun: Callable[..., Any], pass_: Pass, *, platform: str | None = None,
+              on_trace: Callable[[Context], None] | None = None) -> Callable[..., Any]:
+  """Returns `fun` with `pass_` applied to its jaxpr at every call.
+
+  The returned function traces `fun` on its arguments, evaluates the jaxpr
+  with the pass's rules and returns the result in `fun`'s output structure.
+  Under `jax.jit` this happens once per input signature, inside jit's own
+  trace; it composes with `jax.grad`, `jax.vmap` and sharded inputs like any
+  JAX function. Every leaf of the arguments must be an array or scalar: close
+  over static Python values (`functools.partial`) before transforming.
+
+  Args:
+    fun: the function to rewrite.
+    pass_: the `Pass` to apply.
+    platform: the platform rules see; default `jax.default_backend()`.
+    on_trace: called with the `Context` after each trace, to collect what the
+      pass did (its `counts`) without storing per-call state on `fun`.
+
+  Returns:
+    A function with `fun`'s signature.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from tunedjax import rewrite
+    >>> identity = rewrite.Pass("identity")
+    >>> f = jax.jit(rewrite.transform(lambda x: jnp.tanh(x) @ x, identity))
+    >>> f(jnp.eye(2)).shape
+    (2, 2)
+  """
+
+  @functools.wraps(fun)
+  def rewritten(*args: Any, **kwargs: Any) -> Any:
+    closed, flat_args, out_tree = trace(fun, *args, **kwargs)
+    ctx = Context(pass_, platform=platform)
+    outs = eval_jaxpr(closed, flat_args, pass_, context=ctx)
+    if on_trace is not None:
+      on_trace(ctx)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  return rewritten

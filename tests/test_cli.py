@@ -1,0 +1,156 @@
+"""Tests of the `tunedjax` command line (tunedjax.cli)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import tunedjax
+from tunedjax import cli
+from tunedjax.autotune import DeviceFingerprint
+from tunedjax.autotune import device_fingerprint
+
+JSON_KEYS = {
+    "versions", "os", "fingerprint", "fingerprint_digest",
+    "fingerprint_summary", "devices", "config", "cache_dir", "cache_exists",
+    "cache_files", "cache_bytes",
+}
+
+
+@pytest.fixture
+def cache_dir(monkeypatch, tmp_path) -> pathlib.Path:
+  """Points $TUNEDJAX_CACHE_DIR at a fresh folder that does not exist yet."""
+  path = tmp_path / "tuning-cache"
+  monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(path))
+  return path
+
+
+def _info_json(capsys, *extra: str) -> dict:
+  assert cli.main(["info", "--json", *extra]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_info_prints_fingerprint_and_cache_dir(capsys, cache_dir):
+  assert cli.main(["info"]) == 0
+  out = capsys.readouterr().out
+  fp = device_fingerprint()
+  assert fp.digest in out
+  assert fp.describe() in out
+  assert str(cache_dir) in out
+  for name in fp.to_dict():
+    assert name in out
+  for name in ("tunedjax", "jax", "jaxlib", "flax", "optax", "grain",
+               "orbax-checkpoint", "numpy", "python"):
+    assert f"\n  {name} " in out
+  assert re.search(r"\n  exists +no\n", out)
+
+
+def test_info_json(capsys, cache_dir):
+  info = _info_json(capsys)
+  assert set(info) == JSON_KEYS
+  fp = device_fingerprint()
+  assert info["fingerprint"] == fp.to_dict()
+  assert info["fingerprint_digest"] == fp.digest
+  assert info["config"] == tunedjax.get_config().to_dict()
+  assert len(info["devices"]) == jax.device_count()
+  assert info["devices"][0]["platform"] == fp.platform
+  assert info["versions"]["jax"] == jax.__version__
+  assert info["versions"]["tunedjax"] == tunedjax.__version__
+  assert info["cache_dir"] == str(cache_dir)
+  assert info["cache_exists"] is False
+
+
+def test_info_json_follows_config_context(capsys, cache_dir, tmp_path):
+  chosen = tmp_path / "from-config"
+  with tunedjax.config_context({"cache": {"dir": str(chosen)},
+                                "level": "O2"}):
+    info = _info_json(capsys)
+    assert info["config"] == tunedjax.get_config().to_dict()
+  assert info["config"]["level"] == "O2"
+  assert info["cache_dir"] == str(chosen) != str(cache_dir)
+
+
+def test_info_counts_cache_files(capsys, cache_dir):
+  (cache_dir / "sub").mkdir(parents=True)
+  (cache_dir / "a.json").write_bytes(b"x" * 1000)
+  (cache_dir / "sub" / "b.json").write_bytes(b"y" * 1048)
+  info = _info_json(capsys)
+  assert info["cache_exists"] is True
+  assert (info["cache_files"], info["cache_bytes"]) == (2, 2048)
+  assert cli.main(["info"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"\n  exists +yes\n", out)
+  assert re.search(r"\n  files +2\n", out)
+  assert re.search(r"\n  size +2.0 KiB", out)
+
+
+def test_missing_package_is_not_installed(capsys, monkeypatch, cache_dir):
+  real = importlib.metadata.version
+
+  def fake(name):
+    if name == "grain":
+      raise importlib.metadata.PackageNotFoundError(name)
+    return real(name)
+
+  monkeypatch.setattr(importlib.metadata, "version", fake)
+  assert _info_json(capsys)["versions"]["grain"] == "not installed"
+
+
+def test_info_backend_option(capsys, cache_dir):
+  assert _info_json(capsys, "--backend", "cpu")["fingerprint"]["platform"] == (
+      "cpu")
+  assert cli.main(["info", "--backend", "no_such_backend"]) == 1
+  err = capsys.readouterr().err
+  assert "no_such_backend" in err and "'cpu'" in err
+
+
+def test_no_subcommand_prints_help_and_returns_2(capsys):
+  assert cli.main([]) == 2
+  assert "info" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_returns_2(capsys):
+  assert cli.main(["no-such-command"]) == 2
+  assert "invalid choice" in capsys.readouterr().err
+
+
+def test_version(capsys):
+  assert cli.main(["--version"]) == 0
+  assert capsys.readouterr().out.strip() == f"tunedjax {tunedjax.__version__}"
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"),
+    (2**50, "1024.0 TiB"),
+])
+def test_human_size(n, text):
+  assert cli._human_size(n) == text
+
+
+@pytest.mark.slow
+def test_module_entry_point_end_to_end(tmp_path):
+  src = str(pathlib.Path(tunedjax.__file__).parents[1])
+  env = dict(os.environ, TUNEDJAX_CACHE_DIR=str(tmp_path),
+             PYTHONPATH=os.pathsep.join(
+                 filter(None, [src, os.environ.get("PYTHONPATH")])))
+  result = subprocess.run(
+      [sys.executable, "-m", "tunedjax.cli", "info", "--json"],
+      capture_output=True, text=True, env=env, timeout=120, check=False,
+  )
+  assert result.returncode == 0, result.stderr
+  info = json.loads(result.stdout)
+  assert set(info) == JSON_KEYS
+  assert info["cache_dir"] == str(tmp_path)
+  assert info["cache_exists"] is True
+  fp = DeviceFingerprint.from_dict(info["fingerprint"])
+  assert fp.digest == info["fingerprint_digest"]
+  assert fp.platform == jax.default_backend()
+  assert fp.jax_version == jax.__version__
