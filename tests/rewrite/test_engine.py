@@ -309,3 +309,32 @@ def test_unknown_higher_order_primitive_is_left_untouched(caplog):
   assert counts == [1]  # the outer sin only
   assert float(out[0]) == pytest.approx(float(jnp.sin(jnp.sin(0.5))))
   assert "tunedjax_test_hop" in caplog.text and "left untouched" in caplog.text
+
+
+# -- what research code also does ----------------------------------------------
+
+
+def _with_effects_and_keys(key, x):
+  def body(c, a):
+    jax.debug.print("carry {c}", c=c)
+    return c + jnp.sin(a), None
+
+  c, _ = jax.lax.scan(body, 0.0, x + jax.random.normal(key, x.shape))
+  doubled = jax.pure_callback(lambda v: v * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.sin(x))
+  return {"c": c, "doubled": doubled, "none": None, "const": 3}
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_effects_keys_callbacks_and_constant_outputs(jit, capfd):
+  key, x = jax.random.key(0), jnp.arange(3.0)
+  wrap = jax.jit if jit else (lambda f: f)
+  want = wrap(_with_effects_and_keys)(key, x)
+  jax.effects_barrier()
+  printed = capfd.readouterr().out
+  got = wrap(rewrite.transform(_with_effects_and_keys, SIN_TIMES_ONE))(key, x)
+  jax.effects_barrier()
+  assert capfd.readouterr().out == printed and printed.count("carry") == 3
+  # A constant output is an Array, as under jit (eagerly, the original returns the int).
+  assert got["none"] is None and isinstance(got["const"], jax.Array) and got.pop("const") == 3
+  want.pop("const")
+  assert_trees_bitwise_equal(want, got)

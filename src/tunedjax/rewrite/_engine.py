@@ -210,7 +210,8 @@ class Context:
         raise _errors.RewriteError(_errors.REWRITE_TYPE_MISMATCH.format(
             pass_name=self.pass_.name, where=f"output {i} of {where}",
             expected=aval.str_short(), got=got.str_short()))
-      if getattr(got, "weak_type", False) != getattr(aval, "weak_type", False):
+      if (getattr(got, "weak_type", False) != getattr(aval, "weak_type", False)
+          or not isinstance(x, jax.Array)):  # a literal returned as is (eager mode)
         x = _compat.convert_element_type(x, aval.dtype, aval.weak_type)
       result.append(x)
     return result

@@ -30,7 +30,7 @@ def iter_equations(jaxpr: Any, *, recursive: bool = True) -> Iterator[jex_core.J
     >>> from tunedjax import rewrite
     >>> closed = jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jnp.sin, jnp.cos, x))(1.0)
     >>> sorted({e.primitive.name for e in rewrite.iter_equations(closed)})
-    ['cond', 'cos', 'gt', 'sin']
+    ['cond', 'convert_element_type', 'cos', 'gt', 'sin']
   """
   for eqn in _as_jaxpr(jaxpr).eqns:
     yield eqn

@@ -1,0 +1,120 @@
+"""Side-by-side timing for tunedjax benchmarks.
+
+These machines are shared: the same timing moves by +-15% between runs. So
+every benchmark here times its variants interleaved in rounds (each round runs
+every variant once, in a rotated order), quotes the median of the per-round
+ratios against the baseline, and times the baseline twice (an A/A control)
+so the table shows how much the noise alone moves a ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import datetime
+import os
+import pathlib
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+BENCHMARKS_MD = pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+CONTROL = "A/A control"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+  """Seconds per run, `runs[variant][round]`, from `interleaved`."""
+
+  runs: Mapping[str, list[float]]
+  baseline: str
+
+  def median(self, name: str) -> float:
+    return statistics.median(self.runs[name])
+
+  def ratio(self, name: str) -> float:
+    """Median over rounds of (variant time / baseline time) in that round."""
+    base = self.runs[self.baseline]
+    return statistics.median(t / b for t, b in zip(self.runs[name], base))
+
+  def spread(self, name: str) -> tuple[float, float]:
+    """The smallest and largest per-round ratio."""
+    base = self.runs[self.baseline]
+    ratios = [t / b for t, b in zip(self.runs[name], base)]
+    return min(ratios), max(ratios)
+
+
+def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
+                rounds: int = 7, warmup: int = 1) -> Timings:
+  """Times each variant once per round, rotating the order each round.
+
+  The baseline is also timed a second time under the name `CONTROL`, as an
+  A/A control. Each callable must finish its work before returning (call
+  `block_until_ready` on JAX results).
+
+  Args:
+    variants: name to a zero-argument callable.
+    baseline: the name ratios are taken against.
+    rounds: timed rounds.
+    warmup: untimed rounds first (compilation, caches).
+  """
+  names = [*variants, CONTROL]
+  fns = {**variants, CONTROL: variants[baseline]}
+  runs: dict[str, list[float]] = {n: [] for n in names}
+  for r in range(warmup + rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for name in order:
+      gc.collect()  # a collection triggered by an earlier variant is not charged to this one
+      start = time.perf_counter()
+      fns[name]()
+      elapsed = time.perf_counter() - start
+      if r >= warmup:
+        runs[name].append(elapsed)
+  return Timings(runs, baseline)
+
+
+def ratio_table(t: Timings, *, unit: str = "ms", scale: float = 1e3,
+                notes: Mapping[str, str] | None = None) -> str:
+  """A markdown table: median time, ratio to baseline, per-round spread."""
+  notes = notes or {}
+  lines = [f"| variant | median ({unit}) | ratio to baseline | per-round range | note |",
+           "|---|---:|---:|---:|---|"]
+  for name in t.runs:
+    lo, hi = t.spread(name)
+    lines.append(f"| {name} | {t.median(name) * scale:.1f} | {t.ratio(name):.3f} | "
+                 f"{lo:.2f}-{hi:.2f} | {notes.get(name, '')} |")
+  return "\n".join(lines)
+
+
+def machine_line() -> str:
+  """Where and when a table was measured."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    for line in open("/proc/cpuinfo", encoding="utf-8"):
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  today = datetime.date.today().isoformat()
+  return (f"Measured {today} on {os.cpu_count()} cores of {cpu}, "
+          f"{jax.default_backend()} backend, jax {jax.__version__}.")
+
+
+def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> None:
+  """Replaces the section between `<!-- name:start -->` and `<!-- name:end -->`
+  in BENCHMARKS.md with `body`, or appends it."""
+  start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+  block = f"{start}\n{body.strip()}\n{end}"
+  text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+  pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
+  if pattern.search(text):
+    text = pattern.sub(lambda _: block, text)
+  else:
+    text = text.rstrip() + "\n\n" + block + "\n"
+  path.write_text(text, encoding="utf-8")

@@ -1,0 +1,42 @@
+"""Every public name is importable from where DESIGN.md says, and nothing
+private leaks into a public namespace."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+
+import tunedjax as tj
+
+PUBLIC = {
+    "tunedjax": {"Config", "ConfigError", "RewriteError", "TunedJaxError", "__version__",
+                 "autotune", "config_context", "get_config", "rewrite", "set_config"},
+    "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
+                         "iter_equations", "rewrite_jaxpr", "trace", "transform"},
+    "tunedjax.autotune": {"DeviceFingerprint", "device_fingerprint"},
+}
+
+
+@pytest.mark.parametrize("module_name", PUBLIC)
+def test_all_lists_exactly_the_public_names(module_name):
+  module = importlib.import_module(module_name)
+  assert set(module.__all__) == PUBLIC[module_name]
+  for name in module.__all__:
+    assert getattr(module, name) is not None
+  # Submodules (tunedjax.cli once imported) are attributes of their package, not leaks.
+  exported = {n for n, v in vars(module).items()
+              if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+  assert exported <= set(module.__all__) | {"annotations"}, exported - set(module.__all__)
+
+
+def test_errors_form_one_hierarchy():
+  assert issubclass(tj.ConfigError, tj.TunedJaxError)
+  assert issubclass(tj.ConfigError, ValueError)
+  assert issubclass(tj.RewriteError, tj.TunedJaxError)
+
+
+def test_version_matches_package_metadata():
+  from importlib.metadata import version
+  assert tj.__version__ == version("tunedjax")
