@@ -40,3 +40,13 @@ def test_errors_form_one_hierarchy():
 def test_version_matches_package_metadata():
   from importlib.metadata import version
   assert tj.__version__ == version("tunedjax")
+
+
+def test_jax_internals_are_reached_from_compat_only():
+  """DESIGN.md: `jax._src` is imported in `rewrite/_compat.py` and nowhere else."""
+  import pathlib
+  import re
+  package = pathlib.Path(tj.__file__).parent
+  offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+               if re.search(r"^\s*(from|import)\s+jax\._src", p.read_text(), re.MULTILINE)]
+  assert offenders == [str(pathlib.Path("rewrite", "_compat.py"))]

@@ -51,12 +51,15 @@ def _build(program):
   return fn
 
 
+def _inputs(shape, seed):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=shape), jnp.float32),
+          jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32))
+
+
 @given(program=programs, shape=shapes, seed=st.integers(0, 2**16))
 def test_identity_is_bitwise_on_random_programs(program, shape, seed):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
-  w = jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32)
-  fn = _build(program)
+  fn, x, w = _build(program), *_inputs(shape, seed)
   want = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, w)
   got = jax.jit(jax.value_and_grad(rewrite.transform(fn, IDENTITY_REBUILD), argnums=(0, 1)))(x, w)
   for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
@@ -65,10 +68,7 @@ def test_identity_is_bitwise_on_random_programs(program, shape, seed):
 
 @given(program=programs, shape=shapes, seed=st.integers(0, 2**16))
 def test_value_preserving_rule_matches_within_rounding(program, shape, seed):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=shape), jnp.float32)
-  w = jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32)
-  fn = _build(program)
+  fn, x, w = _build(program), *_inputs(shape, seed)
   counted = []
   rewritten = rewrite.transform(fn, TANH_AS_SIGMOID, on_trace=counted.append)
   want = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(x, w)
