@@ -285,6 +285,15 @@ def test_type_change_leaving_a_loop_body_is_named():
     rewrite.transform(fn, to_f16)(jnp.ones(3))
 
 
+def test_passes_are_hashable_and_their_rules_read_only_copies():
+  rules = {"sin": _times_one}
+  p = rewrite.Pass("p", rules)
+  rules["cos"] = _times_one
+  assert set(p.rules) == {"sin"} and len({p, rewrite.Pass("p", {"sin": _times_one})}) == 2
+  with pytest.raises(TypeError):
+    p.rules["cos"] = _times_one
+
+
 def test_pass_rejects_rule_keys_that_are_not_names():
   with pytest.raises(TypeError, match="primitive names"):
     rewrite.Pass("keys", {jax.lax.sin_p: _times_one})

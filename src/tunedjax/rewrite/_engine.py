@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -61,7 +62,7 @@ def _identity_materialize(value: Any, aval: Any) -> Any:
   return value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Pass:
   """A jaxpr rewrite pass: a name and a table of per-primitive rules.
 
@@ -107,7 +108,7 @@ class Pass:
       raise TypeError(
           f"Pass {self.name!r}: rule keys must be primitive names (str), got "
           f"{bad!r}. Use `primitive.name`, e.g. jax.lax.sin_p.name == 'sin'.")
-    object.__setattr__(self, "rules", dict(self.rules))
+    object.__setattr__(self, "rules", types.MappingProxyType(dict(self.rules)))
 
 
 class Context:
