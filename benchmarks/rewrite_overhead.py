@@ -82,13 +82,13 @@ def main(argv=None) -> int:
 
   step, inputs = make_train_step(args.depth)
   closed = jax.make_jaxpr(step)(*inputs)
-  n_eqns = sum(rewrite.count_primitives(closed).values())
+  counts = rewrite.count_primitives(closed)
+  n_eqns, adds = sum(counts.values()), counts["add"]
   passes = {
       "identity": rewrite.Pass("identity"),
       "identity, rebuild all": rewrite.Pass("identity_rebuild", skip_untouched=False),
       "one rule on `add`": rewrite.Pass("add_rule", {"add": _add_rule}),
   }
-  adds = rewrite.count_primitives(closed)["add"]
 
   def trace_plain():
     jax.make_jaxpr(functools.partial(step))(*inputs)
