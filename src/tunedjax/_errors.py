@@ -94,3 +94,13 @@ def format_choices(choices: Iterable[object]) -> str:
   if len(items) <= 1:
     return "".join(items)
   return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+class CacheWarning(UserWarning):
+  """A tuning cache could not be used as it is: unreadable, corrupt, invalid.
+
+  tunedjax never crashes on a bad cache and never uses a bad entry: it warns
+  with this category, moves an unusable file aside and measures again. Filter
+  it like any warning (``warnings.simplefilter("error", tj.CacheWarning)``
+  makes a bad cache fatal, e.g. in a CI job that checks a shared cache).
+  """
