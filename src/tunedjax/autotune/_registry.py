@@ -1,0 +1,504 @@
+"""The kernel registry: alternative implementations of one operation.
+
+A *kernel* is a function that computes what one `conv_general_dilated`
+equation computes, in another way (a matmul, an FFT, shift-and-add, ...). Each
+kernel says which equations it handles (`applicable`), and carries a hash of
+its module's source so that timings measured with old code are not reused.
+`ConvSpec` describes one equation: shapes, dtypes and every parameter; it is
+hashable and round-trips through JSON, which is what a cache key needs.
+
+The built-in "conv" kernels (``xla`` first, the default) are registered when
+this module is imported.
+
+Example:
+  >>> import numpy as np
+  >>> from tunedjax.autotune import _registry as reg
+  >>> spec = reg.ConvSpec.from_arrays(
+  ...     np.ones((1, 8, 8, 4), np.float32), np.ones((1, 1, 4, 6), np.float32),
+  ...     window_strides=(1, 1), padding="VALID",
+  ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> spec.out_shape
+  (1, 8, 8, 6)
+  >>> reg.applicable_kernels(spec, "cpu")[0].name
+  'xla'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from tunedjax._errors import TunedJaxError, did_you_mean, format_choices
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+_PRECISION_TYPES = {"Precision": lax.Precision}
+if hasattr(lax, "DotAlgorithmPreset"):
+  _PRECISION_TYPES["DotAlgorithmPreset"] = lax.DotAlgorithmPreset
+
+
+def _dtype_name(dtype: Any) -> str:
+  return np.dtype(dtype).name
+
+
+def _precision_repr(precision: Any) -> str | None:
+  """The string stored in a ConvSpec for an equation's precision param."""
+  if precision is None:
+    return None
+  if isinstance(precision, tuple) and all(p is None for p in precision):
+    return None
+  return repr(precision)
+
+
+def _parse_one_precision(text: str) -> Any:
+  text = text.strip()
+  if text == "None":
+    return None
+  kind, _, member = text.partition(".")
+  enum = _PRECISION_TYPES.get(kind)
+  if enum is None or member not in enum.__members__:
+    raise TunedJaxError(
+        f"ConvSpec.precision {text!r} is not a precision tunedjax can rebuild; "
+        "expected None, 'Precision.DEFAULT', 'Precision.HIGH', "
+        "'Precision.HIGHEST' or a pair of them."
+    )
+  return enum[member]
+
+
+def _parse_precision(text: str | None) -> Any:
+  """Inverts `_precision_repr`: None, one precision, or a pair of them."""
+  if text is None:
+    return None
+  stripped = text.strip()
+  if stripped.startswith("(") and stripped.endswith(")"):
+    parts = [p for p in stripped[1:-1].split(",") if p.strip()]
+    return tuple(_parse_one_precision(p) for p in parts)
+  return _parse_one_precision(stripped)
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+  return tuple(int(v) for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+  """Everything that defines one `conv_general_dilated` equation.
+
+  Hashable (a dict key), and JSON-able through `to_dict` / `from_dict`. Dtypes
+  are NumPy dtype names ("float32", "bfloat16"); `dimension_numbers` holds the
+  three index tuples of `lax.ConvDimensionNumbers` (lhs, rhs, out); `precision`
+  is the repr of the equation's precision param (None when default).
+
+  Example:
+    >>> import numpy as np
+    >>> spec = ConvSpec.from_arrays(
+    ...     np.ones((2, 3, 9, 9), np.float32), np.ones((5, 3, 3, 3), np.float32),
+    ...     window_strides=(2, 2), padding="SAME")
+    >>> spec.out_shape, spec.padding
+    ((2, 5, 5, 5), ((1, 1), (1, 1)))
+    >>> ConvSpec.from_dict(spec.to_dict()) == spec
+    True
+  """
+
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  lhs_dtype: str
+  rhs_dtype: str
+  out_dtype: str
+  window_strides: tuple[int, ...]
+  padding: tuple[tuple[int, int], ...]
+  lhs_dilation: tuple[int, ...]
+  rhs_dilation: tuple[int, ...]
+  dimension_numbers: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+  feature_group_count: int
+  batch_group_count: int
+  preferred_element_type: str | None
+  precision: str | None
+
+  def __post_init__(self):
+    # Normalise lists (from JSON) to tuples so equal specs hash equally.
+    set_ = object.__setattr__
+    set_(self, "lhs_shape", _ints(self.lhs_shape))
+    set_(self, "rhs_shape", _ints(self.rhs_shape))
+    set_(self, "window_strides", _ints(self.window_strides))
+    set_(self, "padding", tuple((int(lo), int(hi)) for lo, hi in self.padding))
+    set_(self, "lhs_dilation", _ints(self.lhs_dilation))
+    set_(self, "rhs_dilation", _ints(self.rhs_dilation))
+    set_(self, "dimension_numbers",
+         tuple(_ints(d) for d in self.dimension_numbers))
+    set_(self, "feature_group_count", int(self.feature_group_count))
+    set_(self, "batch_group_count", int(self.batch_group_count))
+    for name in ("lhs_dtype", "rhs_dtype", "out_dtype"):
+      set_(self, name, _dtype_name(getattr(self, name)))
+    if self.preferred_element_type is not None:
+      set_(self, "preferred_element_type",
+           _dtype_name(self.preferred_element_type))
+    if len(self.dimension_numbers) != 3:
+      raise TunedJaxError(
+          "ConvSpec.dimension_numbers must be (lhs_spec, rhs_spec, out_spec), "
+          f"got {self.dimension_numbers!r}."
+      )
+
+  @classmethod
+  def from_equation(cls, eqn: Any) -> ConvSpec:
+    """Reads the spec of a jaxpr `conv_general_dilated` equation.
+
+    Args:
+      eqn: a `jax.extend.core.JaxprEqn` whose primitive is
+        `conv_general_dilated`.
+
+    Returns:
+      The equation's ConvSpec.
+    """
+    name = getattr(eqn.primitive, "name", eqn.primitive)
+    if name != "conv_general_dilated":
+      raise TunedJaxError(
+          f"ConvSpec.from_equation expects a conv_general_dilated equation, "
+          f"got primitive {name!r}."
+      )
+    p = eqn.params
+    lhs, rhs = (v.aval for v in eqn.invars)
+    pet = p.get("preferred_element_type")
+    return cls(
+        lhs_shape=lhs.shape,
+        rhs_shape=rhs.shape,
+        lhs_dtype=_dtype_name(lhs.dtype),
+        rhs_dtype=_dtype_name(rhs.dtype),
+        out_dtype=_dtype_name(eqn.outvars[0].aval.dtype),
+        window_strides=p["window_strides"],
+        padding=p["padding"],
+        lhs_dilation=p["lhs_dilation"],
+        rhs_dilation=p["rhs_dilation"],
+        dimension_numbers=tuple(p["dimension_numbers"]),
+        feature_group_count=p["feature_group_count"],
+        batch_group_count=p["batch_group_count"],
+        preferred_element_type=None if pet is None else _dtype_name(pet),
+        precision=_precision_repr(p.get("precision")),
+    )
+
+  @classmethod
+  def from_arrays(cls, lhs: Any, rhs: Any, **conv_kwargs: Any) -> ConvSpec:
+    """The spec of `lax.conv_general_dilated(lhs, rhs, **conv_kwargs)`.
+
+    Args:
+      lhs: the input (an array or anything with `.shape` and `.dtype`).
+      rhs: the kernel, likewise.
+      **conv_kwargs: the keyword arguments of `lax.conv_general_dilated`
+        (`window_strides` defaults to all ones, `padding` to "VALID").
+
+    Returns:
+      The ConvSpec of that call (padding strings resolved, dimension numbers
+      normalised), as the equation in a jaxpr would have it.
+    """
+    nspatial = len(lhs.shape) - 2
+    conv_kwargs.setdefault("window_strides", (1,) * nspatial)
+    conv_kwargs.setdefault("padding", "VALID")
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (lhs, rhs)]
+    closed = jax.make_jaxpr(
+        lambda l, r: lax.conv_general_dilated(l, r, **conv_kwargs))(*args)
+    eqns = [e for e in closed.jaxpr.eqns
+            if e.primitive.name == "conv_general_dilated"]
+    return cls.from_equation(eqns[0])
+
+  def params(self) -> dict[str, Any]:
+    """The keyword params of the equation, for `conv_general_dilated_p.bind`."""
+    pet = self.preferred_element_type
+    return dict(
+        window_strides=self.window_strides,
+        padding=self.padding,
+        lhs_dilation=self.lhs_dilation,
+        rhs_dilation=self.rhs_dilation,
+        dimension_numbers=lax.ConvDimensionNumbers(*self.dimension_numbers),
+        feature_group_count=self.feature_group_count,
+        batch_group_count=self.batch_group_count,
+        precision=_parse_precision(self.precision),
+        preferred_element_type=None if pet is None else np.dtype(
+            jax.numpy.dtype(pet)),
+        out_sharding=None,
+    )
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    """The shape of the equation's output."""
+    return _out_aval(self).shape
+
+  @property
+  def num_spatial(self) -> int:
+    """The number of spatial dimensions (2 for images)."""
+    return len(self.lhs_shape) - 2
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-able dict (lists and strings only) that `from_dict` reads back."""
+    d = dataclasses.asdict(self)
+    return {k: _listify(v) for k, v in d.items()}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
+    """Rebuilds a spec from `to_dict`'s output; rejects unknown or missing keys.
+
+    Args:
+      d: a dict as written by `to_dict` (possibly after a JSON round-trip).
+
+    Returns:
+      The ConvSpec.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(d, dict) or set(d) != set(names):
+      got = sorted(d) if isinstance(d, dict) else type(d).__name__
+      raise TunedJaxError(
+          f"A ConvSpec dict must have exactly the keys {format_choices(names)}; "
+          f"got {got!r}."
+      )
+    try:
+      return cls(**d)
+    except (TypeError, ValueError) as e:
+      raise TunedJaxError(f"Invalid ConvSpec dict {d!r}: {e}") from e
+
+
+def _listify(value: Any) -> Any:
+  if isinstance(value, (tuple, list)):
+    return [_listify(v) for v in value]
+  return value
+
+
+_OUT_AVALS: dict[ConvSpec, jax.ShapeDtypeStruct] = {}
+
+
+def _out_aval(spec: ConvSpec) -> jax.ShapeDtypeStruct:
+  aval = _OUT_AVALS.get(spec)
+  if aval is None:
+    args = (jax.ShapeDtypeStruct(spec.lhs_shape, jax.numpy.dtype(spec.lhs_dtype)),
+            jax.ShapeDtypeStruct(spec.rhs_shape, jax.numpy.dtype(spec.rhs_dtype)))
+    params = spec.params()
+    aval = jax.eval_shape(
+        lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), *args)
+    _OUT_AVALS[spec] = aval
+  return aval
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One registered implementation of an operation.
+
+  Attributes:
+    op: the operation, e.g. "conv".
+    name: the kernel's name, unique within `op`, e.g. "im2col".
+    fn: `fn(lhs, rhs, spec) -> out`, with the equation's output shape and
+      dtype, differentiable.
+    applicable: `applicable(spec, platform) -> bool`, platform being "cpu",
+      "gpu" or "tpu".
+    source_hash: 16 hex digits of the sha256 of the kernel's module source, so
+      that changing the kernel's code invalidates its timings.
+  """
+
+  op: str
+  name: str
+  fn: Callable[..., Any]
+  applicable: Callable[[ConvSpec, str], bool]
+  source_hash: str
+
+
+_LOCK = threading.Lock()
+_REGISTRY: dict[str, dict[str, Kernel]] = {}
+
+
+def _source_of(obj: Any) -> str:
+  try:
+    return inspect.getsource(obj)
+  except (OSError, TypeError):
+    return ""
+
+
+def source_hash(fn: Callable[..., Any]) -> str:
+  """The sha256 (16 hex digits) of the source a kernel function depends on.
+
+  That is the source of `fn`'s module, plus the modules of tunedjax's
+  `_conv_*` helpers it imports; when the source is not available (a function
+  typed at a prompt), the function's own code object is hashed instead.
+
+  Args:
+    fn: the kernel function.
+
+  Returns:
+    16 lowercase hex characters.
+  """
+  h = hashlib.sha256()
+  module = inspect.getmodule(fn)
+  text = _source_of(module) if module is not None else ""
+  if not text:
+    text = _source_of(fn)
+  if not text:
+    code = getattr(fn, "__code__", None)
+    text = repr((getattr(fn, "__qualname__", repr(fn)),
+                 getattr(code, "co_code", b""), getattr(code, "co_consts", ())))
+  h.update(text.encode())
+  if module is not None:
+    deps = sorted(
+        v.__name__ for v in vars(module).values()
+        if isinstance(v, types.ModuleType)
+        and v.__name__.startswith("tunedjax.autotune._conv_"))
+    for name in deps:
+      h.update(_source_of(sys.modules[name]).encode())
+  return h.hexdigest()[:16]
+
+
+def register_kernel(
+    op: str,
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    applicable: Callable[[ConvSpec, str], bool],
+    replace: bool = False,
+) -> Kernel:
+  """Registers `fn` as kernel `name` of operation `op`.
+
+  Args:
+    op: the operation, e.g. "conv" (a new name starts a new operation).
+    name: the kernel's name, unique within `op`.
+    fn: `fn(lhs, rhs, spec) -> out`; must return the equation's output shape
+      and dtype and be differentiable.
+    applicable: `applicable(spec, platform) -> bool`; the tuner only tries the
+      kernel where this is true.
+    replace: replace an existing kernel of the same name instead of raising.
+
+  Returns:
+    The registered Kernel.
+
+  Example:
+    >>> from tunedjax.autotune import _registry as reg
+    >>> k = reg.register_kernel(
+    ...     "conv", "my_xla", lambda l, r, s: reg.get_kernel("conv", "xla").fn(l, r, s),
+    ...     applicable=lambda spec, platform: platform == "cpu", replace=True)
+    >>> reg.get_kernel("conv", "my_xla") is k
+    True
+    >>> reg.unregister_kernel("conv", "my_xla")
+  """
+  if not isinstance(op, str) or not op or not isinstance(name, str) or not name:
+    raise TunedJaxError(
+        f"register_kernel needs non-empty string op and name, got op={op!r}, "
+        f"name={name!r}.")
+  if not callable(fn) or not callable(applicable):
+    raise TunedJaxError(
+        f"register_kernel({op!r}, {name!r}): fn and applicable must be "
+        f"callable, got fn={fn!r}, applicable={applicable!r}.")
+  kernel = Kernel(op=op, name=name, fn=fn, applicable=applicable,
+                  source_hash=source_hash(fn))
+  with _LOCK:
+    table = _REGISTRY.setdefault(op, {})
+    if name in table and not replace:
+      raise TunedJaxError(
+          f"A kernel named {name!r} is already registered for op {op!r}; "
+          "pick another name or pass replace=True.")
+    table[name] = kernel
+  return kernel
+
+
+def unregister_kernel(op: str, name: str) -> None:
+  """Removes kernel `name` of `op` (for tests and plug-ins); raises if unknown."""
+  get_kernel(op, name)
+  with _LOCK:
+    del _REGISTRY[op][name]
+
+
+def _table(op: str) -> dict[str, Kernel]:
+  table = _REGISTRY.get(op)
+  if table is None:
+    raise TunedJaxError(
+        f"Unknown kernel op {op!r}{did_you_mean(str(op), _REGISTRY)}. Known "
+        f"ops: {format_choices(sorted(_REGISTRY))}.")
+  return table
+
+
+def kernels(op: str) -> tuple[Kernel, ...]:
+  """The kernels registered for `op`, in registration order ("xla" first).
+
+  Args:
+    op: the operation, e.g. "conv".
+
+  Returns:
+    A tuple of Kernels.
+
+  Example:
+    >>> from tunedjax.autotune import _registry as reg
+    >>> reg.kernels("conv")[0].name
+    'xla'
+  """
+  with _LOCK:
+    return tuple(_table(op).values())
+
+
+def get_kernel(op: str, name: str) -> Kernel:
+  """The kernel `name` of `op`; the error lists the known names.
+
+  Args:
+    op: the operation, e.g. "conv".
+    name: the kernel's name.
+
+  Returns:
+    The Kernel.
+  """
+  with _LOCK:
+    table = _table(op)
+    kernel = table.get(name)
+    if kernel is None:
+      raise TunedJaxError(
+          f"Unknown {op!r} kernel {name!r}{did_you_mean(str(name), table)}. "
+          f"Known kernels: {format_choices(table)}.")
+    return kernel
+
+
+def canonical_platform(platform: str) -> str:
+  """Maps a JAX platform name to "cpu", "gpu" or "tpu" ("cuda" -> "gpu")."""
+  platform = _PLATFORM_ALIASES.get(platform, platform)
+  if platform not in PLATFORMS:
+    raise TunedJaxError(
+        f"Unknown platform {platform!r}{did_you_mean(str(platform), PLATFORMS)}; "
+        f"expected {format_choices(PLATFORMS)}.")
+  return platform
+
+
+def applicable_kernels(spec: ConvSpec, platform: str) -> tuple[Kernel, ...]:
+  """The "conv" kernels that handle `spec` on `platform`, "xla" first.
+
+  Args:
+    spec: the convolution.
+    platform: "cpu", "gpu" or "tpu" ("cuda" and "rocm" mean "gpu").
+
+  Returns:
+    A tuple of Kernels, in registration order.
+  """
+  platform = canonical_platform(platform)
+  return tuple(k for k in kernels("conv") if k.applicable(spec, platform))
+
+
+_BUILTIN_MODULES = (
+    "_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_pallas",
+)
+
+
+def _register_builtins() -> None:
+  """Imports the `_conv_*` modules and registers their KERNELS, in order."""
+  for module_name in _BUILTIN_MODULES:
+    try:
+      module = importlib.import_module(f"tunedjax.autotune.{module_name}")
+    except ModuleNotFoundError as e:
+      if e.name == f"tunedjax.autotune.{module_name}":
+        continue  # not written yet
+      raise
+    for name, fn, applicable in module.KERNELS:
+      register_kernel("conv", name, fn, applicable=applicable, replace=True)
+
+
+_register_builtins()
