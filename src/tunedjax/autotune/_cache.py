@@ -138,10 +138,10 @@ class _Parsed(NamedTuple):
   problem: str | None  # why the whole file cannot be used, if it cannot
 
 
-def _parse(text: str, fingerprint: DeviceFingerprint) -> _Parsed:
+def _parse(raw: bytes, fingerprint: DeviceFingerprint) -> _Parsed:
   try:
-    data = json.loads(text)
-  except ValueError as err:
+    data = json.loads(raw.decode("utf-8"))
+  except ValueError as err:  # UnicodeDecodeError is a ValueError too
     return _Parsed({}, f"it is not valid JSON ({err})")
   if not isinstance(data, dict) or data.get("format") != FORMAT:
     return _Parsed({}, f"it is not a {FORMAT} file")
@@ -223,14 +223,14 @@ class Cache:
   def _read_file(self) -> dict[tuple[str, str], CacheEntry]:
     """The file's valid entries; moves an unusable file aside (with a warning)."""
     try:
-      text = self.path.read_text(encoding="utf-8")
+      raw = self.path.read_bytes()
     except FileNotFoundError:
       return {}
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
       self._warn_once(f"Cannot read the tuning cache {self.path} ({err}); "
                       "tuning from scratch.")
       return {}
-    parsed = _parse(text, self.fingerprint)
+    parsed = _parse(raw, self.fingerprint)
     if parsed.problem is None:
       return parsed.entries
     if self.readonly:
