@@ -154,3 +154,57 @@ def test_module_entry_point_end_to_end(tmp_path):
   assert fp.digest == info["fingerprint_digest"]
   assert fp.platform == jax.default_backend()
   assert fp.jax_version == jax.__version__
+
+
+def _fill(cache_dir: pathlib.Path) -> None:
+  from tunedjax.autotune._cache import Cache
+  cache = Cache(cache_dir)
+  cache.put("test-cli", {"op": "conv", "lhs_shape": [8, 56, 56, 128]}, {"winner": "depthwise"})
+  cache.put("test-cli", {"op": "conv", "lhs_shape": [8, 7, 7, 512]}, {"winner": "xla"})
+
+
+@pytest.fixture
+def cli_namespace():
+  from tunedjax.autotune import _cache
+  def check(value):
+    if value.get("winner") not in ("xla", "depthwise"):
+      raise ValueError(f"unknown kernel {value.get('winner')!r}")
+  _cache.register_validator("test-cli", check)
+  yield
+  _cache._VALIDATORS.pop("test-cli", None)
+
+
+def test_cache_show_lists_entries(cache_dir, capsys):
+  _fill(cache_dir)
+  assert cli.main(["cache", "show"]) == 0
+  out = capsys.readouterr().out
+  assert device_fingerprint().digest in out and "2 entries (2 test-cli)" in out
+  assert "winner=depthwise" in out and "[8,56,56,128]" in out
+  assert cli.main(["cache", "show", "--json", "--namespace", "nothing"]) == 0
+  assert json.loads(capsys.readouterr().out)["entries"] == []
+
+
+def test_cache_export_import_and_clear(cache_dir, tmp_path, capsys, cli_namespace):
+  _fill(cache_dir)
+  exported = tmp_path / "tuned.json"
+  assert cli.main(["cache", "export", str(exported)]) == 0
+  data = json.loads(exported.read_text())
+  data["entries"][0]["value"]["winner"] = "a kernel from nowhere"
+  exported.write_text(json.dumps(data))
+  other = tmp_path / "cluster-cache"
+  assert cli.main(["cache", "import", str(exported), "--dir", str(other)]) == 0
+  captured = capsys.readouterr()
+  assert "Imported 1 entries" in captured.out and "for this device" in captured.out
+  assert "a kernel from nowhere" in captured.err
+  assert cli.main(["cache", "clear", "--dir", str(other)]) == 0
+  assert "Removed 1 entries" in capsys.readouterr().out
+  assert cli.main(["cache", "clear", "--all"]) == 0
+  assert not list(cache_dir.glob("*.json"))
+
+
+def test_cache_import_of_a_bad_file_is_an_error(cache_dir, tmp_path, capsys):
+  bad = tmp_path / "bad.json"
+  bad.write_text("not json")
+  assert cli.main(["cache", "import", str(bad)]) == 1
+  assert "Cannot import" in capsys.readouterr().err
+  assert cli.main(["cache"]) == 2  # an action is required

@@ -1,8 +1,8 @@
 """The ``tunedjax`` command line.
 
 One function per subcommand, ``_cmd_<name>(args) -> int``, registered in
-`_build_parser`. Today there is ``info``; ``demo``, ``cache show|clear|export|
-import`` and ``bench`` join it later.
+`_build_parser`: ``info`` and ``cache show|clear|export|import``; ``demo``
+joins them with the Trainer.
 
 Example:
   >>> main(["--version"])  # doctest: +ELLIPSIS
@@ -13,7 +13,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import importlib.metadata
+import importlib.util
 import json
 import pathlib
 import platform
@@ -27,6 +30,9 @@ import tunedjax
 from tunedjax._errors import TunedJaxError
 from tunedjax._version import __version__
 from tunedjax.autotune import device_fingerprint
+from tunedjax.autotune._cache import Cache
+from tunedjax.autotune._cache import CacheEntry
+from tunedjax.autotune._cache import import_file
 
 # Distributions whose versions a bug report needs; "not installed" if absent.
 PACKAGES = (
@@ -154,6 +160,115 @@ def _cmd_info(args: argparse.Namespace) -> int:
   return 0
 
 
+# Modules whose import registers a tuning-cache validator (kernel, layout and
+# input-pipeline tuners), so that `cache import` checks every entry it takes.
+_TUNER_MODULES = ("tunedjax.autotune._tuner", "tunedjax.layout", "tunedjax.input_pipeline")
+
+
+def _register_validators() -> None:
+  for name in _TUNER_MODULES:
+    if importlib.util.find_spec(name) is not None:
+      importlib.import_module(name)
+
+
+def _cache(args: argparse.Namespace) -> Cache:
+  return Cache(args.dir) if args.dir else Cache()
+
+
+def _entry_line(entry: CacheEntry) -> str:
+  key = json.dumps(entry.key, sort_keys=True, separators=(",", ":"))
+  if len(key) > 100:
+    key = key[:97] + "..."
+  value = entry.value
+  decision = next((f"{k}={value[k]}" for k in ("winner", "target", "best", "choice")
+                   if k in value), json.dumps(value)[:40])
+  when = datetime.datetime.fromtimestamp(entry.created).strftime("%Y-%m-%d %H:%M")
+  return f"  {entry.namespace:<10}  {when}  {decision:<24}  {key}"
+
+
+def _cmd_cache_show(args: argparse.Namespace) -> int:
+  """``tunedjax cache show [--json] [--namespace NS] [--dir DIR]``."""
+  cache = _cache(args)
+  entries = cache.entries(args.namespace)
+  if args.json:
+    print(json.dumps({"path": str(cache.path), "fingerprint": cache.fingerprint.to_dict(),
+                      "entries": [e._asdict() for e in entries]}, indent=2))
+    return 0
+  counts = collections.Counter(e.namespace for e in entries)
+  summary = ", ".join(f"{n} {ns}" for ns, n in sorted(counts.items())) or "empty"
+  print(f"Tuning cache {cache.path}")
+  print(f"  device {cache.fingerprint.digest}: {cache.fingerprint.describe()}")
+  print(f"  {len(entries)} entries ({summary})")
+  for entry in entries:
+    print(_entry_line(entry))
+  others = sorted(p.name for p in cache.dir.glob("*.json") if p != cache.path)
+  if others:
+    print(f"Other devices' files in {cache.dir}: {', '.join(others)}")
+  return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+  """``tunedjax cache clear [--all] [--dir DIR]``."""
+  cache = _cache(args)
+  if args.all:
+    removed = [p for p in cache.dir.glob("*.json*") if p.is_file()]
+    for path in removed:
+      path.unlink(missing_ok=True)
+    print(f"Removed {len(removed)} files from {cache.dir}.")
+  else:
+    print(f"Removed {cache.clear()} entries from {cache.path}.")
+  return 0
+
+
+def _cmd_cache_export(args: argparse.Namespace) -> int:
+  """``tunedjax cache export FILE [--dir DIR]``."""
+  cache = _cache(args)
+  count = cache.export(args.file)
+  print(f"Exported {count} entries of device {cache.fingerprint.digest} to {args.file}.")
+  return 0
+
+
+def _cmd_cache_import(args: argparse.Namespace) -> int:
+  """``tunedjax cache import FILE [--dir DIR]``: validated, merged, per device."""
+  _register_validators()
+  cache, count, problems = import_file(args.file, args.dir)
+  for problem in problems:
+    print(f"skipped {problem}", file=sys.stderr)
+  where = "this device" if cache.fingerprint == device_fingerprint() else (
+      f"device {cache.fingerprint.digest} ({cache.fingerprint.describe()}), not this one")
+  print(f"Imported {count} entries into {cache.path} for {where}; "
+        f"skipped {len(problems)}.")
+  return 0
+
+
+def _add_cache_commands(commands: Any) -> None:
+  cache = commands.add_parser(
+      "cache", help="show, clear, export or import the tuning cache",
+      description="The persistent tuning cache: one JSON file per device "
+      "fingerprint in $TUNEDJAX_CACHE_DIR (default ~/.cache/tunedjax).")
+  actions = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--dir", default=None,
+                      help="cache folder (default: the configured one)")
+  show = actions.add_parser("show", parents=[common], help="list this device's entries")
+  show.add_argument("--json", action="store_true", help="print one JSON object")
+  show.add_argument("--namespace", default=None,
+                    help="only this tuner's entries: conv, layout, dataloader")
+  show.set_defaults(run=_cmd_cache_show)
+  clear = actions.add_parser("clear", parents=[common], help="delete this device's entries")
+  clear.add_argument("--all", action="store_true",
+                     help="delete every device's file, and files moved aside")
+  clear.set_defaults(run=_cmd_cache_clear)
+  export = actions.add_parser("export", parents=[common],
+                              help="write this device's entries to FILE")
+  export.add_argument("file")
+  export.set_defaults(run=_cmd_cache_export)
+  import_ = actions.add_parser("import", parents=[common],
+                               help="validate and merge the entries of FILE")
+  import_.add_argument("file")
+  import_.set_defaults(run=_cmd_cache_import)
+
+
 def _build_parser() -> argparse.ArgumentParser:
   """The argument parser: one subparser per subcommand."""
   parser = argparse.ArgumentParser(
@@ -173,6 +288,7 @@ def _build_parser() -> argparse.ArgumentParser:
   info.add_argument("--backend", default=None,
                     help="JAX backend to describe (default: JAX's default)")
   info.set_defaults(run=_cmd_info)
+  _add_cache_commands(commands)
   return parser
 
 
