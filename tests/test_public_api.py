@@ -11,11 +11,11 @@ import pytest
 import tunedjax as tj
 
 PUBLIC = {
-    "tunedjax": {"Config", "ConfigError", "RewriteError", "TunedJaxError", "__version__",
+    "tunedjax": {"CacheWarning", "Config", "ConfigError", "RewriteError", "TunedJaxError", "__version__",
                  "autotune", "config_context", "get_config", "rewrite", "set_config"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"DeviceFingerprint", "device_fingerprint"},
+    "tunedjax.autotune": {"Cache", "CacheEntry", "DeviceFingerprint", "device_fingerprint"},
 }
 
 

@@ -16,12 +16,14 @@ from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
 from tunedjax._config import get_config as get_config
 from tunedjax._config import set_config as set_config
+from tunedjax._errors import CacheWarning as CacheWarning
 from tunedjax._errors import ConfigError as ConfigError
 from tunedjax._errors import RewriteError as RewriteError
 from tunedjax._errors import TunedJaxError as TunedJaxError
 from tunedjax._version import __version__ as __version__
 
 __all__ = [
+    "CacheWarning",
     "Config",
     "ConfigError",
     "RewriteError",
