@@ -1,0 +1,374 @@
+"""Tuning one bucket: check every candidate kernel, time the survivors, pick one.
+
+For a convolution the tuner draws random inputs of the bucket's shapes (never
+zeros: a kernel that ignores its input must not pass), computes the reference
+with the ``xla`` kernel, and runs every other applicable candidate inside
+try/except. A candidate that raises (XLA:CPU's YNNPACK failure in an im2col
+backward is a real example) is logged and skipped; one whose result differs
+from the reference beyond its dtype's tolerance is dropped. The survivors are
+timed side by side with `time_interleaved`, and a candidate wins only if the
+median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
+noise margin (10% by default): tuning can only make things faster. A time
+budget bounds the whole bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tunedjax._errors import TunedJaxError
+from tunedjax.autotune import _cache
+from tunedjax.autotune import _registry
+from tunedjax.autotune import _timing
+from tunedjax.autotune._bucket import NAMESPACE
+
+logger = logging.getLogger("tunedjax.autotune")
+
+DEFAULT = "xla"
+DEFAULT_ROUNDS = 5
+DEFAULT_BUDGET_S = 15.0
+DEFAULT_MARGIN = 0.10
+
+# max |candidate - reference| / max |reference| allowed, by output dtype.
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+# GPUs and TPUs run float32 convolutions in TF32/bf16 passes by default.
+_TOLERANCE_ACCELERATOR = {"float32": 5e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+  """How hard the tuner works on one bucket.
+
+  Attributes:
+    rounds: timed rounds per candidate (after one untimed warm-up call).
+    budget_s: seconds one bucket may take, checks and timing together; at
+      least one timed round always runs.
+    margin: a candidate must be faster than ``xla`` by more than this
+      fraction (0.10: a time ratio below 1/1.1) to be chosen.
+    seed: seed of the random tuning inputs.
+
+  Example:
+    >>> TuneOptions(rounds=3).margin
+    0.1
+  """
+
+  rounds: int = DEFAULT_ROUNDS
+  budget_s: float = DEFAULT_BUDGET_S
+  margin: float = DEFAULT_MARGIN
+  seed: int = 0
+
+  def __post_init__(self):
+    if not (isinstance(self.rounds, int) and self.rounds >= 1):
+      raise TunedJaxError(f"TuneOptions.rounds must be an integer >= 1, got {self.rounds!r}.")
+    if not (isinstance(self.budget_s, (int, float)) and self.budget_s > 0):
+      raise TunedJaxError(f"TuneOptions.budget_s must be a number > 0, got {self.budget_s!r}.")
+    if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 10):
+      raise TunedJaxError(
+          f"TuneOptions.margin must be a fraction >= 0 such as 0.1, got {self.margin!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+  """What tuning one bucket measured and chose (stored as the cache value).
+
+  Attributes:
+    winner: the chosen kernel's name (``"xla"`` unless another beat it).
+    reason: one line saying why.
+    timings: seconds per timed call, ``{name: [round 0, round 1, ...]}``.
+    ratios: median over rounds of each candidate's time / ``xla``'s time.
+    errors: ``{name: "ExceptionType: message"}`` of candidates that failed.
+    rejected: ``{name: relative error}`` of candidates that gave wrong results.
+    skipped: candidates not tried because the time budget ran out.
+    measured_at: when, as an ISO 8601 UTC timestamp.
+    tuning_s: seconds the tuning took.
+
+  Example:
+    >>> r = TuneResult(winner="xla", reason="only xla applies")
+    >>> TuneResult.from_value(r.to_value()) == r
+    True
+  """
+
+  winner: str
+  reason: str
+  timings: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
+  ratios: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  rejected: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  skipped: Sequence[str] = ()
+  measured_at: str = ""
+  tuning_s: float = 0.0
+
+  def to_value(self) -> dict[str, Any]:
+    """The JSON dict stored in the cache."""
+    return {
+        "winner": self.winner,
+        "reason": self.reason,
+        "timings": {k: [float(t) for t in v] for k, v in self.timings.items()},
+        "ratios": {k: float(v) for k, v in self.ratios.items()},
+        "errors": dict(self.errors),
+        "rejected": {k: float(v) for k, v in self.rejected.items()},
+        "skipped": list(self.skipped),
+        "measured_at": self.measured_at,
+        "tuning_s": float(self.tuning_s),
+    }
+
+  @classmethod
+  def from_value(cls, value: Mapping[str, Any]) -> TuneResult:
+    """Reads a cache value back (call `validate_value` first)."""
+    return cls(
+        winner=value["winner"], reason=value.get("reason", ""),
+        timings={k: tuple(v) for k, v in value.get("timings", {}).items()},
+        ratios=dict(value.get("ratios", {})), errors=dict(value.get("errors", {})),
+        rejected=dict(value.get("rejected", {})), skipped=tuple(value.get("skipped", ())),
+        measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)))
+
+  def __eq__(self, other: object) -> bool:
+    if not isinstance(other, TuneResult):
+      return NotImplemented
+    return self.to_value() == other.to_value()
+
+  def __hash__(self) -> int:
+    return hash((self.winner, self.measured_at, self.tuning_s))
+
+
+def _known_names(op: str) -> set[str]:
+  return {k.name for k in _registry.kernels(op)}
+
+
+def _is_number(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate_value(value: Any) -> None:
+  """Checks a ``"conv"`` cache value before it is used; raises on a bad one.
+
+  The winner must name a registered kernel and every field must have its
+  type, so a tampered or stale file can never select unknown code.
+
+  Raises:
+    ValueError, TypeError: what is wrong with the value.
+
+  Example:
+    >>> validate_value({"winner": "no_such_kernel", "timings": {}})
+    Traceback (most recent call last):
+    ...
+    ValueError: cache entry names unknown conv kernel 'no_such_kernel'...
+  """
+  if not isinstance(value, Mapping):
+    raise TypeError(f"a conv cache value must be a dict, got {type(value).__name__}.")
+  winner = value.get("winner")
+  if not isinstance(winner, str):
+    raise TypeError(f"cache entry 'winner' must be a string, got {winner!r}.")
+  known = _known_names(NAMESPACE)
+  if winner not in known:
+    raise ValueError(f"cache entry names unknown conv kernel {winner!r}; known: "
+                     f"{sorted(known)}.")
+  for field, check, what in (
+      ("timings", lambda v: isinstance(v, list) and all(_is_number(t) and t >= 0 for t in v),
+       "a list of seconds"),
+      ("ratios", lambda v: _is_number(v) and v >= 0, "a number"),
+      ("errors", lambda v: isinstance(v, str), "a string"),
+      ("rejected", _is_number, "a number"),
+  ):
+    sub = value.get(field, {})
+    if not isinstance(sub, Mapping):
+      raise TypeError(f"cache entry {field!r} must be a dict, got {type(sub).__name__}.")
+    for k, v in sub.items():
+      if not isinstance(k, str) or not check(v):
+        raise TypeError(f"cache entry {field}[{k!r}] must be {what}, got {v!r}.")
+  skipped = value.get("skipped", [])
+  if not (isinstance(skipped, list) and all(isinstance(s, str) for s in skipped)):
+    raise TypeError(f"cache entry 'skipped' must be a list of names, got {skipped!r}.")
+  if not isinstance(value.get("measured_at", ""), str):
+    raise TypeError("cache entry 'measured_at' must be an ISO timestamp string.")
+  tuning_s = value.get("tuning_s", 0.0)
+  if not (_is_number(tuning_s) and tuning_s >= 0):
+    raise TypeError(f"cache entry 'tuning_s' must be a number >= 0, got {tuning_s!r}.")
+  if not isinstance(value.get("reason", ""), str):
+    raise TypeError("cache entry 'reason' must be a string.")
+
+
+def tolerance(dtype: Any, platform: str = "cpu") -> float:
+  """The largest relative difference from ``xla`` a candidate may show.
+
+  Example:
+    >>> tolerance("float32"), tolerance("bfloat16")
+    (0.0001, 0.03)
+  """
+  name = np.dtype(dtype).name
+  if platform != "cpu" and name in _TOLERANCE_ACCELERATOR:
+    return _TOLERANCE_ACCELERATOR[name]
+  return _TOLERANCE.get(name, 1e-3)
+
+
+def random_input(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+  """Random (non-zero) test data of `shape` and `dtype` as a NumPy array."""
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.integer):
+    return rng.integers(-3, 4, size=tuple(shape)).astype(dtype)
+  if np.issubdtype(dtype, np.complexfloating):
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+  return rng.standard_normal(tuple(shape)).astype(dtype)
+
+
+def relative_error(out: Any, ref: Any) -> float:
+  """max |out - ref| / max |ref| in float64 (inf for a shape mismatch or NaN)."""
+  out = np.asarray(out, dtype=np.float64)
+  ref = np.asarray(ref, dtype=np.float64)
+  if out.shape != ref.shape:
+    return math.inf
+  scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+  err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
+  if not math.isfinite(err):
+    return math.inf
+  return err / scale if scale > 0 else err
+
+
+def _describe_error(e: BaseException) -> str:
+  text = f"{type(e).__name__}: {e}"
+  first = text.splitlines()[0] if text else type(e).__name__
+  return first[:300]
+
+
+def _ratio(times: Sequence[float], base: Sequence[float]) -> float:
+  return float(statistics.median(t / b for t, b in zip(times, base) if b > 0))
+
+
+def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
+                options: TuneOptions = TuneOptions(), label: str = "") -> TuneResult:
+  """Measures `candidates` on one convolution and picks the fastest correct one.
+
+  Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
+  while an enclosing function is being traced) on random inputs of `spec`'s
+  shapes and dtypes.
+
+  Args:
+    spec: the `ConvSpec` to tune.
+    candidates: the applicable `Kernel`s; must include ``xla``.
+    platform: the platform the inputs live on.
+    options: rounds, budget, margin and seed.
+    label: a bucket name for the log lines.
+
+  Returns:
+    A `TuneResult`; its winner is ``xla`` unless a candidate matched the
+    reference and beat it by more than ``options.margin``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, types
+    >>> from jax import lax
+    >>> spec = types.SimpleNamespace(lhs_shape=(1, 6, 6, 2), rhs_shape=(3, 3, 2, 2),
+    ...     lhs_dtype=jnp.float32, rhs_dtype=jnp.float32)
+    >>> conv = lambda l, r, s: lax.conv_general_dilated(
+    ...     l, r, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    >>> xla = types.SimpleNamespace(name="xla", fn=conv)
+    >>> wrong = types.SimpleNamespace(name="wrong", fn=lambda l, r, s: 2 * conv(l, r, s))
+    >>> r = tune_bucket(spec, [xla, wrong], options=TuneOptions(rounds=1))
+    >>> r.winner, sorted(r.rejected)
+    ('xla', ['wrong'])
+  """
+  start = time.perf_counter()
+  by_name = {k.name: k for k in candidates}
+  if DEFAULT not in by_name:
+    raise TunedJaxError(
+        f"tune_bucket needs the {DEFAULT!r} kernel among the candidates (the "
+        f"default, always a candidate); got {sorted(by_name)}.")
+  rng = np.random.default_rng(options.seed)
+  try:
+    device = jax.devices(platform)[0]
+  except RuntimeError:
+    device = jax.devices()[0]
+  errors: dict[str, str] = {}
+  rejected: dict[str, float] = {}
+  skipped: list[str] = []
+  runners: dict[str, Any] = {}
+  with jax.ensure_compile_time_eval():
+    lhs = jax.device_put(random_input(spec.lhs_shape, spec.lhs_dtype, rng), device)
+    rhs = jax.device_put(random_input(spec.rhs_shape, spec.rhs_dtype, rng), device)
+
+    def make(kernel: Any) -> Any:
+      fn = jax.jit(lambda a, b: kernel.fn(a, b, spec))
+      return lambda: fn(lhs, rhs)
+
+    ref_run = make(by_name[DEFAULT])
+    ref = np.asarray(jax.block_until_ready(ref_run()))
+    runners[DEFAULT] = ref_run
+    tol = tolerance(ref.dtype, platform)
+    for name, kernel in by_name.items():
+      if name == DEFAULT:
+        continue
+      if time.perf_counter() - start > options.budget_s:
+        skipped.append(name)
+        continue
+      run = make(kernel)
+      try:
+        out = jax.block_until_ready(run())
+      except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
+        errors[name] = _describe_error(e)
+        logger.warning("autotune %s: candidate %r failed and is skipped: %s",
+                       label, name, errors[name])
+        continue
+      err = relative_error(out, ref)
+      if np.dtype(out.dtype) != ref.dtype:
+        err = math.inf
+      if not err <= tol:
+        rejected[name] = err if math.isfinite(err) else 1e300
+        logger.warning("autotune %s: candidate %r disagrees with xla (relative "
+                       "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
+                       label, name, err, tol, out.dtype, list(out.shape), ref.dtype,
+                       list(ref.shape))
+        continue
+      runners[name] = run
+    if skipped:
+      logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
+                  label, options.budget_s, ", ".join(skipped))
+    if len(runners) == 1:
+      return _finish(DEFAULT, "no other candidate passed the checks", {}, {}, errors,
+                     rejected, skipped, start, label)
+    left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
+    try:
+      timings = _timing.time_interleaved(runners, rounds=options.rounds, warmup=1,
+                                         budget_s=left)
+    except Exception as e:  # pylint: disable=broad-except
+      logger.warning("autotune %s: timing failed (%s); keeping xla.", label,
+                     _describe_error(e))
+      return _finish(DEFAULT, f"timing failed: {_describe_error(e)}", {}, {}, errors,
+                     rejected, skipped, start, label)
+  base = timings[DEFAULT]
+  ratios = {name: _ratio(t, base) for name, t in timings.items()}
+  best = min((n for n in ratios if n != DEFAULT), key=lambda n: ratios[n])
+  if ratios[best] * (1.0 + options.margin) < 1.0:
+    winner = best
+    reason = (f"{best} took {ratios[best]:.2f}x xla's time (needs < "
+              f"{1 / (1 + options.margin):.2f}x)")
+  else:
+    winner = DEFAULT
+    reason = (f"best other candidate {best} took {ratios[best]:.2f}x xla's time, "
+              f"not below {1 / (1 + options.margin):.2f}x")
+  return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label)
+
+
+def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
+            ratios: Mapping[str, float], errors: Mapping[str, str],
+            rejected: Mapping[str, float], skipped: Sequence[str], start: float,
+            label: str) -> TuneResult:
+  result = TuneResult(
+      winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
+      errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
+      measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      tuning_s=time.perf_counter() - start)
+  logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
+  return result
+
+
+_cache.register_validator(NAMESPACE, validate_value)
