@@ -15,9 +15,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
+from jax import lax
 
 if TYPE_CHECKING:
   from tunedjax.autotune._registry import ConvSpec
@@ -74,3 +76,86 @@ def out_shape_channels_last(spec: ConvSpec) -> tuple[int, ...]:
 def out_dtype(spec: ConvSpec) -> Any:
   """The equation's output dtype as a jnp dtype."""
   return jnp.dtype(spec.out_dtype)
+
+
+def lhs_to_channels_first(lhs: Any, spec: ConvSpec) -> Any:
+  """Transposes the equation's lhs to ``(N, C, *spatial)``."""
+  return _maybe_transpose(lhs, spec.dimension_numbers[0])
+
+
+def rhs_to_channels_first(rhs: Any, spec: ConvSpec) -> Any:
+  """Transposes the equation's rhs to ``(O, I, *spatial)``."""
+  return _maybe_transpose(rhs, spec.dimension_numbers[1])
+
+
+def out_from_channels_first(y: Any, spec: ConvSpec) -> Any:
+  """Transposes a ``(N, C, *spatial)`` result to the equation's out layout."""
+  s = spec.dimension_numbers[2]
+  perm = [0] * len(s)
+  for i, d in enumerate(s):
+    perm[d] = i
+  return _maybe_transpose(y, tuple(perm))
+
+
+def window_count(spec: ConvSpec) -> int:
+  """The number of kernel window positions (3x3 -> 9)."""
+  s = spec.dimension_numbers[1]
+  return math.prod(spec.rhs_shape[d] for d in s[2:])
+
+
+def is_float(spec: ConvSpec) -> bool:
+  """True when both operands share one floating dtype."""
+  return (spec.lhs_dtype == spec.rhs_dtype
+          and jnp.issubdtype(jnp.dtype(spec.lhs_dtype), jnp.floating))
+
+
+def pad_spatial(x: Any, spec: ConvSpec, first_spatial: int) -> Any:
+  """Applies the spec's padding and lhs dilation to the spatial dims of `x`.
+
+  Args:
+    x: an lhs in a canonical layout.
+    spec: the convolution.
+    first_spatial: the axis of the first spatial dim (1 channels-last, 2
+      channels-first).
+
+  Returns:
+    `x` padded with zeros (negative padding crops), interior padding
+    ``lhs_dilation - 1``.
+  """
+  config = [(0, 0, 0)] * x.ndim
+  for i, ((lo, hi), dil) in enumerate(zip(spec.padding, spec.lhs_dilation)):
+    config[first_spatial + i] = (lo, hi, dil - 1)
+  if all(c == (0, 0, 0) for c in config):
+    return x
+  return lax.pad(x, jnp.zeros((), x.dtype), config)
+
+
+def window_slice(x: Any, offset: tuple[int, ...], out_spatial: tuple[int, ...],
+                 spec: ConvSpec) -> Any:
+  """The lhs values kernel tap `offset` meets, channels-last ``(N, *out, C)``.
+
+  Args:
+    x: a padded (`pad_spatial`) channels-last lhs.
+    offset: the kernel tap, one index per spatial dim.
+    out_spatial: the output's spatial shape.
+    spec: the convolution (strides and rhs dilation).
+
+  Returns:
+    The strided slice of `x` that tap multiplies.
+  """
+  start = [0] * x.ndim
+  limit = list(x.shape)
+  strides = [1] * x.ndim
+  for i, (k, rd, ws, o) in enumerate(
+      zip(offset, spec.rhs_dilation, spec.window_strides, out_spatial)):
+    start[1 + i] = k * rd
+    limit[1 + i] = k * rd + (o - 1) * ws + 1
+    strides[1 + i] = ws
+  return lax.slice(x, start, limit, strides)
+
+
+def accumulation_dtype(spec: ConvSpec) -> Any:
+  """The dtype to compute in: preferred_element_type, else at least float32."""
+  if spec.preferred_element_type is not None:
+    return jnp.dtype(spec.preferred_element_type)
+  return jnp.promote_types(jnp.dtype(spec.lhs_dtype), jnp.float32)

@@ -1,0 +1,118 @@
+"""Conv kernels built on one matrix multiply: ``matmul_1x1`` and ``im2col``.
+
+``matmul_1x1`` handles kernels whose every spatial size is 1: the convolution
+is then a (grouped) matrix product over channels, after padding, lhs dilation
+and strides are applied to the input by `lax.pad` and a strided slice.
+``im2col`` gathers the input values every kernel tap meets by explicit strided
+slices (not `lax.conv_general_dilated_patches`, whose backward crashes
+XLA:CPU at 15x15), stacks them and multiplies once. Both handle any dimension
+numbers (transposed to channels-last), padding (negative too), strides, lhs
+and rhs dilation and feature groups, for operands of one floating dtype;
+neither handles ``batch_group_count > 1``. ``im2col`` is limited to kernels
+of 2 to 49 taps whose patch matrix fits in 256 MiB.
+
+Example:
+  >>> import numpy as np
+  >>> from jax import lax
+  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> x = np.random.default_rng(0).normal(size=(2, 6, 6, 4)).astype(np.float32)
+  >>> w = np.random.default_rng(1).normal(size=(3, 3, 4, 5)).astype(np.float32)
+  >>> spec = ConvSpec.from_arrays(x, w, padding="SAME",
+  ...                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> ref = lax.conv_general_dilated(x, w, (1, 1), "SAME",
+  ...                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> bool(np.allclose(conv_im2col(x, w, spec), ref, atol=1e-4))
+  True
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from tunedjax.autotune import _conv_layout as layout
+
+if TYPE_CHECKING:
+  from tunedjax.autotune._registry import ConvSpec
+
+IM2COL_MAX_TAPS = 49
+IM2COL_MAX_BYTES = 256 * 2**20
+
+
+def _grouped_matmul(patches: Any, w: Any, groups: int, spec: ConvSpec) -> Any:
+  """``(M, K, C) x (K, C/G, O) -> (M, O)`` with feature groups G."""
+  m, k, c = patches.shape
+  o = w.shape[-1]
+  precision = spec.params()["precision"]
+  acc = layout.accumulation_dtype(spec)
+  if groups == 1:
+    return lax.dot_general(
+        patches.reshape(m, k * c), w.reshape(k * c, o),
+        (((1,), (0,)), ((), ())), precision=precision,
+        preferred_element_type=acc)
+  cg, og = c // groups, o // groups
+  lhs = patches.reshape(m, k, groups, cg).transpose(2, 0, 1, 3)
+  lhs = lhs.reshape(groups, m, k * cg)
+  rhs = w.reshape(k, cg, groups, og).transpose(2, 0, 1, 3)
+  rhs = rhs.reshape(groups, k * cg, og)
+  y = lax.dot_general(lhs, rhs, (((2,), (1,)), ((0,), (0,))),
+                      precision=precision, preferred_element_type=acc)
+  return y.transpose(1, 0, 2).reshape(m, o)
+
+
+def _conv_by_taps(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  x = layout.pad_spatial(layout.lhs_to_channels_last(lhs, spec), spec, 1)
+  w = layout.rhs_to_channels_last(rhs, spec)
+  out_cl = layout.out_shape_channels_last(spec)
+  out_spatial = out_cl[1:-1]
+  taps = list(itertools.product(*(range(k) for k in w.shape[:-2])))
+  cols = [layout.window_slice(x, t, out_spatial, spec) for t in taps]
+  patches = cols[0][..., None, :] if len(cols) == 1 else jnp.stack(cols, -2)
+  m = math.prod(out_cl[:-1])
+  patches = patches.reshape(m, len(taps), x.shape[-1])
+  y = _grouped_matmul(patches, w, spec.feature_group_count, spec)
+  y = y.reshape(out_cl).astype(layout.out_dtype(spec))
+  return layout.out_from_channels_last(y, spec)
+
+
+def conv_matmul_1x1(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  """A 1x1 convolution as a (grouped) matrix product over channels."""
+  return _conv_by_taps(lhs, rhs, spec)
+
+
+def conv_im2col(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  """A convolution as strided slices, stacked, times the reshaped kernel."""
+  return _conv_by_taps(lhs, rhs, spec)
+
+
+def _common(spec: ConvSpec) -> bool:
+  return spec.batch_group_count == 1 and layout.is_float(spec)
+
+
+def applicable_1x1(spec: ConvSpec, platform: str) -> bool:
+  """Every kernel spatial size is 1; no batch groups; one float dtype."""
+  del platform
+  return _common(spec) and layout.window_count(spec) == 1
+
+
+def applicable_im2col(spec: ConvSpec, platform: str) -> bool:
+  """2 to 49 kernel taps, patches within 256 MiB; no batch groups."""
+  del platform
+  taps = layout.window_count(spec)
+  if not _common(spec) or not 1 < taps <= IM2COL_MAX_TAPS:
+    return False
+  out_cl = layout.out_shape_channels_last(spec)
+  c = layout.lhs_shape_channels_last(spec)[-1]
+  nbytes = (math.prod(out_cl[:-1]) * taps * c
+            * jnp.dtype(spec.lhs_dtype).itemsize)
+  return nbytes <= IM2COL_MAX_BYTES
+
+
+KERNELS = (
+    ("matmul_1x1", conv_matmul_1x1, applicable_1x1),
+    ("im2col", conv_im2col, applicable_im2col),
+)

@@ -1,0 +1,143 @@
+"""Each conv kernel against `lax.conv_general_dilated` in float64.
+
+Forward, input gradient and kernel gradient, over hypothesis-generated
+convolutions inside each kernel's declared applicability; `applicable` is
+false outside it and true on the benchmark buckets of the issue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from tunedjax.autotune import _registry as reg
+
+
+@contextlib.contextmanager
+def x64():
+  """Enables float64 inside the block and restores the previous setting."""
+  old = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", old)
+
+
+def _perm(draw, n):
+  return tuple(draw(st.permutations(range(n))))
+
+
+@st.composite
+def conv_cases(draw, *, nsp=(1, 2), kernel=(1, 3), spatial=(1, 7),
+               strides=(1, 2), pad=(-1, 2), lhs_dil=(1, 2), rhs_dil=(1, 2),
+               groups="any", batch_groups=False, depthwise=False,
+               wgrad=False):
+  """A random convolution: (lhs shape, rhs shape, conv kwargs).
+
+  `depthwise` draws feature_group_count == C with one kernel per channel;
+  `wgrad` draws the weight-gradient form (batch_group_count == lhs batch ==
+  out features); otherwise `groups` / `batch_groups` say whether feature or
+  batch groups may be > 1.
+  """
+  n_sp = draw(st.sampled_from(nsp))
+  g = 1
+  bg = 1
+  if depthwise:
+    g = draw(st.integers(2, 4))
+    c, o, n = g, g, draw(st.integers(1, 2))
+  elif wgrad:
+    bg = draw(st.integers(2, 4))
+    n, o, c = bg, bg, draw(st.integers(1, 3))
+  else:
+    if groups == "any":
+      g = draw(st.integers(1, 2))
+    if batch_groups and g == 1:
+      bg = draw(st.integers(1, 2))
+    c = g * draw(st.integers(1, 3))
+    o = g * bg * draw(st.integers(1, 3))
+    n = bg * draw(st.integers(1, 2))
+  ks = tuple(draw(st.integers(*kernel)) for _ in range(n_sp))
+  xs = tuple(draw(st.integers(*spatial)) for _ in range(n_sp))
+  ws = tuple(draw(st.integers(*strides)) for _ in range(n_sp))
+  padding = tuple((draw(st.integers(*pad)), draw(st.integers(*pad)))
+                  for _ in range(n_sp))
+  ld = tuple(draw(st.integers(*lhs_dil)) for _ in range(n_sp))
+  rd = tuple(draw(st.integers(*rhs_dil)) for _ in range(n_sp))
+  for x, k, s, (lo, hi), l, r in zip(xs, ks, ws, padding, ld, rd):
+    padded = (x - 1) * l + 1 + lo + hi
+    assume(padded >= (k - 1) * r + 1)
+  specs = tuple(_perm(draw, n_sp + 2) for _ in range(3))
+  dn = lax.ConvDimensionNumbers(*specs)
+  lhs_shape = [0] * (n_sp + 2)
+  rhs_shape = [0] * (n_sp + 2)
+  for dim, size in zip(specs[0], (n, c, *xs)):
+    lhs_shape[dim] = size
+  for dim, size in zip(specs[1], (o, c // g, *ks)):
+    rhs_shape[dim] = size
+  kwargs = dict(window_strides=ws, padding=padding, lhs_dilation=ld,
+                rhs_dilation=rd, dimension_numbers=dn,
+                feature_group_count=g, batch_group_count=bg)
+  return tuple(lhs_shape), tuple(rhs_shape), kwargs
+
+
+def check_kernel(name, case, *, platform="cpu", rtol=1e-9, seed=0):
+  """Asserts kernel `name` matches lax in float64: forward and both grads."""
+  lhs_shape, rhs_shape, kwargs = case
+  kernel = reg.get_kernel("conv", name)
+  with x64():
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.normal(size=lhs_shape))
+    rhs = jnp.asarray(rng.normal(size=rhs_shape))
+    spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+    assert kernel.applicable(spec, platform), spec
+    cot = jnp.asarray(rng.normal(size=spec.out_shape))
+
+    def both(lhs, rhs, cot):
+      ref, ref_vjp = jax.vjp(
+          lambda l, r: lax.conv_general_dilated(l, r, **kwargs), lhs, rhs)
+      out, vjp = jax.vjp(lambda l, r: kernel.fn(l, r, spec), lhs, rhs)
+      return (ref, *ref_vjp(cot)), (out, *vjp(cot))
+
+    want, got = jax.jit(both)(lhs, rhs, cot)
+    want, got = jax.device_get((want, got))
+  for what, w, g in zip(("forward", "lhs grad", "rhs grad"), want, got):
+    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape)
+    assert w.dtype == np.float64
+    scale = float(np.max(np.abs(w))) + 1e-30
+    err = float(np.max(np.abs(g - w))) / scale
+    assert err < rtol, f"{name} {what}: relative error {err:.3g} on {spec}"
+
+
+@settings(max_examples=8)
+@given(conv_cases(batch_groups=True))
+def test_xla_matches_lax(case):
+  check_kernel("xla", case)
+
+
+@settings(max_examples=12)
+@given(conv_cases(kernel=(1, 1)))
+def test_matmul_1x1_matches_lax(case):
+  check_kernel("matmul_1x1", case)
+
+
+@settings(max_examples=15)
+@given(conv_cases(kernel=(1, 3)))
+def test_im2col_matches_lax(case):
+  assume(max(
+      s for s, d in zip(
+          _rhs_spatial(case), range(9))) > 1)
+  check_kernel("im2col", case)
+
+
+def _rhs_spatial(case):
+  _, rhs_shape, kwargs = case
+  return [rhs_shape[d] for d in kwargs["dimension_numbers"].rhs_spec[2:]]
