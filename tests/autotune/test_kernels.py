@@ -141,3 +141,17 @@ def test_im2col_matches_lax(case):
 def _rhs_spatial(case):
   _, rhs_shape, kwargs = case
   return [rhs_shape[d] for d in kwargs["dimension_numbers"].rhs_spec[2:]]
+
+
+@settings(max_examples=10)
+@given(conv_cases(nsp=(2,), kernel=(5, 7), spatial=(5, 9), strides=(1, 1),
+                  lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
+def test_fft_matches_lax(case):
+  check_kernel("fft", case)
+
+
+@settings(max_examples=3)
+@given(conv_cases(nsp=(1,), kernel=(25, 27), spatial=(25, 30), strides=(1, 1),
+                  lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
+def test_fft_matches_lax_1d(case):
+  check_kernel("fft", case)
