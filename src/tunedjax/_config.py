@@ -130,6 +130,21 @@ def _check_text(key: str, value: Any) -> str:
   return value
 
 
+def _check_policy(key: str, value: Any) -> str:
+  """A policy string that `tunedjax.mixed_precision.Policy.parse` reads."""
+  value = _check_text(key, value)
+  if value == DEFAULT_POLICY:  # Valid; also read while this module loads.
+    return value
+  # Imported here: tunedjax.mixed_precision imports this module.
+  from tunedjax.mixed_precision._policy import Policy, PolicyError
+  try:
+    Policy.parse(value)
+  except PolicyError as e:
+    raise ConfigError(f"Configuration key {key!r} is not a valid mixed-precision "
+                      f"policy: {e}") from None
+  return value
+
+
 def _check_dir(key: str, value: Any) -> str | None:
   if value is None or (isinstance(value, str) and value):
     return value
@@ -289,7 +304,7 @@ class MixedPrecisionConfig(_Section):
 
   _name = "mixed_precision"
   enable: bool = _field(_check_bool, False)
-  policy: str = _field(_check_text, DEFAULT_POLICY)
+  policy: str = _field(_check_policy, DEFAULT_POLICY)
   loss_scale: str = _field(_choice(*LOSS_SCALES), "auto")
 
 

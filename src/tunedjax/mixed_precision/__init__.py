@@ -1,0 +1,41 @@
+"""Mixed precision: policies, an autocast pass, a Flax wrapper, loss scaling.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from tunedjax import mixed_precision as mp
+  >>> policy = mp.get_policy("mixed_bfloat16")
+  >>> str(policy)
+  'params=float32,compute=bfloat16,output=float32'
+  >>> grad_fn = mp.scaled_value_and_grad(lambda w: jnp.sum(w ** 2))
+  >>> loss, grads, finite = grad_fn(mp.DynamicLossScale(), jnp.ones(3))
+  >>> float(loss), bool(finite)
+  (3.0, True)
+"""
+
+from tunedjax.mixed_precision._loss_scale import DynamicLossScale as DynamicLossScale
+from tunedjax.mixed_precision._loss_scale import NoOpLossScale as NoOpLossScale
+from tunedjax.mixed_precision._loss_scale import StaticLossScale as StaticLossScale
+from tunedjax.mixed_precision._loss_scale import all_finite as all_finite
+from tunedjax.mixed_precision._loss_scale import loss_scale_for as loss_scale_for
+from tunedjax.mixed_precision._loss_scale import scaled_value_and_grad as scaled_value_and_grad
+from tunedjax.mixed_precision._loss_scale import select_tree as select_tree
+from tunedjax.mixed_precision._optax import SkipNonFiniteState as SkipNonFiniteState
+from tunedjax.mixed_precision._optax import skip_nonfinite as skip_nonfinite
+from tunedjax.mixed_precision._policy import Policy as Policy
+from tunedjax.mixed_precision._policy import PolicyError as PolicyError
+from tunedjax.mixed_precision._policy import get_policy as get_policy
+
+__all__ = [
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "Policy",
+    "PolicyError",
+    "SkipNonFiniteState",
+    "StaticLossScale",
+    "all_finite",
+    "get_policy",
+    "loss_scale_for",
+    "scaled_value_and_grad",
+    "select_tree",
+    "skip_nonfinite",
+]
