@@ -1,0 +1,312 @@
+"""The kernel-selection pass, bucket keys and the bucket tuner."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from tests.autotune import selection_helpers as h
+from tunedjax import rewrite
+from tunedjax.autotune import _bucket, _cache, _phases, _registry, _select, _timing, _tuner
+from tunedjax.autotune._registry import ConvSpec
+
+FAST = dict(rounds=2, budget_s=5.0)
+
+
+def _spec(lhs=(2, 9, 9, 4), rhs=(3, 3, 4, 6), **kw) -> ConvSpec:
+  kw.setdefault("dimension_numbers", h.DN)
+  kw.setdefault("padding", "SAME")
+  return ConvSpec.from_arrays(np.ones(lhs, np.float32), np.ones(rhs, np.float32), **kw)
+
+
+def _conv(x, w):
+  return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=h.DN)
+
+
+def _operands(rng, lhs=(2, 9, 9, 4), rhs=(3, 3, 4, 6)):
+  return (jnp.asarray(rng.normal(size=lhs).astype(np.float32)),
+          jnp.asarray(rng.normal(size=rhs).astype(np.float32)))
+
+
+def _candidates(spec, *names):
+  return [k for k in _registry.applicable_kernels(spec, "cpu") if k.name in ("xla", *names)]
+
+
+# -- bucket keys ----------------------------------------------------------------
+
+
+def test_bucket_key_holds_every_parameter_and_is_json():
+  spec = _spec(window_strides=(2, 1), rhs_dilation=(1, 2))
+  key = _bucket.bucket_key(spec, _registry.applicable_kernels(spec, "cpu"))
+  assert json.loads(json.dumps(key)) == key
+  assert key["lhs_shape"] == [2, 9, 9, 4] and key["rhs_shape"] == [3, 3, 4, 6]
+  assert key["window_strides"] == [2, 1] and key["rhs_dilation"] == [1, 2]
+  assert key["dimension_numbers"] == [list(d) for d in spec.dimension_numbers]
+  for field in ("padding", "lhs_dilation", "feature_group_count", "batch_group_count",
+                "lhs_dtype", "rhs_dtype", "out_dtype", "preferred_element_type",
+                "precision"):
+    assert field in key
+  assert key["candidates"]["xla"] == _registry.get_kernel("conv", "xla").source_hash
+  # Every parameter that changes the convolution changes the key.
+  others = [_spec(window_strides=(1, 1), rhs_dilation=(1, 2)),
+            _spec(window_strides=(2, 1), rhs_dilation=(1, 1)),
+            _spec(lhs=(2, 9, 9, 4), rhs=(3, 3, 2, 6), window_strides=(2, 1),
+                  rhs_dilation=(1, 2), feature_group_count=2)]
+  for other in others:
+    assert _bucket.bucket_key(other, []) != _bucket.bucket_key(spec, [])
+
+
+def test_bucket_key_changes_with_a_kernel_source_hash():
+  spec = _spec()
+  xla = _registry.get_kernel("conv", "xla")
+  edited = _registry.Kernel("conv", "xla", xla.fn, xla.applicable, "0" * 16)
+  assert _bucket.bucket_key(spec, [xla]) != _bucket.bucket_key(spec, [edited])
+
+
+def test_pow2_bucket_rounds_batch_and_spatial_only():
+  spec = _spec(lhs=(3, 9, 12, 4))
+  lhs, rhs = _bucket.bucket_shapes(spec, "pow2")
+  assert lhs == (4, 16, 16, 4) and rhs == (3, 3, 4, 6)
+  assert _bucket.bucket_shapes(spec, "exact") == ((3, 9, 12, 4), (3, 3, 4, 6))
+  assert (_bucket.bucket_key(_spec(lhs=(3, 10, 10, 4)), [], bucket="pow2")
+          == _bucket.bucket_key(_spec(lhs=(4, 16, 15, 4)), [], bucket="pow2"))
+
+
+# -- the bucket tuner ----------------------------------------------------------------
+
+
+def test_failing_candidate_is_reported_and_skipped(caplog):
+  spec = _spec()
+  with h.registered("t_boom", "t_transposed"):
+    with caplog.at_level(logging.WARNING, logger="tunedjax.autotune"):
+      result = _tuner.tune_bucket(spec, _candidates(spec, "t_boom", "t_transposed"),
+                                  options=_tuner.TuneOptions(rounds=2))
+  assert "t_boom" in result.errors and "test kernel failed" in result.errors["t_boom"]
+  assert "t_boom" not in result.timings and result.winner != "t_boom"
+  assert set(result.timings) == {"xla", "t_transposed"}
+  assert any("t_boom" in r.message and "skipped" in r.message for r in caplog.records)
+
+
+def test_wrong_candidates_never_win(monkeypatch):
+  spec = _spec()
+  # Even if the wrong kernels were timed as infinitely fast, they are dropped
+  # before timing: the fake timer makes every candidate it sees 10x faster.
+  def fake_timer(runners, **kw):
+    return {n: [1.0 if n == "xla" else 0.1] * 2 for n in runners}
+  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  with h.registered("t_wrong", "t_zeros", "t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_wrong", "t_zeros", "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=2))
+  assert set(result.rejected) == {"t_wrong", "t_zeros"}
+  assert result.rejected["t_wrong"] == pytest.approx(0.01, rel=1e-3)
+  assert result.winner == "t_transposed"
+
+
+@pytest.mark.parametrize("ratio, expected", [(0.5, "t_transposed"), (0.95, "xla"),
+                                             (1.3, "xla")])
+def test_a_candidate_must_beat_xla_by_the_margin(monkeypatch, ratio, expected):
+  spec = _spec()
+
+  def fake_timer(runners, **kw):
+    # Per-round times with noise; only the per-round ratio matters.
+    base = [1.0, 2.0, 1.5]
+    return {n: ([b * ratio for b in base] if n != "xla" else base) for n in runners}
+
+  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(margin=0.1))
+  assert result.winner == expected
+  assert result.ratios["t_transposed"] == pytest.approx(ratio)
+
+
+def test_time_budget_bounds_a_bucket():
+  spec = _spec()
+  with h.registered("t_transposed", "t_wrong"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed", "t_wrong"),
+                                options=_tuner.TuneOptions(budget_s=1e-9))
+  assert set(result.skipped) == {"t_transposed", "t_wrong"}
+  assert result.winner == "xla"
+
+
+def test_tune_result_round_trips_and_validates():
+  spec = _spec()
+  with h.registered("t_transposed", "t_boom"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed", "t_boom"),
+                                options=_tuner.TuneOptions(rounds=2))
+    value = json.loads(json.dumps(result.to_value()))
+    _tuner.validate_value(value)
+    assert _tuner.TuneResult.from_value(value) == result
+    assert value["measured_at"] and value["tuning_s"] > 0
+    assert set(value["timings"]) == {"xla", "t_transposed"}
+  for bad in ({**value, "winner": "os.system"}, {**value, "timings": {"xla": "fast"}},
+              {**value, "tuning_s": -1}, {**value, "errors": {"x": 3}}, [1, 2]):
+    with pytest.raises((TypeError, ValueError)):
+      _tuner.validate_value(bad)
+
+
+def test_cache_entry_with_unknown_kernel_reads_as_miss(tmp_path):
+  cache = _cache.Cache(tmp_path)
+  key = {"op": "conv", "x": 1}
+  cache.put("conv", key, {"winner": "evil", "timings": {}})
+  with pytest.warns(UserWarning, match="unknown conv kernel 'evil'"):
+    assert cache.get("conv", key) is None
+
+
+# -- the pass -------------------------------------------------------------------
+
+
+def test_selection_pass_matches_plain_conv_forward_and_gradient(tmp_path, rng):
+  x, w = _operands(rng)
+  loss = lambda x, w: jnp.sum(jnp.sin(_conv(x, w)))
+  counts = {}
+  with h.isolated_selection(tmp_path), h.registered("t_transposed", "t_boom", "t_wrong"):
+    f = jax.jit(_select.select_kernels(jax.value_and_grad(loss, argnums=(0, 1)),
+                                       on_trace=lambda c: counts.update(c.counts), **FAST))
+    got = f(x, w)
+    stats = _phases.stats()
+  want = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+  assert h.max_rel_err(got, want) < 1e-5
+  # forward, input-gradient and weight-gradient convolutions: three buckets.
+  assert sum(counts.values()) == 3 and stats.misses == 3 and stats.buckets_tuned == 3
+  assert not any(k.startswith(("conv t_boom", "conv t_wrong")) for k in counts)
+
+
+@pytest.mark.slow
+def test_mobilenet_train_step_through_the_pass_matches(tmp_path, rng):
+  params = h.mobilenet_params(rng)
+  x, y = h.mobilenet_batch(rng)
+  want = jax.jit(h.mobilenet_step)(params, x, y)
+  with h.isolated_selection(tmp_path), h.registered("t_transposed"):
+    counts = {}
+    tuned = jax.jit(_select.select_kernels(h.mobilenet_step, rounds=1, budget_s=2.0,
+                                           on_trace=lambda c: counts.update(c.counts)))
+    got_tuned = tuned(params, x, y)
+    assert sum(counts.values()) >= 8  # 3 forward convs + their gradients
+    # Every convolution forced onto another kernel: the kernels' own maths.
+    from tunedjax.autotune._hints import hint
+    with hint(conv="t_transposed"):
+      pinned = jax.jit(_select.select_kernels(h.mobilenet_step))(params, x, y)
+  assert float(got_tuned[0]) == pytest.approx(float(want[0]), rel=1e-5)
+  assert h.max_rel_err(got_tuned, want) < 1e-3
+  assert h.max_rel_err(pinned, want) < 1e-3
+
+
+def test_second_trace_hits_the_cache(tmp_path, rng):
+  x, w = _operands(rng)
+  with h.isolated_selection(tmp_path), h.registered("t_transposed"):
+    jax.jit(_select.select_kernels(_conv, **FAST))(x, w)
+    first = _phases.stats()
+    _select.forget_tuned()  # read it back from the file this time
+    counts = {}
+    jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(x, w)
+    second = _phases.stats()
+    entries = _cache.default_cache().entries("conv")
+  assert (first.hits, first.misses) == (0, 1)
+  assert (second.hits, second.misses) == (1, 1) and second.tuning_s == first.tuning_s
+  assert list(counts)[0].endswith("(hit)")
+  assert len(entries) == 1 and entries[0].value["winner"] in ("xla", "t_transposed")
+
+
+def test_pow2_buckets_share_one_entry(tmp_path, rng):
+  with h.isolated_selection(tmp_path, kernel={"bucket": "pow2"}), h.registered("t_transposed"):
+    for size in (5, 7, 8):
+      x, w = _operands(rng, lhs=(2, size, size, 4))
+      out = jax.jit(_select.select_kernels(_conv, **FAST))(x, w)
+      np.testing.assert_allclose(out, _conv(x, w), rtol=1e-5, atol=1e-5)
+    stats = _phases.stats()
+  assert (stats.hits, stats.misses, stats.buckets_tuned) == (2, 1, 1)
+
+
+def test_only_xla_applicable_needs_no_lookup(tmp_path, rng):
+  # A conv with batch groups: no built-in alternative handles it on CPU here,
+  # unless one does; then it must be applicable and the lookup happens.
+  x, w = _operands(rng)
+  spec = ConvSpec.from_arrays(x, w, dimension_numbers=h.DN, padding="SAME")
+  with h.isolated_selection(tmp_path):
+    counts = {}
+    names = [k.name for k in _registry.applicable_kernels(spec, "cpu")]
+    with _registry_only_xla():
+      jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(x, w)
+    assert counts == {"conv xla (only xla)": 1} and _phases.stats().misses == 0
+  assert names[0] == "xla"
+
+
+class _registry_only_xla:
+  """Makes every non-xla conv kernel inapplicable for a block."""
+
+  def __enter__(self):
+    self.saved = {k.name: k for k in _registry.kernels("conv") if k.name != "xla"}
+    for k in self.saved.values():
+      _registry.register_kernel("conv", k.name, k.fn, applicable=lambda s, p: False,
+                                replace=True)
+
+  def __exit__(self, *exc):
+    for k in self.saved.values():
+      _registry.register_kernel("conv", k.name, k.fn, applicable=k.applicable, replace=True)
+
+
+def test_kernel_pass_composes_with_rewrite_transform_and_vmap(tmp_path, rng):
+  x, w = _operands(rng)
+  with h.isolated_selection(tmp_path), h.registered("t_transposed"):
+    from tunedjax.autotune._hints import hint
+    with hint(conv="t_transposed"):
+      f = rewrite.transform(_conv, _select.kernel_pass())
+      batched = jax.vmap(f, in_axes=(None, 0))(x, jnp.stack([w, 2 * w]))
+  np.testing.assert_allclose(batched[1], 2 * _conv(x, w), rtol=1e-5, atol=1e-5)
+
+
+# -- a restart -----------------------------------------------------------------------
+
+_RESTART_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import tunedjax as tj
+    from tunedjax.autotune import _phases, _select
+    tj.set_config({"cache": {"dir": sys.argv[1]}})
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 6, 6, 8)).astype(np.float32))
+    w1 = jnp.asarray(rng.normal(size=(1, 1, 8, 8)).astype(np.float32))
+    w3 = jnp.asarray(rng.normal(size=(3, 3, 8, 8)).astype(np.float32))
+    def loss(x, w1, w3):
+      dn = ("NHWC", "HWIO", "NHWC")
+      h = lax.conv_general_dilated(x, w1, (1, 1), "VALID", dimension_numbers=dn)
+      h = lax.conv_general_dilated(h, w3, (1, 1), "SAME", dimension_numbers=dn)
+      return jnp.sum(h ** 2)
+    step = jax.jit(_select.select_kernels(jax.grad(loss, argnums=(1, 2)), rounds=2, budget_s=5))
+    jax.block_until_ready(step(x, w1, w3))
+    s = _phases.stats()
+    print(json.dumps({"hits": s.hits, "misses": s.misses, "tuning_s": s.tuning_s,
+                      "hit_rate": s.hit_rate}))
+""")
+
+
+@pytest.mark.slow
+def test_restart_spends_no_time_tuning(tmp_path):
+  script = tmp_path / "restart.py"
+  script.write_text(_RESTART_SCRIPT)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  runs = []
+  for _ in range(2):
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  first, second = runs
+  assert first["misses"] >= 2 and first["hits"] == 0 and first["tuning_s"] > 0
+  assert second == {"hits": first["misses"], "misses": 0, "tuning_s": 0.0, "hit_rate": 1.0}
+  assert len(list(pathlib.Path(tmp_path / "cache").glob("*.json"))) == 1
