@@ -1,0 +1,286 @@
+"""The grain recipe behind `Loader`: records, transforms, shuffle, batches.
+
+Everything that decides *which* records land in *which* batch happens on the
+`grain.MapDataset` side (shuffle, per-record transforms, batching, epochs),
+before any prefetching. A `MapDataset` is a pure function of the batch index,
+so the batches, and their order, do not depend on how many worker processes
+or read threads later fetch them: a tuner may change those freely.
+
+Each record travels with its index in the source, so that a failing user
+transform can say which record it failed on (`TransformError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from tunedjax._errors import TunedJaxError
+
+
+class TransformError(TunedJaxError):
+  """A user transform raised while processing one record.
+
+  The message names the transform, its position in `transforms`, the record's
+  index in the source, and holds the original traceback (also when the
+  transform ran in a worker process).
+
+  Attributes:
+    record_index: the index of the failing record in the source.
+    transform: a readable name of the transform.
+    original_traceback: the transform's traceback, formatted.
+
+  Example:
+    >>> err = TransformError("boom", 7, "parse", "Traceback ...")
+    >>> err.record_index
+    7
+  """
+
+  def __init__(self, message: str, record_index: int, transform: str,
+               original_traceback: str):
+    super().__init__(message, record_index, transform, original_traceback)
+    self.record_index = record_index
+    self.transform = transform
+    self.original_traceback = original_traceback
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+TRANSFORM_FAILED = (
+    "Transform {position} ({name}) failed on record {index} of the source: "
+    "{error}\n\nThe transform's traceback:\n{tb}"
+)
+BAD_TRANSFORM = (
+    "Loader(transforms=...) accepts grain.transforms.Map, "
+    "grain.transforms.RandomMap or a plain callable of one record; got "
+    "{value!r} (type {type_name}) at position {position}. Filters and batch "
+    "transforms change which records form a batch and are not supported: "
+    "filter the source and use Loader(batch_size=...)."
+)
+BAD_SOURCE = (
+    "Loader(source=...) needs random access: a grain data source, a sequence "
+    "(anything with __len__ and __getitem__), a NumPy array, or a dict/tuple "
+    "of arrays with the same first dimension; got {value!r} (type {type_name})."
+)
+
+
+def name_of(obj: Any) -> str:
+  """A stable, readable name of a transform (no memory addresses).
+
+  Example:
+    >>> name_of(np.sqrt)
+    'numpy.sqrt'
+  """
+  if isinstance(obj, functools.partial):
+    return f"partial({name_of(obj.func)})"
+  target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+  module = getattr(target, "__module__", None) or ""
+  qualname = getattr(target, "__qualname__", type(obj).__name__)
+  return f"{module}.{qualname}" if module else qualname
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySource:
+  """Random access to the rows of an array, or of a dict/tuple of arrays.
+
+  Example:
+    >>> src = ArraySource({"x": np.zeros((5, 2)), "y": np.arange(5)})
+    >>> len(src), src[3]["y"]
+    (5, np.int64(3))
+  """
+
+  arrays: Any
+
+  def __post_init__(self):
+    leaves = _leaves(self.arrays)
+    lengths = {len(a) for a in leaves}
+    if not leaves or len(lengths) != 1:
+      raise TunedJaxError(
+          "Loader(source=...) got arrays with different first dimensions "
+          f"{sorted(lengths)}; every array must hold one row per record.")
+
+  def __len__(self) -> int:
+    return len(_leaves(self.arrays)[0])
+
+  def __getitem__(self, index: int) -> Any:
+    return _map_tree(lambda a: a[index], self.arrays)
+
+
+def _leaves(tree: Any) -> list[Any]:
+  if isinstance(tree, Mapping):
+    return [leaf for v in tree.values() for leaf in _leaves(v)]
+  if isinstance(tree, (tuple, list)):
+    return [leaf for v in tree for leaf in _leaves(v)]
+  return [tree]
+
+
+def _map_tree(fn, tree: Any) -> Any:
+  if isinstance(tree, Mapping):
+    return {k: _map_tree(fn, v) for k, v in tree.items()}
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return type(tree)(*(_map_tree(fn, v) for v in tree))
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(_map_tree(fn, v) for v in tree)
+  return fn(tree)
+
+
+def as_source(source: Any) -> Any:
+  """Returns a random-access source for `source` (arrays are wrapped).
+
+  Example:
+    >>> len(as_source(np.arange(10)))
+    10
+  """
+  if isinstance(source, np.ndarray) or (
+      isinstance(source, (dict, tuple)) and source
+      and all(isinstance(a, np.ndarray) or hasattr(a, "__array__")
+              for a in _leaves(source))):
+    if isinstance(source, np.ndarray):
+      return source if source.ndim else _bad_source(source)
+    return ArraySource(_map_tree(np.asarray, source))
+  if hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(
+      source, (str, bytes, Mapping)):
+    return source
+  return _bad_source(source)
+
+
+def _bad_source(source: Any):
+  raise TunedJaxError(BAD_SOURCE.format(value=source, type_name=type(source).__name__))
+
+
+def stack(records: Sequence[Any]) -> Any:
+  """Stacks records (arrays, scalars, dicts, tuples, lists) into one batch.
+
+  Example:
+    >>> stack([{"x": np.ones(2)}, {"x": np.zeros(2)}])["x"].shape
+    (2, 2)
+  """
+  first = records[0]
+  if isinstance(first, Mapping):
+    return {k: stack([r[k] for r in records]) for k in first}
+  if isinstance(first, tuple) and hasattr(first, "_fields"):
+    return type(first)(*(stack([r[i] for r in records]) for i in range(len(first))))
+  if isinstance(first, (tuple, list)):
+    return type(first)(stack([r[i] for r in records]) for i in range(len(first)))
+  return np.stack([np.asarray(r) for r in records])
+
+
+def _fail(position: int, transform: Any, index: int, error: Exception) -> TransformError:
+  tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+  name = name_of(transform)
+  message = TRANSFORM_FAILED.format(position=position, name=name, index=index,
+                                    error=f"{type(error).__name__}: {error}", tb=tb)
+  return TransformError(message, index, name, tb)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+  source: Any
+
+  def __call__(self, index: Any) -> tuple[int, Any]:
+    index = int(index)
+    return index, self.source[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Apply:
+  transform: Any
+  position: int
+
+  def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
+    index, record = item
+    fn = getattr(self.transform, "map", self.transform)
+    try:
+      return index, fn(record)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _fail(self.position, self.transform, index, e) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class _ApplyRandom:
+  transform: Any
+  position: int
+
+  def __call__(self, item: tuple[int, Any], rng: np.random.Generator) -> tuple[int, Any]:
+    index, record = item
+    try:
+      return index, self.transform.random_map(record, rng)
+    except Exception as e:  # pylint: disable=broad-except
+      raise _fail(self.position, self.transform, index, e) from e
+
+
+def _stack_records(items: Sequence[tuple[int, Any]]) -> Any:
+  return stack([record for _, record in items])
+
+
+def _is_random(transform: Any) -> bool:
+  return isinstance(transform, grain.transforms.RandomMap) or (
+      hasattr(transform, "random_map") and not hasattr(transform, "map"))
+
+
+def check_transforms(transforms: Sequence[Any]) -> tuple[Any, ...]:
+  """Validates the transforms; returns them as a tuple.
+
+  Example:
+    >>> check_transforms([np.sqrt])
+    (<ufunc 'sqrt'>,)
+  """
+  if callable(transforms) or isinstance(transforms, grain.transforms.Map):
+    transforms = (transforms,)
+  out = tuple(transforms)
+  for position, t in enumerate(out):
+    ok = isinstance(t, (grain.transforms.Map, grain.transforms.RandomMap)) or (
+        callable(t) and not isinstance(
+            t, (grain.transforms.Filter, grain.transforms.Batch)))
+    if not ok:
+      raise TunedJaxError(BAD_TRANSFORM.format(
+          value=t, type_name=type(t).__name__, position=position))
+  return out
+
+
+def build(source: Any, *, batch_size: int, transforms: Sequence[Any],
+          shuffle: bool, seed: int, num_epochs: int | None, drop_remainder: bool,
+          indices: np.ndarray | None = None) -> grain.MapDataset:
+  """The batched `MapDataset`: element `i` is global batch `i`.
+
+  Args:
+    source: a random-access source (see `as_source`).
+    batch_size: records per batch.
+    transforms: per-record transforms, applied in order.
+    shuffle: shuffle the records, anew each epoch.
+    seed: the seed of the shuffle and of random transforms.
+    num_epochs: epochs, or None for an endless stream.
+    drop_remainder: drop each epoch's last, short batch.
+    indices: read only these source records (the tuner's random subset).
+
+  Returns:
+    A `grain.MapDataset` of batches; its length is the number of batches
+    (`sys.maxsize` for an endless stream).
+
+  Example:
+    >>> ds = build(np.arange(10), batch_size=4, transforms=(), shuffle=False,
+    ...            seed=0, num_epochs=1, drop_remainder=True)
+    >>> len(ds), ds[1].tolist()
+    (2, [4, 5, 6, 7])
+  """
+  if indices is None:
+    ds = grain.MapDataset.range(len(source))
+  else:
+    ds = grain.MapDataset.source(np.asarray(indices, dtype=np.int64))
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.map(_Read(source))
+  for position, t in enumerate(transforms):
+    if _is_random(t):
+      ds = ds.random_map(_ApplyRandom(t, position), seed=(seed + 1 + position) % 2**32)
+    else:
+      ds = ds.map(_Apply(t, position))
+  ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=_stack_records)
+  return ds.repeat(num_epochs)

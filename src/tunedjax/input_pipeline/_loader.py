@@ -1,0 +1,306 @@
+"""`Loader`: a deterministic, resumable grain pipeline that tunes itself."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tunedjax._config import get_config
+from tunedjax._errors import ConfigError
+from tunedjax._errors import TunedJaxError
+from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _processes
+from tunedjax.input_pipeline import _state
+from tunedjax.input_pipeline import _tuner
+
+log = logging.getLogger("tunedjax.input_pipeline")
+
+AUTO = "auto"
+
+
+def _check_int(name: str, value: Any, low: int, *, auto: bool = False,
+               optional: bool = False) -> Any:
+  if auto and value == AUTO:
+    return value
+  if optional and value is None:
+    return value
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low:
+    return int(value)
+  allowed = f"an int >= {low}" + (" or 'auto'" if auto else "") + (" or None" if optional else "")
+  raise ConfigError(f"Loader({name}=...) must be {allowed}, got {value!r}.")
+
+
+class Loader:
+  """Batches from any random-access source, in an order no setting changes.
+
+  A grain pipeline: records are shuffled (anew each epoch), transformed and
+  batched on grain's `MapDataset` side, then read by `worker_count` worker
+  processes with `read_threads` threads each. Because batch ``i`` is a pure
+  function of ``i``, the same seed gives the same batches in the same order
+  whatever the worker and thread counts, and a checkpoint (`get_state`) is a
+  position in global batches that restores under any worker count.
+
+  When a knob is ``"auto"``, or the config's ``dataloader.enable`` is on, the
+  loader measures the best (worker processes, read threads) on a random
+  subset of the records before the first batch (`tune_worker_count`, bounded
+  by `tuning_budget_s` and `tuning_steps` batches), or reuses the choice the
+  persistent tuning cache holds for this host and pipeline. Integers with
+  ``dataloader.enable`` off are used as given. Tuning never reads from, or
+  moves, the training stream. Call `tune` first to include the training step
+  in the measurement (`consumer=` / `consumer_s=`).
+
+  Worker processes exit when the loader is closed (`close`, ``with``, garbage
+  collection, interpreter exit) and when this process dies, even by SIGKILL.
+  Worker processes are started with ``spawn``, so a script that uses workers
+  needs the usual ``if __name__ == "__main__":`` guard.
+
+  Args:
+    source: a grain data source, a sequence (``__len__`` and ``__getitem__``),
+      a NumPy array, or a dict/tuple of arrays (one row per record).
+    batch_size: records per batch.
+    transforms: per-record transforms applied in order: ``grain.transforms.Map``,
+      ``grain.transforms.RandomMap`` (seeded per record) or callables.
+    shuffle: shuffle the records, with a new order each epoch.
+    seed: the seed of the shuffle and of random transforms.
+    num_epochs: epochs to yield; None (default) for an endless stream.
+    drop_remainder: drop each epoch's last, short batch.
+    worker_count: worker processes, or "auto" to measure.
+    read_threads: read threads per process, or "auto" to measure.
+    tuning_steps: batches the tuner may read (None: config, 500 by default).
+    max_workers: the most workers to try (None: config, else the CPU count).
+    tuning_budget_s: seconds the tuner may take; 0 turns measuring off
+      ("auto" then means 0 workers and 16 read threads).
+
+  Example:
+    >>> loader = Loader(np.arange(10), batch_size=4, shuffle=False, worker_count=0,
+    ...                 read_threads=0, num_epochs=1)
+    >>> [b.tolist() for b in loader]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> loader.get_state()["position"]
+    2
+  """
+
+  def __init__(self, source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
+               shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
+               drop_remainder: bool = True, worker_count: int | str = AUTO,
+               read_threads: int | str = AUTO, tuning_steps: int | None = None,
+               max_workers: int | None = None, tuning_budget_s: float = 60.0):
+    self._iterator: Any = None
+    self._closed = False
+    self._source = _dataset.as_source(source)
+    self._batch_size = _check_int("batch_size", batch_size, 1)
+    self._transforms = _dataset.check_transforms(transforms)
+    self._shuffle = bool(shuffle)
+    self._seed = _check_int("seed", seed, 0)
+    if self._seed >= 2**32:
+      raise ConfigError(f"Loader(seed=...) must be below 2**32, got {seed!r}.")
+    self._num_epochs = _check_int("num_epochs", num_epochs, 1, optional=True)
+    self._drop_remainder = bool(drop_remainder)
+    self._requested = (_check_int("worker_count", worker_count, 0, auto=True),
+                       _check_int("read_threads", read_threads, 0, auto=True))
+    self._tuning_steps = _check_int("tuning_steps", tuning_steps, 1, optional=True)
+    self._max_workers = _check_int("max_workers", max_workers, 0, optional=True)
+    if not isinstance(tuning_budget_s, (int, float)) or tuning_budget_s < 0:
+      raise ConfigError(f"Loader(tuning_budget_s=...) must be a number >= 0, got "
+                        f"{tuning_budget_s!r}.")
+    self._tuning_budget_s = float(tuning_budget_s)
+    self._dataset = _dataset.build(
+        self._source, batch_size=self._batch_size, transforms=self._transforms,
+        shuffle=self._shuffle, seed=self._seed, num_epochs=self._num_epochs,
+        drop_remainder=self._drop_remainder)
+    self._per_epoch = (len(self._source) // self._batch_size if self._drop_remainder
+                       else -(-len(self._source) // self._batch_size))
+    if self._per_epoch == 0:
+      raise ConfigError(
+          f"Loader: {len(self._source)} records make no batch of batch_size="
+          f"{self._batch_size} with drop_remainder={self._drop_remainder}; lower "
+          "batch_size or pass drop_remainder=False.")
+    self._position = 0
+    self._setting: tuple[int, int] | None = None
+    self._tuning: _tuner.TuningResult | None = None
+
+  # --- what the loader yields ------------------------------------------------
+
+  @property
+  def batch_size(self) -> int:
+    """Records per batch."""
+    return self._batch_size
+
+  @property
+  def batches_per_epoch(self) -> int:
+    """Batches in one epoch (one pass over the source)."""
+    return self._per_epoch
+
+  @property
+  def position(self) -> int:
+    """Batches yielded since the start of the stream (all epochs)."""
+    return self._position
+
+  @property
+  def epoch(self) -> int:
+    """The epoch the next batch belongs to (0-based)."""
+    return self._position // self._per_epoch
+
+  def __len__(self) -> int:
+    """All batches of all epochs; TypeError for an endless stream."""
+    if self._num_epochs is None:
+      raise TypeError("Loader(num_epochs=None) is endless and has no len(); use "
+                      "loader.batches_per_epoch for the batches in one epoch.")
+    return self._num_epochs * self._per_epoch
+
+  # --- settings and tuning ---------------------------------------------------
+
+  def _knobs_to_tune(self) -> tuple[str, ...]:
+    if self._tuning_budget_s <= 0:
+      return ()
+    if get_config().dataloader.enable:
+      return _tuner.KNOBS
+    return tuple(k for k, v in zip(_tuner.KNOBS, self._requested) if v == AUTO)
+
+  def _start_setting(self) -> tuple[int, int]:
+    w, t = self._requested
+    return (0 if w == AUTO else w, _tuner.DEFAULT_READ_THREADS if t == AUTO else t)
+
+  def tune(self, *, consumer: Callable[[Any], Any] | None = None,
+           consumer_s: float | None = None,
+           cache: Any = True) -> _tuner.TuningResult | None:
+    """Chooses the worker and thread counts now (measured, or from the cache).
+
+    Runs by itself before the first batch; call it first to measure with the
+    training step included. Returns None when nothing is tuned (both knobs
+    given as ints and ``dataloader.enable`` off, or `tuning_budget_s` 0).
+    The training stream does not move.
+
+    Args:
+      consumer: the training step, called on each timed batch.
+      consumer_s: or its duration in seconds (slept).
+      cache: True (the default tuning cache), False, or a `Cache`.
+
+    Returns:
+      The `TuningResult`, or None.
+    """
+    knobs = self._knobs_to_tune()
+    if not knobs:
+      self._setting = self._start_setting()
+      return None
+    self._stop()
+    self._tuning = _tuner.tune_worker_count(
+        self._source, batch_size=self._batch_size, transforms=self._transforms,
+        shuffle=self._shuffle, seed=self._seed, drop_remainder=self._drop_remainder,
+        worker_count=self._start_setting()[0], read_threads=self._start_setting()[1],
+        max_workers=self._max_workers, tuning_steps=self._tuning_steps,
+        budget_s=self._tuning_budget_s, consumer=consumer, consumer_s=consumer_s,
+        cache=cache, tune=knobs)
+    self._setting = self._tuning.setting
+    log.info("Loader: worker_count=%d read_threads=%d (%s)", *self._setting,
+             "cached" if self._tuning.from_cache else
+             f"tuned in {self._tuning.seconds:.1f} s")
+    return self._tuning
+
+  def _resolved(self) -> tuple[int, int]:
+    if self._setting is None:
+      self.tune()
+    assert self._setting is not None
+    return self._setting
+
+  @property
+  def worker_count(self) -> int:
+    """The worker processes used (tunes first if needed)."""
+    return self._resolved()[0]
+
+  @property
+  def read_threads(self) -> int:
+    """The read threads per process used (tunes first if needed)."""
+    return self._resolved()[1]
+
+  @property
+  def tuning(self) -> _tuner.TuningResult | None:
+    """What the tuner measured and chose, or None if it has not run."""
+    return self._tuning
+
+  # --- iteration ---------------------------------------------------------------
+
+  def __iter__(self) -> Loader:
+    return self
+
+  def __next__(self) -> Any:
+    if self._closed:
+      raise TunedJaxError("This Loader was closed; make a new one, or restore a state "
+                          "into a new Loader with set_state().")
+    if self._iterator is None:
+      if self._position >= len(self._dataset):
+        raise StopIteration
+      workers, threads = self._resolved()
+      self._iterator = _processes.open_iterator(
+          self._dataset[self._position:], workers=workers, read_threads=threads)
+      _processes.register(self)
+    try:
+      batch = next(self._iterator)
+    except StopIteration:
+      self._stop()
+      raise
+    except BaseException:
+      self._stop()  # no worker outlives a failed read
+      raise
+    self._position += 1
+    return batch
+
+  # --- checkpoints -------------------------------------------------------------
+
+  def _state(self) -> _state.LoaderState:
+    return _state.LoaderState(position=self._position, num_records=len(self._source),
+                              batch_size=self._batch_size, seed=self._seed,
+                              shuffle=self._shuffle, drop_remainder=self._drop_remainder)
+
+  def get_state(self) -> dict[str, Any]:
+    """The position (batches consumed) and what identifies the stream.
+
+    Independent of worker and thread counts: restore it into a loader with
+    any. Plain ints and bools, for JSON or an orbax checkpoint.
+    """
+    return self._state().to_dict()
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    """Continues from a state of `get_state`; the next batch is the one after.
+
+    Raises:
+      StateError: the state comes from another stream (source length, batch
+        size, seed, shuffle or drop_remainder differ) or is malformed.
+    """
+    restored = _state.LoaderState.from_dict(state)
+    restored.check_matches(self._state())
+    self._stop()
+    self._position = restored.position
+
+  # --- processes -----------------------------------------------------------------
+
+  def _stop(self) -> None:
+    iterator, self._iterator = self._iterator, None
+    if iterator is not None:
+      _processes.close_quietly(iterator)
+      _processes.unregister(self)
+
+  def close(self) -> None:
+    """Stops the worker processes; the loader cannot be iterated afterwards."""
+    self._stop()
+    self._closed = True
+
+  def __enter__(self) -> Loader:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def __del__(self) -> None:
+    if getattr(self, "_iterator", None) is not None and not sys.is_finalizing():
+      self._stop()
+
+  def __repr__(self) -> str:
+    setting = ("untuned" if self._setting is None
+               else f"worker_count={self._setting[0]}, read_threads={self._setting[1]}")
+    return (f"Loader({len(self._source)} records, batch_size={self._batch_size}, "
+            f"position={self._position}, {setting})")

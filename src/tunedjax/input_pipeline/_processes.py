@@ -1,0 +1,221 @@
+"""Worker-process hygiene: absl flags, parent-death watchdog, exit-time close.
+
+grain 0.2.18 starts its `mp_prefetch` workers with the ``spawn`` method from
+a thread pool, and leaves three problems to its users, all handled here:
+
+* The first worker start reads the absl flag
+  ``--grain_enable_multiprocess_worker_profiling`` and fails with
+  ``UnparsedFlagAccessError`` in any program that did not run
+  ``absl.app.run`` (plain scripts, pytest, notebooks; grain#1355).
+  `ensure_absl_flags_parsed` marks the flags parsed, as ``app.run`` would.
+* Workers outlive a parent killed with SIGKILL (nothing tells them). Each
+  worker runs `worker_init`, which starts a watchdog thread that exits the
+  worker as soon as its parent process is gone. ``prctl(PR_SET_PDEATHSIG)``
+  is not used: it fires when the *thread* that forked the worker exits, and
+  grain forks from pool threads that may exit before the loader does.
+* Iterators still open at interpreter exit are closed by grain's ``__del__``
+  after modules are torn down, which prints tracebacks. `register` keeps a
+  weak set of open loaders that an ``atexit`` hook closes while the
+  interpreter is still whole.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+WATCHDOG_INTERVAL_S = 0.1
+
+
+def ensure_absl_flags_parsed() -> None:
+  """Marks absl flags parsed, so that grain can read its flags' defaults.
+
+  A program that later calls ``absl.app.run`` still parses its command line
+  as usual: absl re-parses on that call.
+
+  Example:
+    >>> ensure_absl_flags_parsed()
+    >>> from absl import flags
+    >>> flags.FLAGS.is_parsed()
+    True
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def _watch_parent(parent_pid: int) -> None:
+  event = threading.Event()
+  while not event.wait(WATCHDOG_INTERVAL_S):
+    if os.getppid() != parent_pid:
+      os._exit(0)  # the parent is gone; nobody will read what this worker makes
+
+
+def worker_init(parent_pid: int, worker_index: int = 0, worker_count: int = 1) -> None:
+  """Runs in each worker process first: exits the worker when its parent dies.
+
+  Args:
+    parent_pid: the pid of the process that owns the loader.
+    worker_index: this worker's index (grain passes it; unused).
+    worker_count: the number of workers (grain passes it; unused).
+  """
+  del worker_index, worker_count
+  if os.getppid() != parent_pid:  # orphaned before it even started
+    os._exit(0)
+  ensure_absl_flags_parsed()
+  threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                   name="tunedjax-parent-watchdog").start()
+
+
+class _Closable(Protocol):
+
+  def close(self) -> None:
+    ...
+
+
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+def register(obj: _Closable) -> None:
+  """Remembers `obj` (weakly) so that interpreter exit closes it cleanly."""
+  with _LOCK:
+    _OPEN.add(obj)
+
+
+def unregister(obj: _Closable) -> None:
+  """Forgets `obj` (after it was closed)."""
+  with _LOCK:
+    _OPEN.discard(obj)
+
+
+@atexit.register
+def _close_all() -> None:
+  # Registered after multiprocessing's own exit hook, so it runs before it
+  # (atexit is last-in first-out): workers are stopped while everything the
+  # shutdown needs still exists.
+  with _LOCK:
+    open_now = list(_OPEN)
+  for obj in open_now:
+    try:
+      obj.close()
+    except Exception:  # pylint: disable=broad-except
+      pass  # exiting anyway; a failed close must not print a traceback
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+  """The pids of the live child processes of `pid` (default: this process).
+
+  Reads ``/proc`` (Linux); returns [] where it does not exist. Zombies
+  (exited, not yet reaped) are not counted.
+
+  Example:
+    >>> isinstance(child_pids(), list)
+    True
+  """
+  pid = os.getpid() if pid is None else pid
+  children = []
+  try:
+    entries = os.listdir("/proc")
+  except OSError:
+    return []
+  for entry in entries:
+    if not entry.isdigit():
+      continue
+    state_ppid = _state_and_ppid(int(entry))
+    if state_ppid is not None and state_ppid[1] == pid and state_ppid[0] not in "ZX":
+      children.append(int(entry))
+  return sorted(children)
+
+
+def _state_and_ppid(pid: int) -> tuple[str, int] | None:
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      stat = f.read()
+  except OSError:
+    return None
+  fields = stat.rsplit(")", 1)[-1].split()
+  return fields[0], int(fields[1])
+
+
+def is_running(pid: int) -> bool:
+  """Whether process `pid` exists and is not a zombie.
+
+  Example:
+    >>> is_running(os.getpid())
+    True
+  """
+  state = _state_and_ppid(pid)
+  if state is not None:
+    return state[0] not in "ZX"
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return not os.path.isdir("/proc")
+
+
+def read_options(read_threads: int) -> Any:
+  """grain ReadOptions for `read_threads`: a buffer as deep as the threads.
+
+  grain's default buffer of 500 elements holds 500 *batches* here (batching
+  happens before prefetching): memory for nothing, and a buffer that makes
+  short timing windows read the buffer instead of the pipeline.
+  """
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.ReadOptions(num_threads=read_threads,
+                           prefetch_buffer_size=max(1, read_threads))
+
+
+PER_WORKER_BUFFER = 2
+
+
+def buffered_batches(workers: int, read_threads: int) -> int:
+  """How many batches the prefetch buffers can hold before the first read.
+
+  Example:
+    >>> buffered_batches(2, 4)
+    12
+  """
+  per_process = max(1, read_threads)
+  if workers == 0:
+    return per_process
+  return workers * (PER_WORKER_BUFFER + per_process)
+
+
+def open_iterator(ds: Any, *, workers: int, read_threads: int) -> Any:
+  """Starts a grain iterator over the batched MapDataset `ds`.
+
+  Args:
+    ds: a `grain.MapDataset` of batches (its order fixes the data).
+    workers: worker processes (0: read in this process).
+    read_threads: read threads per process.
+
+  Returns:
+    A grain `DatasetIterator` of batches (call `.close()` when done).
+  """
+  import functools  # pylint: disable=g-import-not-at-top
+  import grain  # pylint: disable=g-import-not-at-top
+  it_ds = ds.to_iter_dataset(read_options(read_threads))
+  if workers > 0:
+    ensure_absl_flags_parsed()
+    it_ds = it_ds.mp_prefetch(
+        grain.MultiprocessingOptions(num_workers=workers,
+                                     per_worker_buffer_size=PER_WORKER_BUFFER),
+        worker_init_fn=functools.partial(worker_init, os.getpid()))
+  return iter(it_ds)
+
+
+def close_quietly(iterator: Any) -> None:
+  """Closes a grain iterator, stopping its workers; never raises."""
+  if iterator is None:
+    return
+  try:
+    iterator.close()
+  except Exception:  # pylint: disable=broad-except
+    pass
