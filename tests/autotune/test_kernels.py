@@ -155,3 +155,131 @@ def test_fft_matches_lax(case):
                   lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
 def test_fft_matches_lax_1d(case):
   check_kernel("fft", case)
+
+
+@settings(max_examples=12)
+@given(conv_cases(depthwise=True))
+def test_depthwise_channel_form_matches_lax(case):
+  check_kernel("depthwise", case)
+
+
+@settings(max_examples=12)
+@given(conv_cases(wgrad=True))
+def test_depthwise_weight_grad_form_matches_lax(case):
+  check_kernel("depthwise", case)
+
+
+def _grad_conv_specs(lhs_shape, rhs_shape, **kwargs):
+  """The specs of the forward conv and the two convs autodiff adds."""
+  def loss(x, w):
+    return jnp.sum(lax.conv_general_dilated(x, w, **kwargs) ** 2)
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs_shape, rhs_shape)]
+  closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*args)
+  return [reg.ConvSpec.from_equation(e) for e in closed.jaxpr.eqns
+          if e.primitive.name == "conv_general_dilated"]
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_covers_every_train_step_form(stride, rng):
+  specs = _grad_conv_specs(
+      (2, 9, 9, 4), (3, 3, 1, 4), window_strides=(stride, stride),
+      padding="SAME", feature_group_count=4,
+      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  assert len(specs) == 3
+  assert specs[1].batch_group_count == 4
+  if stride == 2:
+    assert specs[2].lhs_dilation == (2, 2)
+  xla = reg.get_kernel("conv", "xla")
+  depthwise = reg.get_kernel("conv", "depthwise")
+  for spec in specs:
+    assert depthwise.applicable(spec, "cpu"), spec
+    lhs = rng.normal(size=spec.lhs_shape).astype(np.float32)
+    rhs = rng.normal(size=spec.rhs_shape).astype(np.float32)
+    want = xla.fn(lhs, rhs, spec)
+    got = jax.jit(depthwise.fn, static_argnums=2)(lhs, rhs, spec)
+    assert got.shape == want.shape == spec.out_shape
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-4,
+                               atol=1e-4 * float(np.max(np.abs(want))))
+
+
+def _spec(lhs_shape, rhs_shape, dtype="float32", **kwargs):
+  kwargs.setdefault("dimension_numbers", ("NHWC", "HWIO", "NHWC"))
+  args = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+          for s in (lhs_shape, rhs_shape)]
+  return reg.ConvSpec.from_arrays(*args, **kwargs)
+
+
+# The benchmark buckets of issue 6 (batch 8) and the kernel meant for each.
+BUCKETS = {
+    "depthwise": _spec((8, 56, 56, 128), (3, 3, 1, 128), padding="SAME",
+                       feature_group_count=128),
+    "matmul_1x1": _spec((8, 56, 56, 64), (1, 1, 64, 256)),
+    "fft": _spec((8, 64, 64, 3), (15, 15, 3, 8), padding="SAME"),
+    "im2col": _spec((8, 7, 7, 512), (3, 3, 512, 512), padding="SAME"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUCKETS))
+def test_applicable_on_benchmark_buckets(name):
+  names = [k.name for k in reg.applicable_kernels(BUCKETS[name], "cpu")]
+  assert names[0] == "xla"
+  assert name in names
+  assert "pallas" not in names  # GPU only
+
+
+def test_applicable_on_backward_buckets():
+  dw = _grad_conv_specs((8, 56, 56, 128), (3, 3, 1, 128), window_strides=(1, 1),
+                        padding="SAME", feature_group_count=128,
+                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  assert all(reg.get_kernel("conv", "depthwise").applicable(s, "cpu")
+             for s in dw)
+  big = _grad_conv_specs((8, 64, 64, 3), (31, 31, 3, 8), window_strides=(1, 1),
+                         padding="SAME",
+                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  assert all(reg.get_kernel("conv", "fft").applicable(s, "cpu") for s in big)
+
+
+NOT_APPLICABLE = [
+    ("matmul_1x1", _spec((2, 8, 8, 4), (3, 3, 4, 4))),
+    ("matmul_1x1", _spec((2, 8, 8, 4), (1, 1, 4, 4), dtype="int32")),
+    ("im2col", _spec((2, 8, 8, 4), (1, 1, 4, 4))),  # 1x1: matmul_1x1's job
+    ("im2col", _spec((8, 64, 64, 3), (15, 15, 3, 8))),  # 225 taps
+    ("im2col", _spec((4, 8, 8, 3), (3, 3, 3, 4), batch_group_count=2)),
+    ("fft", _spec((2, 16, 16, 3), (5, 5, 3, 4), window_strides=(2, 2))),
+    ("fft", _spec((2, 16, 16, 3), (5, 5, 3, 4), rhs_dilation=(2, 2))),
+    ("fft", _spec((2, 16, 16, 4), (5, 5, 2, 4), feature_group_count=2)),
+    ("fft", _spec((2, 16, 16, 3), (3, 3, 3, 4))),  # 9 taps
+    ("depthwise", _spec((2, 8, 8, 4), (3, 3, 4, 4))),
+    ("depthwise", _spec((2, 8, 8, 4), (3, 3, 1, 8), feature_group_count=4)),
+    ("depthwise", _spec((2, 8, 8, 4), (3, 3, 2, 4), feature_group_count=2)),
+    ("depthwise", _spec((2, 32, 32, 4), (11, 11, 1, 4), feature_group_count=4)),
+]
+
+
+@pytest.mark.parametrize("name,spec", NOT_APPLICABLE)
+def test_not_applicable_outside_declared_domain(name, spec):
+  assert not reg.get_kernel("conv", name).applicable(spec, "cpu")
+  assert reg.get_kernel("conv", "xla").applicable(spec, "cpu")
+
+
+@pytest.mark.parametrize("name", ["matmul_1x1", "im2col", "depthwise"])
+def test_bfloat16_with_float32_accumulation(name, rng):
+  shapes = {"matmul_1x1": ((2, 5, 5, 8), (1, 1, 8, 6), {}),
+            "im2col": ((2, 5, 5, 8), (3, 3, 8, 6), {}),
+            "depthwise": ((2, 5, 5, 8), (3, 3, 1, 8),
+                          {"feature_group_count": 8})}
+  lhs_shape, rhs_shape, extra = shapes[name]
+  kwargs = dict(window_strides=(1, 1), padding="SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                preferred_element_type=jnp.float32, **extra)
+  lhs = jnp.asarray(rng.normal(size=lhs_shape), jnp.bfloat16)
+  rhs = jnp.asarray(rng.normal(size=rhs_shape), jnp.bfloat16)
+  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  assert spec.out_dtype == "float32"
+  kernel = reg.get_kernel("conv", name)
+  assert kernel.applicable(spec, "cpu")
+  got = kernel.fn(lhs, rhs, spec)
+  want = lax.conv_general_dilated(lhs, rhs, **kwargs)
+  assert got.dtype == want.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
