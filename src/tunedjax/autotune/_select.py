@@ -240,7 +240,9 @@ def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,
     with lock:
       fn = jitted.get(state)
       if fn is None:
-        fn = jitted[state] = jax.jit(transformed)
+        # A new function object per state: jax.jit caches traces by function.
+        fn = jitted[state] = jax.jit(functools.wraps(f)(
+            lambda *a, **k: transformed(*a, **k)))
     return fn(*args, **kwargs)
 
   return run
