@@ -1,0 +1,151 @@
+"""Measure mode: time the original and the re-laid function, keep the faster.
+
+A decision is remembered per (jaxpr fingerprint, input signature, target,
+device): in this process, and in the persistent tuning cache
+(`tunedjax.autotune._cache.default_cache`, namespace ``"layout"``), so a
+restarted program does not measure again. Keys are stored in full (the jaxpr
+digest, the signature, the target, the jax version); the device is the cache
+file's own key.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> closed = jax.make_jaxpr(jnp.sin)(jnp.ones((2, 3)))
+  >>> cache_key(closed, "NHWC")["signature"]
+  ['float32[2,3]']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tunedjax.autotune import _cache
+from tunedjax.autotune import _timing
+from tunedjax.autotune._fingerprint import device_fingerprint
+from tunedjax.layout._prefer import LAYOUTS
+
+NAMESPACE = "layout"
+CHOICES = ("relaid", "original")
+
+_DECISIONS: dict[tuple[str, ...], dict[str, Any]] = {}
+_LOCK = threading.Lock()
+
+
+def validate(value: dict[str, Any]) -> None:
+  """Raises if a stored layout decision is not one this version can use.
+
+  Example:
+    >>> validate({"choice": "relaid", "target": "NHWC", "seconds": {"relaid": 0.1}})
+  """
+  if value.get("choice") not in CHOICES:
+    raise ValueError(f"layout decision 'choice' must be one of {CHOICES}, got {value.get('choice')!r}")
+  if value.get("target") not in LAYOUTS:
+    raise ValueError(f"layout decision 'target' must be one of {LAYOUTS}, got {value.get('target')!r}")
+  seconds = value.get("seconds", {})
+  if not isinstance(seconds, dict) or not all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) for v in seconds.values()):
+    raise TypeError(f"layout decision 'seconds' must map names to numbers, got {seconds!r}")
+
+
+_cache.register_validator(NAMESPACE, validate)
+
+
+def cache_key(closed: Any, target: str) -> dict[str, Any]:
+  """The full key of a layout decision (JSON): jaxpr digest, signature, target, jax version."""
+  text = str(closed.jaxpr) + "|" + ",".join(
+      jax.typeof(c).str_short() for c in closed.consts)
+  return {
+      "jaxpr_sha256": hashlib.sha256(text.encode()).hexdigest(),
+      "signature": [a.str_short() for a in closed.in_avals],
+      "target": target,
+      "jax": jax.__version__,
+  }
+
+
+def _memo_key(key: dict[str, Any]) -> tuple[str, ...]:
+  return (key["jaxpr_sha256"], ",".join(key["signature"]), key["target"], key["jax"],
+          device_fingerprint().digest)
+
+
+def clear_memory() -> None:
+  """Forgets the decisions made in this process (the persistent cache is kept)."""
+  with _LOCK:
+    _DECISIONS.clear()
+
+
+def random_inputs(avals: Sequence[Any], seed: int = 0) -> list[np.ndarray]:
+  """Random inputs for timing: normal floats, zero integers (safe as indices)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for aval in avals:
+    dtype = np.dtype(aval.dtype)
+    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+      out.append(rng.standard_normal(aval.shape).astype(dtype))
+    elif np.issubdtype(dtype, np.complexfloating):
+      out.append((rng.standard_normal(aval.shape) + 0j).astype(dtype))
+    else:
+      out.append(np.zeros(aval.shape, dtype))
+  return out
+
+
+def lookup(closed: Any, target: str) -> dict[str, Any] | None:
+  """A remembered decision: in-process first, then the persistent cache."""
+  key = cache_key(closed, target)
+  with _LOCK:
+    hit = _DECISIONS.get(_memo_key(key))
+  if hit is not None:
+    return hit
+  try:
+    hit = _cache.default_cache().get(NAMESPACE, key)
+  except Exception as e:  # a broken cache never stops the program  # pylint: disable=broad-except
+    warnings.warn(f"tunedjax.layout: tuning cache not readable ({e}); measuring again.",
+                  stacklevel=2)
+    hit = None
+  if hit is not None:
+    with _LOCK:
+      _DECISIONS[_memo_key(key)] = hit
+  return hit
+
+
+def measure(closed: Any, target: str, original: Callable[..., Any],
+            relaid: Callable[..., Any], *, rounds: int = 5,
+            budget_s: float | None = 30.0) -> dict[str, Any]:
+  """Times `original` and `relaid` (flat args in) on random inputs; stores the decision.
+
+  Args:
+    closed: the traced function (for the key and the input types).
+    target: the layout `relaid` runs convolutions in.
+    original: the function as written, flat arrays in, flat list out.
+    relaid: the re-laid function, same signature.
+    rounds: timed rounds (interleaved, order rotated).
+    budget_s: stop timing after this many seconds (at least one round).
+
+  Returns:
+    The decision: ``{"choice": "relaid"|"original", "target": ...,
+    "seconds": {"original": median, "relaid": median}}``.
+  """
+  args = random_inputs(closed.in_avals)
+  with jax.ensure_compile_time_eval():  # run for real even inside a jit trace
+    args = [jax.device_put(a) for a in args]
+    fns = {"original": jax.jit(original), "relaid": jax.jit(relaid)}
+    times = _timing.time_interleaved(
+        {name: (lambda fn=fn: fn(*args)) for name, fn in fns.items()},
+        rounds=rounds, warmup=1, budget_s=budget_s)
+  seconds = {name: _timing.median(ts) for name, ts in times.items()}
+  choice = "relaid" if seconds["relaid"] < seconds["original"] else "original"
+  value = {"choice": choice, "target": target, "seconds": seconds}
+  key = cache_key(closed, target)
+  with _LOCK:
+    _DECISIONS[_memo_key(key)] = value
+  try:
+    _cache.default_cache().put(NAMESPACE, key, value)
+  except Exception as e:  # pylint: disable=broad-except
+    warnings.warn(f"tunedjax.layout: could not store the decision in the tuning cache ({e}).",
+                  stacklevel=2)
+  return value
