@@ -13,6 +13,7 @@ which is what makes one broadcast per bucket line up.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,6 +36,21 @@ def is_multiprocess() -> bool:
 def is_leader() -> bool:
   """Whether this process decides (and writes the cache): process 0."""
   return jax.process_index() == 0
+
+
+def _broadcast_index(index: int) -> int:
+  """Process 0's `index`, on every process.
+
+  `broadcast_one_to_all` runs a jitted collective under `jax.set_mesh`, which
+  refuses to run inside a trace; the rule calling this runs inside one (the
+  caller's `jax.jit`). JAX keeps its trace state per thread, so the broadcast
+  runs on a worker thread, where no trace is active, while this thread waits.
+  """
+  def run() -> int:
+    return int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(index))))
+
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tunedjax-agree") as pool:
+    return pool.submit(run).result()
 
 
 def agree(decide: Callable[[], str], names: Sequence[str]) -> str:
@@ -66,8 +82,7 @@ def agree(decide: Callable[[], str], names: Sequence[str]) -> str:
       raise TunedJaxError(f"multihost agreement: process 0 chose {choice!r}, which "
                           f"is not among {names}.")
     index = names.index(choice)
-  with jax.ensure_compile_time_eval():
-    got = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(index))))
+  got = _broadcast_index(index)
   if not 0 <= got < len(names):
     raise TunedJaxError(f"multihost agreement: received kernel index {got} for "
                         f"{len(names)} names {names}; are all processes running "
