@@ -89,52 +89,60 @@ def conv_cases(draw, *, nsp=(1, 2), kernel=(1, 3), spatial=(1, 7),
   return tuple(lhs_shape), tuple(rhs_shape), kwargs
 
 
-def check_kernel(name, case, *, platform="cpu", rtol=1e-9, seed=0):
-  """Asserts kernel `name` matches lax in float64: forward and both grads."""
+def check_kernel(name, case, *, platform="cpu", dtype=np.float64, rtol=1e-9,
+                 seed=0):
+  """Asserts kernel `name` matches lax: forward, lhs grad and rhs grad.
+
+  The kernel runs on `dtype` operands; the reference is lax in float64 on the
+  same values, and errors are relative to the largest reference value.
+  """
   lhs_shape, rhs_shape, kwargs = case
   kernel = reg.get_kernel("conv", name)
   with x64():
     rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.normal(size=lhs_shape))
-    rhs = jnp.asarray(rng.normal(size=rhs_shape))
+    lhs = jnp.asarray(rng.normal(size=lhs_shape), dtype)
+    rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
+    cot = jnp.asarray(rng.normal(size=jax.eval_shape(
+        lambda l, r: lax.conv_general_dilated(l, r, **kwargs), lhs, rhs).shape),
+        dtype)
     spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
     assert kernel.applicable(spec, platform), spec
-    cot = jnp.asarray(rng.normal(size=spec.out_shape))
 
-    def both(lhs, rhs, cot):
-      ref, ref_vjp = jax.vjp(
-          lambda l, r: lax.conv_general_dilated(l, r, **kwargs), lhs, rhs)
+    def ref(lhs, rhs, cot):
+      f64 = [a.astype(jnp.float64) for a in (lhs, rhs, cot)]
+      out, vjp = jax.vjp(
+          lambda l, r: lax.conv_general_dilated(l, r, **kwargs), *f64[:2])
+      return (out, *vjp(f64[2]))
+
+    def run(lhs, rhs, cot):
       out, vjp = jax.vjp(lambda l, r: kernel.fn(l, r, spec), lhs, rhs)
-      return (ref, *ref_vjp(cot)), (out, *vjp(cot))
+      return (out, *vjp(cot))
 
-    want, got = jax.jit(both)(lhs, rhs, cot)
+    want, got = jax.jit(lambda *a: (ref(*a), run(*a)))(lhs, rhs, cot)
     want, got = jax.device_get((want, got))
   for what, w, g in zip(("forward", "lhs grad", "rhs grad"), want, got):
-    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape)
-    assert w.dtype == np.float64
+    assert g.shape == w.shape and g.dtype == np.dtype(dtype), (what, g.shape)
     scale = float(np.max(np.abs(w))) + 1e-30
-    err = float(np.max(np.abs(g - w))) / scale
+    err = float(np.max(np.abs(g.astype(np.float64) - w))) / scale
     assert err < rtol, f"{name} {what}: relative error {err:.3g} on {spec}"
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(conv_cases(batch_groups=True))
 def test_xla_matches_lax(case):
   check_kernel("xla", case)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(conv_cases(kernel=(1, 1)))
 def test_matmul_1x1_matches_lax(case):
   check_kernel("matmul_1x1", case)
 
 
-@settings(max_examples=15)
+@settings(max_examples=10)
 @given(conv_cases(kernel=(1, 3)))
 def test_im2col_matches_lax(case):
-  assume(max(
-      s for s, d in zip(
-          _rhs_spatial(case), range(9))) > 1)
+  assume(max(_rhs_spatial(case)) > 1)  # 1x1 is matmul_1x1's job
   check_kernel("im2col", case)
 
 
@@ -143,27 +151,27 @@ def _rhs_spatial(case):
   return [rhs_shape[d] for d in kwargs["dimension_numbers"].rhs_spec[2:]]
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(conv_cases(nsp=(2,), kernel=(5, 7), spatial=(5, 9), strides=(1, 1),
                   lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
 def test_fft_matches_lax(case):
   check_kernel("fft", case)
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(conv_cases(nsp=(1,), kernel=(25, 27), spatial=(25, 30), strides=(1, 1),
                   lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
 def test_fft_matches_lax_1d(case):
   check_kernel("fft", case)
 
 
-@settings(max_examples=12)
+@settings(max_examples=10)
 @given(conv_cases(depthwise=True))
 def test_depthwise_channel_form_matches_lax(case):
   check_kernel("depthwise", case)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(conv_cases(wgrad=True))
 def test_depthwise_weight_grad_form_matches_lax(case):
   check_kernel("depthwise", case)

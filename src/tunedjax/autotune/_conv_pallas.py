@@ -1,0 +1,178 @@
+"""The ``pallas`` conv kernel: an implicit-GEMM convolution in Pallas.
+
+Written for the GPU (Triton) backend; on CPU Pallas runs only in interpret
+mode, 3.5-22x slower than XLA, so the kernel is applicable on "gpu" only and
+its correctness is tested on CPU with ``interpret=True``.
+
+The input is padded (padding and lhs dilation, in plain JAX) and its spatial
+dims flattened, so that every kernel tap ``(kh, kw)`` reads the input at a
+fixed offset ``kh * rd_h * Wp + kw * rd_w`` of the flattened output index:
+the convolution is a sum over taps of ``(BM, C) @ (C, BO)`` matrix products
+with no patch matrix in memory (implicit GEMM). The grid runs over batch,
+blocks of ``BM`` flattened output positions (full padded rows; the columns
+past the output width are computed and dropped) and blocks of ``BO`` output
+channels; channels are zero-padded to multiples of the (power-of-two, >= 16)
+block sizes Triton needs. It handles 2-D convolutions with any dimension
+numbers, padding, lhs and rhs dilation, stride 1, no feature or batch
+groups, float32, bfloat16 or float16 operands (accumulating in float32, or
+preferred_element_type), up to 49 taps. Gradients come from a custom VJP
+that differentiates the XLA convolution (in a train step the backward
+convolutions are equations of their own, tuned separately).
+
+Example:
+  >>> import numpy as np
+  >>> from jax import lax
+  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> x = np.random.default_rng(0).normal(size=(1, 5, 5, 3)).astype(np.float32)
+  >>> w = np.random.default_rng(1).normal(size=(3, 3, 3, 4)).astype(np.float32)
+  >>> kw = dict(window_strides=(1, 1), padding="SAME",
+  ...           dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  >>> spec = ConvSpec.from_arrays(x, w, **kw)
+  >>> got = conv_pallas(x, w, spec, interpret=True)
+  >>> bool(np.allclose(got, lax.conv_general_dilated(x, w, **kw), atol=1e-4))
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tunedjax.autotune import _conv_layout as layout
+
+if TYPE_CHECKING:
+  from tunedjax.autotune._registry import ConvSpec
+
+BLOCK_M = 64
+MAX_TAPS = 49
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _block(n: int, cap: int) -> int:
+  """A power-of-two block size >= 16 and <= cap that covers n if it can."""
+  return max(16, min(cap, pl.next_power_of_2(n)))
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _kernel(x_ref, w_ref, o_ref, *, offsets, block_m, block_c, num_c, acc):
+  """One (batch, M block, O block) tile: sum over taps and channel blocks."""
+  m0 = pl.program_id(1) * block_m
+
+  def c_step(ci, total):
+    c0 = pl.multiple_of(ci * block_c, block_c)
+    for t, d in enumerate(offsets):
+      a = x_ref[pl.ds(m0 + d, block_m), pl.ds(c0, block_c)]
+      b = w_ref[t, pl.ds(c0, block_c), :]
+      total += jnp.dot(a, b, preferred_element_type=acc)
+    return total
+
+  total = jnp.zeros(o_ref.shape, acc)
+  total = lax.fori_loop(0, num_c, c_step, total)
+  o_ref[...] = total.astype(o_ref.dtype)
+
+
+def _forward(lhs: Any, rhs: Any, spec: ConvSpec, interpret: bool) -> Any:
+  acc = layout.accumulation_dtype(spec)
+  out_dtype = layout.out_dtype(spec)
+  x = layout.pad_spatial(layout.lhs_to_channels_last(lhs, spec), spec, 1)
+  w = layout.rhs_to_channels_last(rhs, spec)  # (KH, KW, C, O)
+  n, hp, wp, c = x.shape
+  kh, kw, _, o = w.shape
+  _, ho, wo, _ = layout.out_shape_channels_last(spec)
+  rd_h, rd_w = spec.rhs_dilation
+  offsets = tuple(i * rd_h * wp + j * rd_w for i in range(kh) for j in range(kw))
+  block_c, block_o = _block(c, 32), _block(o, 64)
+  cp, op = _round_up(c, block_c), _round_up(o, block_o)
+  m_total = ho * wp
+  num_m = pl.cdiv(m_total, BLOCK_M)
+  length = num_m * BLOCK_M + max(offsets)
+  x = x.reshape(n, hp * wp, c)
+  x = jnp.pad(x, ((0, 0), (0, length - hp * wp), (0, cp - c)))
+  w = jnp.pad(w.reshape(kh * kw, c, o), ((0, 0), (0, cp - c), (0, op - o)))
+  kernel = functools.partial(
+      _kernel, offsets=offsets, block_m=BLOCK_M, block_c=block_c,
+      num_c=cp // block_c, acc=acc)
+  y = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((n, num_m * BLOCK_M, op), out_dtype),
+      grid=(n, num_m, op // block_o),
+      in_specs=[
+          pl.BlockSpec((None, length, cp), lambda b, m, j: (b, 0, 0)),
+          pl.BlockSpec((kh * kw, cp, block_o), lambda b, m, j: (0, 0, j)),
+      ],
+      out_specs=pl.BlockSpec((None, BLOCK_M, block_o),
+                             lambda b, m, j: (b, m, j)),
+      interpret=interpret,
+      name="tunedjax_conv_implicit_gemm",
+  )(x, w)
+  y = y[:, :m_total].reshape(n, ho, wp, op)[:, :, :wo, :o]
+  return layout.out_from_channels_last(y, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv(lhs, rhs, spec, interpret):
+  return _forward(lhs, rhs, spec, interpret)
+
+
+def _conv_fwd(lhs, rhs, spec, interpret):
+  return _forward(lhs, rhs, spec, interpret), (lhs, rhs)
+
+
+def _conv_bwd(spec, interpret, residuals, cot):
+  del interpret
+  lhs, rhs = residuals
+  params = spec.params()
+  _, vjp = jax.vjp(
+      lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), lhs, rhs)
+  return vjp(cot)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def conv_pallas(lhs: Any, rhs: Any, spec: ConvSpec, *,
+                interpret: bool | None = None) -> Any:
+  """The convolution by the Pallas implicit-GEMM kernel.
+
+  Args:
+    lhs: the equation's input.
+    rhs: the equation's kernel.
+    spec: the convolution (must be `applicable` apart from the platform).
+    interpret: run Pallas in interpret mode; default: unless the default
+      backend is a GPU.
+
+  Returns:
+    The equation's output.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return _conv(lhs, rhs, spec, bool(interpret))
+
+
+def supports(spec: ConvSpec) -> bool:
+  """The convolutions the kernel computes, on any platform (interpret mode)."""
+  return (spec.num_spatial == 2
+          and spec.lhs_dtype == spec.rhs_dtype
+          and spec.lhs_dtype in DTYPES
+          and all(s == 1 for s in spec.window_strides)
+          and spec.feature_group_count == 1
+          and spec.batch_group_count == 1
+          and layout.window_count(spec) <= MAX_TAPS
+          and math.prod(spec.lhs_shape) < 2**31)
+
+
+def applicable(spec: ConvSpec, platform: str) -> bool:
+  """On "gpu" only: 2-D, stride 1, no groups, f32/bf16/f16, <= 49 taps."""
+  return platform == "gpu" and supports(spec)
+
+
+KERNELS = (("pallas", conv_pallas, applicable),)

@@ -1,0 +1,45 @@
+"""The Pallas implicit-GEMM conv kernel, in interpret mode on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from hypothesis import given, settings
+
+from tests.autotune.test_kernels import _spec, check_kernel, conv_cases
+from tunedjax.autotune import _registry as reg
+
+
+@settings(max_examples=6)
+@given(conv_cases(nsp=(2,), kernel=(1, 3), spatial=(1, 6), strides=(1, 1),
+                  groups="none"))
+def test_pallas_matches_lax_in_interpret_mode(case):
+  check_kernel("pallas", case, platform="gpu", dtype=np.float32, rtol=1e-5)
+
+
+def test_pallas_many_channels_spans_several_blocks():
+  # 40 input channels -> two 32-wide channel blocks, 70 outputs -> two
+  # 64-wide output blocks, 9x9 output rows -> two 64-position M blocks.
+  lhs_shape, rhs_shape = (1, 9, 9, 40), (3, 3, 40, 70)
+  kwargs = dict(window_strides=(1, 1), padding=((1, 1), (1, 1)),
+                lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+                dimension_numbers=jax.lax.ConvDimensionNumbers(
+                    (0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)),
+                feature_group_count=1, batch_group_count=1)
+  check_kernel("pallas", (lhs_shape, rhs_shape, kwargs), platform="gpu",
+               dtype=np.float32, rtol=1e-5)
+
+
+def test_pallas_only_on_gpu():
+  spec = _spec((8, 56, 56, 64), (3, 3, 64, 64), padding="SAME")
+  pallas = reg.get_kernel("conv", "pallas")
+  assert pallas.applicable(spec, "gpu")
+  assert not pallas.applicable(spec, "cpu")
+  assert not pallas.applicable(spec, "tpu")
+  assert not pallas.applicable(
+      _spec((8, 56, 56, 64), (3, 3, 64, 64), window_strides=(2, 2)), "gpu")
+  assert not pallas.applicable(
+      dataclasses.replace(spec, lhs_dtype="float64", rhs_dtype="float64"),
+      "gpu")
