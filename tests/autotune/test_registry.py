@@ -1,0 +1,154 @@
+"""The kernel registry: ConvSpec, registration, lookup and its errors."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from tunedjax._errors import TunedJaxError
+from tunedjax.autotune import _registry as reg
+
+
+def _conv_kwargs(**extra):
+  kwargs = dict(window_strides=(2, 1), padding=((1, 0), (2, 1)),
+                lhs_dilation=(1, 2), rhs_dilation=(2, 1),
+                dimension_numbers=("NHWC", "HWIO", "NCHW"),
+                precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32)
+  kwargs.update(extra)
+  return kwargs
+
+
+def _arrays(rng, dtype=np.float32):
+  return (rng.normal(size=(2, 7, 6, 4)).astype(dtype),
+          rng.normal(size=(3, 2, 4, 5)).astype(dtype))
+
+
+def test_convspec_from_arrays_matches_the_equation(rng):
+  lhs, rhs = _arrays(rng)
+  kwargs = _conv_kwargs()
+  closed = jax.make_jaxpr(
+      lambda l, r: lax.conv_general_dilated(l, r, **kwargs))(lhs, rhs)
+  (eqn,) = [e for e in closed.jaxpr.eqns
+            if e.primitive.name == "conv_general_dilated"]
+  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  assert spec == reg.ConvSpec.from_equation(eqn)
+  assert spec.out_shape == eqn.outvars[0].aval.shape
+  assert spec.out_dtype == "float32"
+  assert spec.dimension_numbers == ((0, 3, 1, 2), (3, 2, 0, 1), (0, 1, 2, 3))
+  assert spec.precision == "(Precision.HIGHEST, Precision.HIGHEST)"
+  # params() rebinds to the same result as the original call.
+  got = lax.conv_general_dilated_p.bind(
+      jnp.asarray(lhs), jnp.asarray(rhs), **spec.params())
+  want = lax.conv_general_dilated(lhs, rhs, **kwargs)
+  np.testing.assert_array_equal(got, want)
+  assert spec.params()["precision"] == eqn.params["precision"]
+
+
+def test_convspec_json_round_trip_and_hash(rng):
+  lhs, rhs = _arrays(rng)
+  spec = reg.ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs())
+  back = reg.ConvSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+  assert back == spec and hash(back) == hash(spec)
+  assert {spec: 1}[back] == 1
+  other = reg.ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs(precision=None))
+  assert other != spec and other.precision is None
+  bf16 = reg.ConvSpec.from_arrays(
+      *(a.astype(jnp.bfloat16) for a in (lhs, rhs)),
+      **_conv_kwargs(preferred_element_type=None))
+  assert bf16.lhs_dtype == "bfloat16" and bf16.out_dtype == "bfloat16"
+  assert reg.ConvSpec.from_dict(bf16.to_dict()) == bf16
+
+
+def test_convspec_from_dict_rejects_bad_dicts(rng):
+  d = reg.ConvSpec.from_arrays(*_arrays(rng), **_conv_kwargs()).to_dict()
+  with pytest.raises(TunedJaxError, match="exactly the keys"):
+    reg.ConvSpec.from_dict({**d, "evil": 1})
+  missing = dict(d)
+  del missing["padding"]
+  with pytest.raises(TunedJaxError, match="padding"):
+    reg.ConvSpec.from_dict(missing)
+  with pytest.raises(TunedJaxError, match="Invalid ConvSpec"):
+    reg.ConvSpec.from_dict({**d, "lhs_dtype": "no_such_dtype"})
+  with pytest.raises(TunedJaxError, match="precision"):
+    reg.ConvSpec.from_dict({**d, "precision": "__import__('os')"}).params()
+
+
+def test_convspec_from_equation_rejects_other_primitives():
+  closed = jax.make_jaxpr(jnp.sin)(1.0)
+  with pytest.raises(TunedJaxError, match="'sin'"):
+    reg.ConvSpec.from_equation(closed.jaxpr.eqns[0])
+
+
+def test_builtin_kernels_in_order():
+  names = [k.name for k in reg.kernels("conv")]
+  assert names[:6] == ["xla", "matmul_1x1", "im2col", "fft", "depthwise",
+                       "pallas"]
+  for k in reg.kernels("conv"):
+    assert k.op == "conv" and len(k.source_hash) == 16
+    int(k.source_hash, 16)
+  # Kernels of different modules hash differently.
+  assert len({k.source_hash for k in reg.kernels("conv")}) >= 5
+
+
+def test_register_get_and_duplicate_errors():
+  fn = reg.get_kernel("conv", "xla").fn
+  k = reg.register_kernel("conv", "test_dup", fn,
+                          applicable=lambda spec, platform: True)
+  try:
+    assert reg.get_kernel("conv", "test_dup") is k
+    assert reg.kernels("conv")[-1] is k
+    with pytest.raises(TunedJaxError, match="'test_dup'.*'conv'"):
+      reg.register_kernel("conv", "test_dup", fn,
+                          applicable=lambda spec, platform: True)
+    k2 = reg.register_kernel("conv", "test_dup", fn,
+                             applicable=lambda spec, platform: False,
+                             replace=True)
+    assert reg.get_kernel("conv", "test_dup") is k2
+  finally:
+    reg.unregister_kernel("conv", "test_dup")
+  assert "test_dup" not in [k.name for k in reg.kernels("conv")]
+
+
+def test_unknown_op_and_name_errors():
+  with pytest.raises(TunedJaxError, match="'cnov'.*did you mean 'conv'"):
+    reg.kernels("cnov")
+  with pytest.raises(TunedJaxError, match="did you mean 'im2col'") as e:
+    reg.get_kernel("conv", "im2colx")
+  assert "'depthwise'" in str(e.value) and "'xla'" in str(e.value)
+  with pytest.raises(TunedJaxError, match="callable"):
+    reg.register_kernel("conv", "bad", None, applicable=lambda s, p: True)
+
+
+def test_applicable_kernels_platforms(rng):
+  spec = reg.ConvSpec.from_arrays(
+      np.ones((1, 8, 8, 4), np.float32), np.ones((3, 3, 4, 4), np.float32),
+      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  cpu = [k.name for k in reg.applicable_kernels(spec, "cpu")]
+  gpu = [k.name for k in reg.applicable_kernels(spec, "cuda")]
+  assert cpu == ["xla", "im2col"]
+  assert gpu == ["xla", "im2col", "pallas"]
+  with pytest.raises(TunedJaxError, match="'gpx'.*did you mean 'gpu'"):
+    reg.applicable_kernels(spec, "gpx")
+
+
+def test_source_hash_follows_the_source(tmp_path, monkeypatch):
+  monkeypatch.syspath_prepend(str(tmp_path))
+  path = tmp_path / "tj_kernel_mod.py"
+  path.write_text("def kern(l, r, s):\n  return l\n")
+  mod = importlib.import_module("tj_kernel_mod")
+  try:
+    before = reg.source_hash(mod.kern)
+    assert before == reg.source_hash(mod.kern)
+    path.write_text("def kern(l, r, s):\n  return l * 1  # changed\n")
+    mod = importlib.reload(mod)
+    assert reg.source_hash(mod.kern) != before
+  finally:
+    sys.modules.pop("tj_kernel_mod", None)
