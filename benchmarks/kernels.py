@@ -1,0 +1,316 @@
+"""Per-shape kernel selection: speedups over XLA per bucket and on whole train steps.
+
+For each convolution bucket of issue 6 (NHWC, float32) the selection pass
+tunes the forward convolution, and separately the forward + backward
+computation (the input- and weight-gradient convolutions are buckets of their
+own); then the selected function is timed against plain `jax.jit` in
+interleaved rounds (with an A/A control). Reported per bucket: the kernels
+chosen, the speedups (xla time / selected time, medians of per-round ratios),
+and the seconds spent tuning. A warm-cache re-run (a fresh cache object on
+the same folder, nothing tuned in memory) must tune nothing.
+
+Then the figure users feel: a whole MobileNet-style train step (depthwise 3x3
++ BatchNorm + 1x1 blocks, 64x64 images, batch 32, SGD) through
+`select_kernels` against plain `jax.jit`, and a ResNet-style step (3x3 convs
+with BatchNorm) as the control.
+
+Run: `.venv/bin/python benchmarks/kernels.py [--quick] [--write] [--rounds N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import _harness
+from tunedjax.autotune import _cache, _phases, _select
+
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  kind: str
+  hw: int
+  cin: int
+  cout: int
+  k: int
+  stride: int = 1
+  depthwise: bool = False
+  control: bool = False
+  target: str = ""
+
+  @property
+  def name(self) -> str:
+    kernel = f"{self.k}x{self.k}" + (" depthwise" if self.depthwise else "")
+    kernel += f" s{self.stride}" if self.stride > 1 else ""
+    prefix = "control: " if self.control else ""
+    return f"{prefix}{kernel}, {self.hw}x{self.hw}, {self.cin}->{self.cout}"
+
+
+BUCKETS = (
+    Bucket("depthwise", 56, 128, 128, 3, depthwise=True, target=">= 2x"),
+    Bucket("1x1", 56, 64, 256, 1, target=">= 2x"),
+    Bucket("large", 64, 4, 4, 15, target=">= 2x"),
+    Bucket("large", 64, 4, 4, 31, target=">= 2x"),
+    Bucket("small spatial", 7, 512, 512, 3, target="faster"),
+    Bucket("resnet", 56, 64, 64, 3, control=True, target=">= 0.9x"),
+    Bucket("resnet", 28, 128, 128, 3, control=True, target=">= 0.9x"),
+    Bucket("stem", 112, 3, 64, 7, stride=2, control=True,
+           target=">= 0.9x"),
+)
+
+
+def _quick(b: Bucket) -> Bucket:
+  return dataclasses.replace(b, hw=max(min(b.hw // 4, 16), b.k), cin=min(b.cin, 16),
+                             cout=min(b.cout, 16) if not b.depthwise else min(b.cin, 16))
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
+  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
+
+
+def bucket_problem(b: Bucket, batch: int, rng: np.random.Generator
+                   ) -> tuple[Callable[..., Any], Callable[..., Any], tuple[Any, ...],
+                              tuple[Any, ...]]:
+  """(forward fn, forward+backward fn, forward args, forward+backward args)."""
+  groups = b.cin if b.depthwise else 1
+  x = _normal(rng, (batch, b.hw, b.hw, b.cin))
+  w = _normal(rng, (b.k, b.k, b.cin // groups, b.cout), scale=0.1)
+
+  def fwd(x, w):
+    return lax.conv_general_dilated(x, w, (b.stride, b.stride), "SAME",
+                                    dimension_numbers=DN, feature_group_count=groups)
+
+  ct = _normal(rng, jax.eval_shape(fwd, x, w).shape)
+
+  def fwd_bwd(x, w, ct):
+    y, vjp = jax.vjp(fwd, x, w)
+    return y, vjp(ct)
+
+  return fwd, fwd_bwd, (x, w), (x, w, ct)
+
+
+# -- whole train steps ---------------------------------------------------------------
+
+
+def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
+  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
+
+
+def _conv(x, w, stride=1, groups=1):
+  return lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=DN,
+                                  feature_group_count=groups)
+
+
+def mobilenet(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
+  c0 = 32
+  params = {"stem": _normal(rng, (3, 3, 3, c0), 0.2), "blocks": [],
+            "head": _normal(rng, (widths[-1], 10), 0.05)}
+  cin = c0
+  for cout in widths:
+    params["blocks"].append({
+        "dw": _normal(rng, (3, 3, 1, cin), 0.3), "g1": jnp.ones(cin), "b1": jnp.zeros(cin),
+        "pw": _normal(rng, (1, 1, cin, cout), 0.1), "g2": jnp.ones(cout),
+        "b2": jnp.zeros(cout)})
+    cin = cout
+
+  def loss(params, x, y):
+    h = jax.nn.relu(_conv(x, params["stem"], 2))
+    for blk, s in zip(params["blocks"], strides):
+      h = jax.nn.relu(_bn(_conv(h, blk["dw"], s, groups=h.shape[-1]), blk["g1"], blk["b1"]))
+      h = jax.nn.relu(_bn(_conv(h, blk["pw"]), blk["g2"], blk["b2"]))
+    logits = h.mean(axis=(1, 2)) @ params["head"]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+
+  return params, loss
+
+
+def resnet(rng: np.random.Generator, widths=(32, 32, 64, 64), strides=(1, 1, 2, 1)):
+  c0 = 32
+  params = {"stem": _normal(rng, (3, 3, 3, c0), 0.2), "blocks": [],
+            "head": _normal(rng, (widths[-1], 10), 0.05)}
+  cin = c0
+  for cout in widths:
+    params["blocks"].append({"w": _normal(rng, (3, 3, cin, cout), 0.05),
+                             "g": jnp.ones(cout), "b": jnp.zeros(cout)})
+    cin = cout
+
+  def loss(params, x, y):
+    h = jax.nn.relu(_conv(x, params["stem"], 2))
+    for blk, s in zip(params["blocks"], strides):
+      h = jax.nn.relu(_bn(_conv(h, blk["w"], s), blk["g"], blk["b"]))
+    logits = h.mean(axis=(1, 2)) @ params["head"]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+
+  return params, loss
+
+
+def sgd_step(loss: Callable[..., Any]) -> Callable[..., Any]:
+  def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+  return step
+
+
+# -- measuring -----------------------------------------------------------------------
+
+
+def _block(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[], Any]:
+  return lambda: jax.block_until_ready(fn(*args))
+
+
+def _chosen(counts: dict[str, int]) -> str:
+  names: dict[str, int] = {}
+  for key, n in counts.items():
+    name = key.split(" ")[1]
+    names[name] = names.get(name, 0) + n
+  return ", ".join(f"{k}" + (f" x{n}" if n > 1 else "") for k, n in sorted(names.items()))
+
+
+def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: str,
+                  rounds: int, tune_rounds: int, budget_s: float
+                  ) -> dict[str, Any]:
+  """Tunes `fn`'s buckets, then times it selected against jax.jit."""
+  counts: dict[str, int] = {}
+  before = _phases.stats().tuning_s
+  selected = jax.jit(_select.select_kernels(
+      fn, cache=cache_dir, rounds=tune_rounds, budget_s=budget_s,
+      on_trace=lambda c: counts.update(c.counts)))
+  start = time.perf_counter()
+  jax.block_until_ready(selected(*args))  # traces: tunes every new bucket
+  first_call_s = time.perf_counter() - start
+  tuning_s = _phases.stats().tuning_s - before
+  t = _harness.interleaved({"xla": _block(jax.jit(fn), args),
+                            "selected": _block(selected, args)},
+                           baseline="xla", rounds=rounds, warmup=1)
+  return {"chosen": _chosen(counts), "speedup": 1.0 / t.ratio("selected"),
+          "aa": t.ratio(_harness.CONTROL), "tuning_s": tuning_s,
+          "first_call_s": first_call_s, "xla_ms": 1e3 * t.median("xla"),
+          "selected_ms": 1e3 * t.median("selected"), "fn": fn, "args": args}
+
+
+def warm_rerun(problems: list[tuple[Callable[..., Any], tuple[Any, ...]]],
+               cache_dir: str) -> tuple[float, int, int]:
+  """Re-traces every problem against the written cache: (tuning s, hits, misses)."""
+  _select.forget_tuned()
+  _phases.reset()
+  cache = _cache.Cache(cache_dir)  # a fresh object: reads the file
+  for fn, args in problems:
+    jax.block_until_ready(jax.jit(_select.select_kernels(fn, cache=cache))(*args))
+  s = _phases.stats()
+  return s.tuning_s, s.hits, s.misses
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds (smoke)")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--batch", type=int, default=None, help="batch of the bucket convs")
+  parser.add_argument("--budget", type=float, default=20.0, help="tuning seconds per bucket")
+  parser.add_argument("--skip-steps", action="store_true", help="buckets only")
+  args = parser.parse_args(argv)
+  rounds = args.rounds or (2 if args.quick else 7)
+  batch = args.batch or (2 if args.quick else 8)
+  tune_rounds = 2 if args.quick else 5
+  budget = 3.0 if args.quick else args.budget
+  rng = np.random.default_rng(0)
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-bench-kernels-")
+  load_before = os.getloadavg()
+  print(f"load average before: {load_before[0]:.2f}", file=sys.stderr)
+
+  rows = []
+  problems = []
+  for b in BUCKETS:
+    b = _quick(b) if args.quick else b
+    fwd, fwd_bwd, fargs, bargs = bucket_problem(b, batch, rng)
+    f = tune_and_time(fwd, fargs, cache_dir=cache_dir, rounds=rounds,
+                      tune_rounds=tune_rounds, budget_s=budget)
+    fb = tune_and_time(fwd_bwd, bargs, cache_dir=cache_dir, rounds=rounds,
+                       tune_rounds=tune_rounds, budget_s=budget)
+    problems += [(fwd, fargs), (fwd_bwd, bargs)]
+    rows.append((b, f, fb))
+    print(f"{b.name}: fwd {f['speedup']:.2f}x ({f['chosen']}), fwd+bwd {fb['speedup']:.2f}x "
+          f"({fb['chosen']}), tuning {f['tuning_s'] + fb['tuning_s']:.1f}s, "
+          f"A/A {f['aa']:.2f}/{fb['aa']:.2f}", file=sys.stderr)
+
+  steps = []
+  if not args.skip_steps:
+    step_batch, size = (4, 32) if args.quick else (32, 64)
+    x = _normal(rng, (step_batch, size, size, 3))
+    y = jnp.asarray(rng.integers(0, 10, size=step_batch), jnp.int32)
+    for name, (params, loss), target in (
+        ("MobileNet-style train step", mobilenet(rng), ">= 3x"),
+        ("control: ResNet-style train step", resnet(rng), ">= 0.95x")):
+      r = tune_and_time(sgd_step(loss), (params, x, y), cache_dir=cache_dir, rounds=rounds,
+                        tune_rounds=tune_rounds, budget_s=budget)
+      problems.append((sgd_step(loss), (params, x, y)))
+      steps.append((name, r, target))
+      print(f"{name}: {r['speedup']:.2f}x ({r['chosen']}), tuning {r['tuning_s']:.1f}s, "
+            f"A/A {r['aa']:.2f}", file=sys.stderr)
+
+  warm_s, warm_hits, warm_misses = warm_rerun(problems, cache_dir)
+  load_after = os.getloadavg()
+
+  lines = [
+      "## Kernel selection: speedup over XLA per bucket",
+      "",
+      f"`benchmarks/kernels.py{' --quick' if args.quick else ''}`: NHWC float32, batch "
+      f"{batch}; each bucket tuned by `autotune.select_kernels` (tuner: {tune_rounds} "
+      f"rounds, {budget:.0f} s budget per bucket, 10% margin), then timed against "
+      f"`jax.jit` in {rounds} interleaved rounds after 1 warm-up; speedup = xla time / "
+      "selected time (median of per-round ratios), A/A = the xla baseline timed twice "
+      f"(1.00 is noise-free). Load average {load_before[0]:.1f} before, "
+      f"{load_after[0]:.1f} after. " + _harness.machine_line(),
+      "",
+      "| bucket | fwd: kernel | fwd speedup | fwd+bwd: kernels (fwd, dx, dw convs) | "
+      "fwd+bwd speedup | xla fwd+bwd (ms) | tuning (s) | A/A fwd / fwd+bwd | target |",
+      "|---|---|---:|---|---:|---:|---:|---:|---|",
+  ]
+  for b, f, fb in rows:
+    lines.append(
+        f"| {b.name} | {f['chosen']} | {f['speedup']:.2f}x | {fb['chosen']} | "
+        f"{fb['speedup']:.2f}x | {fb['xla_ms']:.1f} | {f['tuning_s'] + fb['tuning_s']:.1f} | "
+        f"{f['aa']:.2f} / {fb['aa']:.2f} | {b.target} |")
+  if steps:
+    lines += [
+        "",
+        f"Whole train steps (batch {step_batch}, {size}x{size} images, value_and_grad + "
+        "SGD) through `select_kernels` against plain `jax.jit`:",
+        "",
+        "| train step | kernels chosen (all convs, forward and backward) | speedup | "
+        "jax.jit (ms) | selected (ms) | tuning (s) | A/A | target |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r, target in steps:
+      lines.append(f"| {name} | {r['chosen']} | {r['speedup']:.2f}x | {r['xla_ms']:.1f} | "
+                   f"{r['selected_ms']:.1f} | {r['tuning_s']:.1f} | {r['aa']:.2f} | {target} |")
+  lines += [
+      "",
+      f"Warm-cache re-run (same cache folder, a fresh `Cache` object, nothing tuned in "
+      f"memory): {warm_s:.1f} s tuning, {warm_hits} hits, {warm_misses} misses "
+      f"(hit rate {warm_hits / max(warm_hits + warm_misses, 1):.0%}).",
+  ]
+  body = "\n".join(lines)
+  print(body)
+  if args.write:
+    _harness.write_section("kernels", body)
+    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
