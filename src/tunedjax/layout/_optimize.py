@@ -95,9 +95,6 @@ class Optimized:
     name = getattr(self.__wrapped__, "__name__", repr(self.__wrapped__))
     return f"layout.optimize({name}, target={self.target!r}, mode={self.mode!r})"
 
-  def __get__(self, obj: Any, objtype: Any = None) -> Any:
-    return self if obj is None else functools.partial(self, obj)
-
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     closed, flat, out_tree = rewrite.trace(self.__wrapped__, *args, **kwargs)
     outs, report = self._evaluate(closed, flat)
