@@ -12,6 +12,13 @@ Example:
   (3.0, True)
 """
 
+from tunedjax.mixed_precision._autocast import DEFAULT_ALLOW as DEFAULT_ALLOW
+from tunedjax.mixed_precision._autocast import DEFAULT_DENY as DEFAULT_DENY
+from tunedjax.mixed_precision._autocast import DEFAULT_FOLLOW as DEFAULT_FOLLOW
+from tunedjax.mixed_precision._autocast import OpLists as OpLists
+from tunedjax.mixed_precision._autocast import autocast as autocast
+from tunedjax.mixed_precision._autocast import autocast_pass as autocast_pass
+from tunedjax.mixed_precision._autocast import precision_region as precision_region
 from tunedjax.mixed_precision._loss_scale import DynamicLossScale as DynamicLossScale
 from tunedjax.mixed_precision._loss_scale import NoOpLossScale as NoOpLossScale
 from tunedjax.mixed_precision._loss_scale import StaticLossScale as StaticLossScale
@@ -26,6 +33,13 @@ from tunedjax.mixed_precision._policy import PolicyError as PolicyError
 from tunedjax.mixed_precision._policy import get_policy as get_policy
 
 __all__ = [
+    "DEFAULT_ALLOW",
+    "DEFAULT_DENY",
+    "DEFAULT_FOLLOW",
+    "OpLists",
+    "autocast",
+    "autocast_pass",
+    "precision_region",
     "DynamicLossScale",
     "NoOpLossScale",
     "Policy",

@@ -1,0 +1,331 @@
+"""`autocast`: a jaxpr pass that runs each op in the precision its list says.
+
+Three op lists, modelled on PyTorch's autocast op reference
+(https://pytorch.org/docs/stable/amp.html#autocast-op-reference: matmuls and
+convolutions in lower precision; exp, log, pow, rsqrt, softmax, sums and
+norms in float32) and on Paddle's AMP lists
+(`paddle/static/amp/fp16_lists.py`: a white list of matmul/conv and a black
+list of exp, log, mean, sum, softmax, cross-entropy):
+
+- *allow*: run in the policy's `compute_dtype`. Matmuls and convolutions
+  accumulate in float32 (`preferred_element_type=float32`), then their
+  output is cast to the compute dtype.
+- *deny*: always run in (at least) float32.
+- *follow*: run in the widest floating dtype of their inputs (weak-typed
+  Python scalars do not widen, as in JAX's promotion).
+
+Any primitive on no list (and not higher-order) runs exactly as traced: its
+inputs are cast back to their traced dtypes first. The pass keeps half
+precision values in its environment and casts them back wherever they leave
+its reach (loop carries, branch outputs, the function's outputs), through the
+rewrite engine's `materialize` hook.
+
+A region of the program can be given its own compute dtype with
+`precision_region(dtype)` (a `jax.named_scope`); `wrap` uses this to keep
+normalization layers in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import source_info_util
+
+from tunedjax import rewrite
+from tunedjax.mixed_precision._policy import (DTypeLike, PolicyError,
+                                              PolicyLike, canonical_dtype,
+                                              get_policy)
+
+DEFAULT_ALLOW = ("dot_general", "conv_general_dilated")
+DEFAULT_DENY = (
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "logistic",
+    "erf_inv", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
+    "cumlogsumexp")
+DEFAULT_FOLLOW = (
+    # elementwise
+    "add", "add_any", "sub", "mul", "div", "neg", "abs", "sign", "max", "min",
+    "square", "sqrt", "integer_pow", "tanh", "sin", "cos", "tan", "erf",
+    "erfc", "floor", "ceil", "round", "clamp", "select_n", "is_finite",
+    "eq", "ne", "lt", "le", "gt", "ge", "copy", "copy_p", "cbrt",
+    "convert_element_type",
+    # data movement
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+    "concatenate", "pad", "slice", "dynamic_slice", "dynamic_update_slice",
+    "gather", "scatter-add", "scatter_add", "rev", "split",
+    "sharding_constraint",
+    # reductions that do not accumulate rounding error
+    "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin",
+)
+# Call primitives whose body is inlined into the pass (so half-precision
+# values flow through `jax.nn` helpers, which are jitted); only when the call
+# pins no shardings.
+_INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call")
+KNOWN_PRIMITIVES = tuple(sorted({*DEFAULT_ALLOW, *DEFAULT_DENY, *DEFAULT_FOLLOW}))
+_ACCUMULATING = ("dot_general", "conv_general_dilated")
+
+_REGION_PREFIX = "tunedjax_precision_"
+_REGION_RE = re.compile(_REGION_PREFIX + r"([a-z0-9]+)")
+
+
+@contextlib.contextmanager
+def precision_region(dtype: DTypeLike) -> Iterator[None]:
+  """Marks the ops traced in its block to run allow/follow ops in `dtype`.
+
+  The mark is a `jax.named_scope`, so it also shows in profiles. Inside,
+  allowed and follow ops run in `dtype` (deny ops still in float32); the
+  innermost region wins.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> def f(x):
+    ...   with precision_region("float32"):
+    ...     return x @ x
+    >>> autocast(f, "mixed_bfloat16")(jnp.eye(2)).dtype
+    dtype('float32')
+  """
+  dtype = canonical_dtype(dtype)
+  with jax.named_scope(_REGION_PREFIX + dtype.name):
+    yield
+
+
+def _region_dtype() -> np.dtype | None:
+  found = _REGION_RE.findall(str(source_info_util.current_name_stack()))
+  return jnp.dtype(found[-1]) if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLists:
+  """The resolved op lists of an autocast pass.
+
+  Attributes:
+    allow: primitives run in the compute dtype.
+    deny: primitives always run in float32.
+    follow: primitives run in the widest dtype of their inputs.
+
+  Example:
+    >>> lists = OpLists.resolve(allow=["tanh"], deny=["dot_general"])
+    >>> "tanh" in lists.allow, "dot_general" in lists.deny
+    (True, True)
+  """
+
+  allow: frozenset[str]
+  deny: frozenset[str]
+  follow: frozenset[str]
+
+  @classmethod
+  def resolve(cls, *, allow: Iterable[str] = (), deny: Iterable[str] = ()) -> OpLists:
+    """The defaults with the user's names moved to `allow` or `deny`.
+
+    Raises:
+      PolicyError: for a name that is not a known primitive, or one named in
+        both lists; the message lists the known names.
+    """
+    allow, deny = _check_names(allow, "allow"), _check_names(deny, "deny")
+    both = set(allow) & set(deny)
+    if both:
+      raise PolicyError(f"autocast: {sorted(both)} named in both allow and deny; "
+                        "a primitive can be on one list only.")
+    user = set(allow) | set(deny)
+    allow_set = (set(DEFAULT_ALLOW) - user) | set(allow)
+    deny_set = (set(DEFAULT_DENY) - user) | set(deny)
+    follow_set = set(DEFAULT_FOLLOW) - user
+    return cls(frozenset(allow_set), frozenset(deny_set), frozenset(follow_set))
+
+
+def _check_names(names: Iterable[str], which: str) -> tuple[str, ...]:
+  if isinstance(names, str):
+    names = (names,)
+  names = tuple(getattr(n, "name", n) for n in names)  # a jax Primitive too
+  for n in names:
+    if n not in KNOWN_PRIMITIVES:
+      from tunedjax._errors import did_you_mean  # pylint: disable=g-import-not-at-top
+      raise PolicyError(
+          f"autocast: unknown primitive {n!r} in {which}{did_you_mean(str(n), KNOWN_PRIMITIVES)}. "
+          f"Known primitives: {', '.join(KNOWN_PRIMITIVES)}.")
+  return names
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _dtype_of(x: Any) -> Any:
+  return getattr(x, "dtype", None)
+
+
+def _cast(ctx: rewrite.Context, x: Any, dtype: np.dtype) -> Any:
+  current = _dtype_of(x)
+  if current is None:  # a Python scalar literal
+    return jnp.asarray(x, dtype)
+  if current == dtype:
+    return x
+  ctx.count("casts inserted")
+  return lax.convert_element_type(x, dtype)
+
+
+def _materialize(value: Any, aval: Any) -> Any:
+  dtype = getattr(aval, "dtype", None)
+  current = _dtype_of(value)
+  if (_is_float_dtype(dtype) and _is_float_dtype(current) and current != dtype):
+    return lax.convert_element_type(value, dtype)
+  return value
+
+
+def _floating_inputs(eqn: Any) -> list[bool]:
+  return [_is_float_dtype(getattr(v.aval, "dtype", None)) for v in eqn.invars]
+
+
+def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
+  def rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+    floating = _floating_inputs(eqn)
+    if not any(floating):
+      return ctx.default(eqn, invals)
+    target = _region_dtype() or compute
+    new = [_cast(ctx, x, target) if f else x for x, f in zip(invals, floating)]
+    name = eqn.primitive.name
+    ctx.count(f"{name} in {target.name}")
+    if name in _ACCUMULATING:
+      acc = target if accumulate is None else jnp.promote_types(target, accumulate)
+      outs = ctx.bind(eqn, new, preferred_element_type=acc)
+      return [_cast(ctx, o, target) for o in outs]
+    return ctx.bind(eqn, new)
+  return rule
+
+
+def _deny_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  floating = _floating_inputs(eqn)
+  new = []
+  for x, f, v in zip(invals, floating, eqn.invars):
+    if f:
+      target = jnp.promote_types(v.aval.dtype, jnp.float32)
+      current = _dtype_of(x)
+      if current is not None and current != target:
+        x = _cast(ctx, x, jnp.promote_types(current, target))
+    new.append(x)
+  return ctx.bind(eqn, new)
+
+
+def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  floating = _floating_inputs(eqn)
+  if not any(floating):
+    return ctx.default(eqn, invals)
+  region = _region_dtype()
+  strong = [_dtype_of(x) for x, f, v in zip(invals, floating, eqn.invars)
+            if f and not getattr(v.aval, "weak_type", False) and _dtype_of(x) is not None]
+  if region is not None:
+    target = region
+  elif strong:
+    target = functools.reduce(jnp.promote_types, strong)
+  else:
+    target = functools.reduce(jnp.promote_types, [v.aval.dtype for v, f in zip(eqn.invars, floating) if f])
+  if all(_dtype_of(x) == v.aval.dtype == target
+         for x, f, v in zip(invals, floating, eqn.invars) if f):
+    return ctx.bind(eqn, invals)
+  if eqn.primitive.name == "convert_element_type":  # its param sets the output dtype
+    return ctx.bind(eqn, invals)
+  new = [_cast(ctx, x, target) if f else x for x, f in zip(invals, floating)]
+  try:
+    return ctx.bind(eqn, new)
+  except (TypeError, ValueError):  # a primitive that needs its traced dtypes
+    ctx.count(f"{eqn.primitive.name} kept as traced")
+    return ctx.default(eqn, invals)
+
+
+def _inline_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  params = eqn.params
+  pinned = [s for key in ("in_shardings", "out_shardings") for s in params.get(key, ())
+            if type(s).__name__ != "UnspecifiedValue"]
+  closed = params.get("jaxpr", params.get("call_jaxpr"))
+  if pinned or closed is None or params.get("donated_invars", ()) and any(params["donated_invars"]):
+    return ctx.default(eqn, invals)
+  if not hasattr(closed, "consts"):  # an open jaxpr
+    return ctx.default(eqn, invals)
+  return ctx.eval_jaxpr(closed.jaxpr, closed.consts, list(invals))
+
+
+def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str] = (),
+                  deny: Iterable[str] = (), accumulate_dtype: DTypeLike | None = jnp.float32
+                  ) -> rewrite.Pass:
+  """The `tunedjax.rewrite.Pass` that `autocast` applies (for `tunedjax.jit`).
+
+  Args:
+    policy: a `Policy`, a policy string or a named policy.
+    allow: primitive names to run in the compute dtype, on top of
+      `DEFAULT_ALLOW` (moved from the other lists).
+    deny: primitive names to always run in float32, on top of `DEFAULT_DENY`.
+    accumulate_dtype: what matmuls and convolutions accumulate in (their
+      `preferred_element_type`); None accumulates in the compute dtype.
+
+  Example:
+    >>> autocast_pass("mixed_bfloat16").name
+    'autocast[params=float32,compute=bfloat16,output=float32]'
+  """
+  policy = get_policy(policy)
+  lists = OpLists.resolve(allow=allow, deny=deny)
+  accumulate = None if accumulate_dtype is None else canonical_dtype(
+      accumulate_dtype, what="accumulate_dtype")
+  allow_rule = _allow_rule(policy.compute_dtype, accumulate)
+  rules: dict[str, rewrite.Rule] = {name: _inline_rule for name in _INLINE_CALLS}
+  rules.update({name: _follow_rule for name in lists.follow})
+  rules.update({name: _deny_rule for name in lists.deny})
+  rules.update({name: allow_rule for name in lists.allow})
+  return rewrite.Pass(f"autocast[{policy}]", rules, materialize=_materialize)
+
+
+def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
+             allow: Iterable[str] = (), deny: Iterable[str] = (),
+             accumulate_dtype: DTypeLike | None = jnp.float32,
+             on_trace: Callable[[rewrite.Context], None] | None = None) -> Callable[..., Any]:
+  """Returns `f` with each op run in the precision the op lists give it.
+
+  Matrix multiplies and convolutions run in the policy's compute dtype with
+  float32 accumulation; exp, log, pow, rsqrt, sums and products (softmax and
+  LayerNorm statistics) stay in float32; everything else follows its inputs.
+  Parameters are not touched: they stay in the dtype you pass them in and are
+  cast at each use. Works inside `scan`/`cond`/`while`/`jit`/`remat`/
+  `custom_vjp` bodies, and composes with `jax.jit`, `jax.grad` and `jax.vmap`.
+  The floating outputs are cast to the policy's `output_dtype`.
+
+  Args:
+    f: the function (arrays in, pytree of arrays out).
+    policy: a `Policy`, a policy string or a named policy (default
+      "mixed_bfloat16").
+    allow: extra primitive names to run in the compute dtype.
+    deny: extra primitive names to always run in float32 (e.g.
+      ["dot_general"] keeps matmuls in float32).
+    accumulate_dtype: matmul/conv accumulation dtype (default float32; None
+      accumulates in the compute dtype).
+    on_trace: called with the pass's `Context` after each trace (its
+      `counts` say what was cast).
+
+  Returns:
+    A function with `f`'s signature.
+
+  Raises:
+    PolicyError: for a bad policy or an unknown primitive name.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> f = autocast(lambda w, x: jnp.exp(x @ w), "mixed_bfloat16")
+    >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    >>> [str(e.invars[0].aval) for e in jaxpr.eqns if e.primitive.name in ("dot_general", "exp")]
+    ['bf16[4,3]', 'f32[4,2]']
+  """
+  policy = get_policy(policy)
+  pass_ = autocast_pass(policy, allow=allow, deny=deny, accumulate_dtype=accumulate_dtype)
+  rewritten = rewrite.transform(f, pass_, on_trace=on_trace)
+
+  @functools.wraps(f)
+  def cast_outputs(*args: Any, **kwargs: Any) -> Any:
+    return policy.cast_to_output(rewritten(*args, **kwargs))
+
+  return cast_outputs
