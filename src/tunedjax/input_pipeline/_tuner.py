@@ -240,7 +240,7 @@ def hill_climb(measure: Measure, *, start: tuple[int, int], worker_choices: Sequ
       stopped = "tuning_steps"
       return False
     spent = clock() - t0
-    if spent + estimate(setting) > budget_s:
+    if spent >= budget_s or spent + estimate(setting) > budget_s:
       stopped = "budget"
       return False
     trial = dataclasses.replace(measure(setting, t0 + budget_s), phase=phase)

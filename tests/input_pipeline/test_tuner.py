@@ -1,0 +1,204 @@
+"""The worker/thread tuner: its climb on synthetic speeds with a fake clock,
+its bounds, the cache, and real (small) measurements."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+import tunedjax as tj
+from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _tuner
+
+
+class FakeClock:
+
+  def __init__(self):
+    self.now = 100.0
+
+  def __call__(self):
+    return self.now
+
+
+def _fake_measure(clock, speed, *, startup_per_worker=1.5, body_s=0.5, batches=10,
+                  noise=None):
+  calls = []
+
+  def measure(setting, deadline):
+    calls.append((setting, deadline))
+    startup = startup_per_worker * setting[0]
+    start = clock.now
+    # as the real one: the start-up cannot be cut short, the timed window can
+    clock.now = min(start + startup + body_s, max(start + startup, deadline))
+    bps = max(0.1, speed(*setting)) * (1.0 + (noise(len(calls)) if noise else 0.0))
+    return ip.Trial(*setting, batches_per_s=bps, batches=batches, startup_s=startup,
+                    seconds=clock.now - start)
+
+  measure.calls = calls
+  return measure
+
+
+def _peak(w, t):  # best at 2 workers, 1 read thread
+  return 20.0 - 3.0 * (w - 2) ** 2 - (math.log2(t + 1) - 1.0) ** 2
+
+
+def _climb(measure, clock, **kwargs):
+  kwargs.setdefault("start", (0, 16))
+  max_workers = kwargs.pop("max_workers", 4)
+  workers, threads = _tuner.choices(kwargs["start"], max_workers=max_workers,
+                                    max_read_threads=16)
+  kwargs.setdefault("budget_s", 1e9)
+  kwargs.setdefault("max_batches", 10**9)
+  return _tuner.hill_climb(measure, worker_choices=workers, thread_choices=threads,
+                           trial_batches=lambda s: 10, clock=clock, **kwargs)
+
+
+def test_climbs_both_knobs_to_the_best_setting():
+  clock = FakeClock()
+  result = _climb(_fake_measure(clock, _peak), clock)
+  grid = [(w, t) for w in range(5) for t in _tuner.THREAD_LADDER]
+  assert result.setting == max(grid, key=lambda s: _peak(*s)) == (2, 1)
+  assert result.stopped == "converged" and result.start == (0, 16)
+  assert len(result.trials) < len(grid)  # climbed, did not sweep
+
+
+def test_workers_only_would_miss_the_best():
+  clock = FakeClock()
+  workers, _ = _tuner.choices((0, 16), max_workers=4, max_read_threads=16)
+  result = _tuner.hill_climb(_fake_measure(clock, _peak), start=(0, 16),
+                             worker_choices=workers, thread_choices=[16], budget_s=1e9,
+                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  assert result.setting == (2, 16) and _peak(2, 16) < _peak(2, 1)
+
+
+@pytest.mark.parametrize("budget_s", [0.0, 0.1, 3.0, 7.0, 15.0])
+def test_time_budget_is_respected(budget_s):
+  clock = FakeClock()
+  result = _climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
+  assert result.seconds <= budget_s
+  if budget_s == 0:
+    assert result.trials == () and result.stopped == "no budget"
+    assert result.setting == (0, 16)
+  else:
+    assert result.stopped == "budget" and result.trials
+
+
+def test_max_workers_and_max_batches_are_respected():
+  clock = FakeClock()
+  measure = _fake_measure(clock, lambda w, t: 10.0 + 5 * w)  # more workers always faster
+  result = _climb(measure, clock, max_workers=3, max_batches=75)
+  assert max(t.worker_count for t in result.trials) <= 3
+  assert result.batches <= 75 and len(result.trials) == 7
+  assert result.stopped == "tuning_steps"
+
+
+def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
+  clock = FakeClock()
+  flat = _fake_measure(clock, lambda w, t: 10.0, noise=lambda i: 0.03 * (i % 3 - 1))
+  result = _climb(flat, clock, start=(1, 4))
+  assert result.setting == (1, 4)
+
+
+def test_top_two_are_remeasured_alternately():
+  clock = FakeClock()
+  result = _climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
+  confirm = [t.setting for t in result.trials if t.phase == "confirm"]
+  assert len(confirm) == 4 and confirm[0] == confirm[3] != confirm[1] == confirm[2]
+  assert result.setting in confirm
+
+
+def test_each_trial_is_logged_at_debug(caplog):
+  clock = FakeClock()
+  with caplog.at_level(logging.DEBUG, logger="tunedjax.input_pipeline"):
+    result = _climb(_fake_measure(clock, _peak), clock)
+  trial_lines = [r for r in caplog.records if "tuning trial" in r.getMessage()]
+  assert len(trial_lines) == len(result.trials)
+  assert "best: workers=2 read_threads=1" in caplog.text
+  assert "chosen" in result.table()
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+  with tj.config_context({"cache": {"dir": str(tmp_path)}}):
+    yield tmp_path
+
+
+def _slow_square(x):
+  return np.sqrt(np.abs(x)) * x
+
+
+def test_real_tuning_is_bounded_and_cached(cache_dir):
+  src = np.random.default_rng(0).normal(size=(256, 8)).astype(np.float32)
+  kwargs = dict(batch_size=8, transforms=[_slow_square], max_workers=0,
+                max_read_threads=2, tuning_steps=60, budget_s=20)
+  first = ip.tune_worker_count(src, **kwargs)
+  assert not first.from_cache and first.trials
+  assert first.batches <= 60 and first.seconds <= 20 + 1
+  assert all(t.worker_count == 0 and t.read_threads <= 2 for t in first.trials)
+  assert all(t.batches_per_s > 0 for t in first.trials)
+  again = ip.tune_worker_count(src, **kwargs)
+  assert again.from_cache and again.trials == () and again.seconds == 0.0
+  assert again.setting == first.setting
+  other = ip.tune_worker_count(src, **{**kwargs, "batch_size": 4})  # another pipeline
+  assert not other.from_cache
+
+
+def test_consumer_is_measured_end_to_end(cache_dir):
+  seen = []
+  result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
+                                max_read_threads=1, tuning_steps=40, budget_s=10,
+                                consumer=seen.append, cache=False)
+  assert len(seen) == result.batches > 0
+
+
+def test_loader_auto_tuning_does_not_move_the_stream(cache_dir):
+  src = np.arange(300.0)
+  plain = ip.Loader(src, batch_size=6, seed=2, worker_count=0, read_threads=0)
+  auto = ip.Loader(src, batch_size=6, seed=2, worker_count="auto", read_threads="auto",
+                   max_workers=0, tuning_steps=40, tuning_budget_s=10)
+  result = auto.tune()
+  assert result is not None and not result.from_cache and auto.position == 0
+  assert (auto.worker_count, auto.read_threads) == result.setting
+  for _ in range(5):
+    np.testing.assert_array_equal(next(auto), next(plain))
+  restarted = ip.Loader(src, batch_size=6, seed=2, max_workers=0, tuning_steps=40,
+                        tuning_budget_s=10)
+  next(restarted)
+  assert restarted.tuning.from_cache and restarted.tuning.setting == result.setting
+
+
+def test_config_enable_tunes_even_given_ints(cache_dir):
+  with tj.config_context({"dataloader": {"enable": True, "max_workers": 0,
+                                         "tuning_steps": 30}}):
+    loader = ip.Loader(np.arange(100.0), batch_size=4, worker_count=0, read_threads=4,
+                       tuning_budget_s=10)
+    result = loader.tune(cache=False)
+  assert result is not None and result.start == (0, 4)
+  assert result.batches <= 30
+  assert all(t.worker_count == 0 for t in result.trials)
+
+
+def test_only_the_auto_knob_is_tuned(cache_dir):
+  loader = ip.Loader(np.arange(100.0), batch_size=4, worker_count=0, read_threads="auto",
+                     tuning_steps=30, tuning_budget_s=10)
+  result = loader.tune(cache=False)
+  assert {t.worker_count for t in result.trials} == {0}
+
+
+@pytest.mark.slow
+def test_real_trial_with_a_worker_process(cache_dir):
+  result = ip.tune_worker_count(np.arange(400.0), batch_size=4, worker_count=1,
+                                read_threads=0, max_workers=1, max_read_threads=0,
+                                tuning_steps=40, budget_s=30, cache=False)
+  assert result.trials[0].setting == (1, 0) and result.trials[0].startup_s > 0
+  assert result.seconds <= 30 + 2 and result.batches <= 40
+
+
+def test_bad_tuner_options_are_explained():
+  with pytest.raises(tj.ConfigError, match="max_workers"):
+    ip.tune_worker_count(np.arange(10.0), batch_size=2, max_workers=-1)
+  with pytest.raises(tj.ConfigError, match="did you mean 'workers'"):
+    ip.tune_worker_count(np.arange(10.0), batch_size=2, tune=("worker",))
