@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax import lax
 
 from tests.autotune import selection_helpers as h
@@ -81,6 +83,23 @@ def test_pow2_bucket_rounds_batch_and_spatial_only():
   assert _bucket.bucket_shapes(spec, "exact") == ((3, 9, 12, 4), (3, 3, 4, 6))
   assert (_bucket.bucket_key(_spec(lhs=(3, 10, 10, 4)), [], bucket="pow2")
           == _bucket.bucket_key(_spec(lhs=(4, 16, 15, 4)), [], bucket="pow2"))
+
+
+@given(n=st.integers(1, 40), hgt=st.integers(3, 70), wid=st.integers(3, 70),
+       bgc=st.sampled_from([1, 2]))
+def test_pow2_shapes_are_the_next_powers_of_two(n, hgt, wid, bgc):
+  import types
+  spec = types.SimpleNamespace(lhs_shape=(2 * n, hgt, wid, 6), rhs_shape=(3, 3, 6, 4),
+                               dimension_numbers=((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)),
+                               batch_group_count=bgc)
+  lhs, rhs = _bucket.bucket_shapes(spec, "pow2")
+  assert rhs == spec.rhs_shape and lhs[3] == 6
+  dims = (1, 2) if bgc > 1 else (0, 1, 2)
+  for d in range(4):
+    if d in dims:
+      assert lhs[d] >= spec.lhs_shape[d] > lhs[d] // 2 and lhs[d] & (lhs[d] - 1) == 0
+    else:
+      assert lhs[d] == spec.lhs_shape[d]
 
 
 # -- the bucket tuner ----------------------------------------------------------------
@@ -310,3 +329,16 @@ def test_restart_spends_no_time_tuning(tmp_path):
   assert first["misses"] >= 2 and first["hits"] == 0 and first["tuning_s"] > 0
   assert second == {"hits": first["misses"], "misses": 0, "tuning_s": 0.0, "hit_rate": 1.0}
   assert len(list(pathlib.Path(tmp_path / "cache").glob("*.json"))) == 1
+
+
+def test_a_kernel_failing_at_trace_time_falls_back_to_xla(tmp_path, rng, caplog):
+  x, w = _operands(rng)
+  with h.isolated_selection(tmp_path), h.registered("t_boom"):
+    from tunedjax.autotune._hints import hint
+    counts = {}
+    with hint(conv="t_boom"), caplog.at_level(logging.WARNING, logger="tunedjax.autotune"):
+      out = jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(
+          x, w)
+  np.testing.assert_allclose(out, _conv(x, w), rtol=1e-6)
+  assert "conv t_boom failed at trace, xla used" in counts
+  assert any("could not be applied" in r.getMessage() for r in caplog.records)

@@ -180,7 +180,17 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
     ctx.count(f"conv {name} ({why})")
     if name == _tuner.DEFAULT:
       return ctx.default(eqn, invals)
-    out = _registry.get_kernel(OP, name).fn(*invals, spec)
+    want = eqn.outvars[0].aval
+    try:
+      out = _registry.get_kernel(OP, name).fn(*invals, spec)
+      got = jax.typeof(out)
+      if got.shape != want.shape or got.dtype != want.dtype:
+        raise TypeError(f"it returned {got.str_short()} for {want.str_short()}")
+    except Exception as e:  # pylint: disable=broad-except  # never worse than xla
+      logger.warning("autotune: kernel %r could not be applied to %s (%s: %s); "
+                     "using xla.", name, spec.lhs_shape, type(e).__name__, e)
+      ctx.count(f"conv {name} failed at trace, xla used")
+      return ctx.default(eqn, invals)
     return [out]
 
   return _engine.Pass("kernel_selection", {PRIMITIVE: conv_rule})
