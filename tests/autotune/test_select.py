@@ -150,6 +150,23 @@ def test_a_candidate_must_beat_xla_by_the_margin(monkeypatch, ratio, expected):
   assert result.ratios["t_transposed"] == pytest.approx(ratio)
 
 
+def test_a_much_slower_candidate_is_screened_after_one_call(monkeypatch):
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append((sorted(runners), rounds))
+    return {n: [10.0 if n == "t_transposed" else 1.0] * rounds for n in runners}
+
+  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert calls == [(["t_transposed", "xla"], 1)]  # no full rounds: only xla was left
+  assert result.winner == "xla" and result.ratios["t_transposed"] == pytest.approx(10.0)
+  assert len(result.timings["t_transposed"]) == 1
+
+
 def test_time_budget_bounds_a_bucket():
   spec = _spec()
   with h.registered("t_transposed", "t_wrong"):

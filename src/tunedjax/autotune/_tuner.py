@@ -6,7 +6,8 @@ with the ``xla`` kernel, and runs every other applicable candidate inside
 try/except. A candidate that raises (XLA:CPU's YNNPACK failure in an im2col
 backward is a real example) is logged and skipped; one whose result differs
 from the reference beyond its dtype's tolerance is dropped. The survivors are
-timed side by side with `time_interleaved`, and a candidate wins only if the
+timed side by side with `time_interleaved` (after one screening call each, which
+drops any that takes over `SCREEN_FACTOR` times xla's time), and a candidate wins only if the
 median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
 noise margin (10% by default): tuning can only make things faster. A time
 budget bounds the whole bucket.
@@ -38,6 +39,8 @@ DEFAULT = "xla"
 DEFAULT_ROUNDS = 5
 DEFAULT_BUDGET_S = 15.0
 DEFAULT_MARGIN = 0.10
+# A candidate slower than this many times xla in one first call is not timed further.
+SCREEN_FACTOR = 4.0
 
 # max |candidate - reference| / max |reference| allowed, by output dtype.
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -334,17 +337,32 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     if len(runners) == 1:
       return _finish(DEFAULT, "no other candidate passed the checks", {}, {}, errors,
                      rejected, skipped, start, label)
-    left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
     try:
-      timings = _timing.time_interleaved(runners, rounds=options.rounds, warmup=1,
-                                         budget_s=left)
+      # One compiled call each first: a candidate many times slower than xla
+      # (an FFT on a small kernel) is dropped before it costs `rounds` calls.
+      screen = _timing.time_interleaved(runners, rounds=1, warmup=0)
+      slow = {n: _ratio(t, screen[DEFAULT]) for n, t in screen.items()
+              if n != DEFAULT and _ratio(t, screen[DEFAULT]) > SCREEN_FACTOR}
+      for name in slow:
+        del runners[name]
+      timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
+      if len(runners) > 1:
+        left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
+        timings.update(_timing.time_interleaved(runners, rounds=options.rounds, warmup=0,
+                                                budget_s=left))
     except Exception as e:  # pylint: disable=broad-except
       logger.warning("autotune %s: timing failed (%s); keeping xla.", label,
                      _describe_error(e))
       return _finish(DEFAULT, f"timing failed: {_describe_error(e)}", {}, {}, errors,
                      rejected, skipped, start, label)
+  if DEFAULT not in timings:  # every candidate was screened out
+    ratios = dict(slow)
+    return _finish(DEFAULT, f"every other candidate took over {SCREEN_FACTOR:g}x xla's "
+                   "time in a first call", timings, ratios, errors, rejected, skipped,
+                   start, label)
   base = timings[DEFAULT]
-  ratios = {name: _ratio(t, base) for name, t in timings.items()}
+  ratios = {name: _ratio(t, base) for name, t in timings.items() if name not in slow}
+  ratios.update(slow)
   best = min((n for n in ratios if n != DEFAULT), key=lambda n: ratios[n])
   if ratios[best] * (1.0 + options.margin) < 1.0:
     winner = best
