@@ -223,7 +223,7 @@ def main(argv=None) -> int:
   parser.add_argument("--budget", type=float, default=20.0, help="tuning seconds per bucket")
   parser.add_argument("--skip-steps", action="store_true", help="buckets only")
   args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 7)
+  rounds = args.rounds or (2 if args.quick else 9)
   batch = args.batch or (2 if args.quick else 8)
   tune_rounds = 2 if args.quick else 5
   budget = 3.0 if args.quick else args.budget
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
       f"{load_after[0]:.1f} after. " + _harness.machine_line(),
       "",
       "| bucket | fwd: kernel | fwd speedup | fwd+bwd: kernels (fwd, dx, dw convs) | "
-      "fwd+bwd speedup | xla fwd+bwd (ms) | tuning (s) | A/A fwd / fwd+bwd | target |",
+      "fwd+bwd speedup | xla fwd+bwd (ms) | tuning, 3 buckets (s) | A/A fwd / fwd+bwd | target |",
       "|---|---|---:|---|---:|---:|---:|---:|---|",
   ]
   for b, f, fb in rows:
