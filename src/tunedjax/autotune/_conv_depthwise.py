@@ -40,6 +40,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tunedjax.autotune import _conv_layout as layout
@@ -67,26 +68,35 @@ def _channel_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
 def _weight_grad_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   acc = layout.accumulation_dtype(spec)
   nsp = spec.num_spatial
-  # lhs channels-last is (G, *spatial, I): move G minor -> (*spatial, I, G).
-  x = layout.lhs_to_channels_last(lhs, spec).astype(acc)
+  # Both operands as (I, *spatial, G): for the weight gradient of an NHWC
+  # depthwise conv that is the layout they already have (I = batch, G = C).
+  ls, rs = spec.dimension_numbers[:2]
+  x = layout.maybe_transpose(lhs, (ls[1], *ls[2:], ls[0])).astype(acc)
   x = layout.pad_spatial(x, spec, 1)
-  x = jnp.moveaxis(x, 0, -1)
-  g = layout.rhs_to_channels_last(rhs, spec).astype(acc)  # (*K, I, G)
-  ks = g.shape[:nsp]
+  g = layout.maybe_transpose(rhs, (rs[1], *rs[2:], rs[0])).astype(acc)
+  ks = g.shape[1:-1]
   out_cl = layout.out_shape_channels_last(spec)  # (1, *P, G)
-  outs = []
-  for p in itertools.product(*(range(n) for n in out_cl[1:-1])):
-    start = [0] * x.ndim
-    limit = list(x.shape)
-    strides = [1] * x.ndim
-    for i, (pi, ws, rd, k) in enumerate(
-        zip(p, spec.window_strides, spec.rhs_dilation, ks)):
-      start[i] = pi * ws
-      limit[i] = pi * ws + (k - 1) * rd + 1
-      strides[i] = rd
-    window = lax.slice(x, start, limit, strides)
-    outs.append(jnp.sum(window * g, axis=tuple(range(nsp + 1))))
-  y = jnp.stack(outs).reshape(out_cl)
+  # One scan step per output position: an unrolled loop of reductions that
+  # share an input fuses badly on XLA:CPU (measured 4x slower).
+  starts = np.array(
+      [[pi * ws for pi, ws in zip(p, spec.window_strides)]
+       for p in itertools.product(*(range(n) for n in out_cl[1:-1]))],
+      np.int32)
+  sizes = [(k - 1) * rd + 1 for k, rd in zip(ks, spec.rhs_dilation)]
+  dilated = any(rd > 1 for rd in spec.rhs_dilation)
+
+  def step(carry, start):
+    zero = jnp.zeros((), start.dtype)
+    window = lax.dynamic_slice(
+        x, (zero, *(start[i] for i in range(nsp)), zero),
+        (x.shape[0], *sizes, x.shape[-1]))
+    if dilated:
+      window = lax.slice(window, (0,) * x.ndim, window.shape,
+                         (1, *spec.rhs_dilation, 1))
+    return carry, jnp.sum(window * g, axis=tuple(range(nsp + 1)))
+
+  _, y = lax.scan(step, None, jnp.asarray(starts))
+  y = y.reshape(out_cl)
   return layout.out_from_channels_last(y.astype(layout.out_dtype(spec)), spec)
 
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
   from tunedjax.autotune._registry import ConvSpec
 
 
-def _maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:
+def maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:
+  """`jnp.transpose(x, perm)`, or `x` itself when `perm` is the identity."""
   if perm == tuple(range(len(perm))):
     return x
   return jnp.transpose(x, perm)
@@ -34,13 +35,13 @@ def _maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:
 def lhs_to_channels_last(lhs: Any, spec: ConvSpec) -> Any:
   """Transposes the equation's lhs to ``(N, *spatial, C)``."""
   s = spec.dimension_numbers[0]
-  return _maybe_transpose(lhs, (s[0], *s[2:], s[1]))
+  return maybe_transpose(lhs, (s[0], *s[2:], s[1]))
 
 
 def rhs_to_channels_last(rhs: Any, spec: ConvSpec) -> Any:
   """Transposes the equation's rhs to ``(*spatial, I, O)``."""
   s = spec.dimension_numbers[1]
-  return _maybe_transpose(rhs, (*s[2:], s[1], s[0]))
+  return maybe_transpose(rhs, (*s[2:], s[1], s[0]))
 
 
 def out_from_channels_last(y: Any, spec: ConvSpec) -> Any:
@@ -52,7 +53,7 @@ def out_from_channels_last(y: Any, spec: ConvSpec) -> Any:
   perm[s[1]] = nsp + 1
   for i, d in enumerate(s[2:]):
     perm[d] = 1 + i
-  return _maybe_transpose(y, tuple(perm))
+  return maybe_transpose(y, tuple(perm))
 
 
 def lhs_shape_channels_last(spec: ConvSpec) -> tuple[int, ...]:
@@ -80,12 +81,12 @@ def out_dtype(spec: ConvSpec) -> Any:
 
 def lhs_to_channels_first(lhs: Any, spec: ConvSpec) -> Any:
   """Transposes the equation's lhs to ``(N, C, *spatial)``."""
-  return _maybe_transpose(lhs, spec.dimension_numbers[0])
+  return maybe_transpose(lhs, spec.dimension_numbers[0])
 
 
 def rhs_to_channels_first(rhs: Any, spec: ConvSpec) -> Any:
   """Transposes the equation's rhs to ``(O, I, *spatial)``."""
-  return _maybe_transpose(rhs, spec.dimension_numbers[1])
+  return maybe_transpose(rhs, spec.dimension_numbers[1])
 
 
 def out_from_channels_first(y: Any, spec: ConvSpec) -> Any:
@@ -94,7 +95,7 @@ def out_from_channels_first(y: Any, spec: ConvSpec) -> Any:
   perm = [0] * len(s)
   for i, d in enumerate(s):
     perm[d] = i
-  return _maybe_transpose(y, tuple(perm))
+  return maybe_transpose(y, tuple(perm))
 
 
 def window_count(spec: ConvSpec) -> int:
