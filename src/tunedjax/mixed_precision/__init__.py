@@ -26,11 +26,16 @@ from tunedjax.mixed_precision._loss_scale import all_finite as all_finite
 from tunedjax.mixed_precision._loss_scale import loss_scale_for as loss_scale_for
 from tunedjax.mixed_precision._loss_scale import scaled_value_and_grad as scaled_value_and_grad
 from tunedjax.mixed_precision._loss_scale import select_tree as select_tree
+from tunedjax.mixed_precision._optax import MasterWeightsState as MasterWeightsState
 from tunedjax.mixed_precision._optax import SkipNonFiniteState as SkipNonFiniteState
+from tunedjax.mixed_precision._optax import master_weights as master_weights
 from tunedjax.mixed_precision._optax import skip_nonfinite as skip_nonfinite
 from tunedjax.mixed_precision._policy import Policy as Policy
 from tunedjax.mixed_precision._policy import PolicyError as PolicyError
 from tunedjax.mixed_precision._policy import get_policy as get_policy
+from tunedjax.mixed_precision._wrap import LinenMixedPrecision as LinenMixedPrecision
+from tunedjax.mixed_precision._wrap import MixedPrecision as MixedPrecision
+from tunedjax.mixed_precision._wrap import wrap as wrap
 
 __all__ = [
     "DEFAULT_ALLOW",
@@ -41,6 +46,9 @@ __all__ = [
     "autocast_pass",
     "precision_region",
     "DynamicLossScale",
+    "LinenMixedPrecision",
+    "MasterWeightsState",
+    "MixedPrecision",
     "NoOpLossScale",
     "Policy",
     "PolicyError",
@@ -49,7 +57,9 @@ __all__ = [
     "all_finite",
     "get_policy",
     "loss_scale_for",
+    "master_weights",
     "scaled_value_and_grad",
     "select_tree",
     "skip_nonfinite",
+    "wrap",
 ]
