@@ -317,7 +317,7 @@ def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
     >>> import jax, jax.numpy as jnp
     >>> f = autocast(lambda w, x: jnp.exp(x @ w), "mixed_bfloat16")
     >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((3, 2)), jnp.ones((4, 3)))
-    >>> [e.invars[0].aval.str_short() for e in jaxpr.eqns if e.primitive.name in ("dot_general", "exp")]
+    >>> [e.invars[0].aval.str_short(short_dtypes=True) for e in jaxpr.eqns if e.primitive.name in ("dot_general", "exp")]
     ['bf16[4,3]', 'f32[4,2]']
   """
   policy = get_policy(policy)
