@@ -12,6 +12,9 @@ Example:
   (3.0, True)
 """
 
+from tunedjax.mixed_precision._allreduce import allreduce_gradients as allreduce_gradients
+from tunedjax.mixed_precision._allreduce import (
+    data_parallel_value_and_grad as data_parallel_value_and_grad)
 from tunedjax.mixed_precision._autocast import DEFAULT_ALLOW as DEFAULT_ALLOW
 from tunedjax.mixed_precision._autocast import DEFAULT_DENY as DEFAULT_DENY
 from tunedjax.mixed_precision._autocast import DEFAULT_FOLLOW as DEFAULT_FOLLOW
@@ -44,6 +47,7 @@ __all__ = [
     "OpLists",
     "autocast",
     "autocast_pass",
+    "data_parallel_value_and_grad",
     "precision_region",
     "DynamicLossScale",
     "LinenMixedPrecision",
@@ -55,6 +59,7 @@ __all__ = [
     "SkipNonFiniteState",
     "StaticLossScale",
     "all_finite",
+    "allreduce_gradients",
     "get_policy",
     "loss_scale_for",
     "master_weights",
