@@ -139,7 +139,8 @@ def test_matmul_1x1_matches_lax(case):
   check_kernel("matmul_1x1", case)
 
 
-@settings(max_examples=10)
+@pytest.mark.slow
+@settings(max_examples=8)
 @given(conv_cases(kernel=(1, 3)))
 def test_im2col_matches_lax(case):
   assume(max(_rhs_spatial(case)) > 1)  # 1x1 is matmul_1x1's job
@@ -151,6 +152,7 @@ def _rhs_spatial(case):
   return [rhs_shape[d] for d in kwargs["dimension_numbers"].rhs_spec[2:]]
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(conv_cases(nsp=(2,), kernel=(5, 7), spatial=(5, 9), strides=(1, 1),
                   lhs_dil=(1, 1), rhs_dil=(1, 1), groups="none"))
@@ -165,12 +167,14 @@ def test_fft_matches_lax_1d(case):
   check_kernel("fft", case)
 
 
+@pytest.mark.slow
 @settings(max_examples=10)
 @given(conv_cases(depthwise=True))
 def test_depthwise_channel_form_matches_lax(case):
   check_kernel("depthwise", case)
 
 
+@pytest.mark.slow
 @settings(max_examples=8)
 @given(conv_cases(wgrad=True))
 def test_depthwise_weight_grad_form_matches_lax(case):
@@ -291,3 +295,18 @@ def test_bfloat16_with_float32_accumulation(name, rng):
   want = lax.conv_general_dilated(lhs, rhs, **kwargs)
   assert got.dtype == want.dtype == jnp.float32
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_check_kernel_catches_a_wrong_kernel():
+  xla = reg.get_kernel("conv", "xla").fn
+  reg.register_kernel("conv", "test_off_by_1e_6",
+                      lambda l, r, s: xla(l, r, s) * (1 + 1e-6),
+                      applicable=lambda spec, platform: True)
+  case = ((1, 4, 4, 2), (3, 3, 2, 3), dict(
+      window_strides=(1, 1), padding="SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  try:
+    with pytest.raises(AssertionError, match="relative error"):
+      check_kernel("test_off_by_1e_6", case)
+  finally:
+    reg.unregister_kernel("conv", "test_off_by_1e_6")

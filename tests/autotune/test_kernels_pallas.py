@@ -6,12 +6,14 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 
 from tests.autotune.test_kernels import _spec, check_kernel, conv_cases
 from tunedjax.autotune import _registry as reg
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(conv_cases(nsp=(2,), kernel=(1, 3), spatial=(1, 6), strides=(1, 1),
                   groups="none"))

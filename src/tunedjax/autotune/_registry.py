@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import inspect
@@ -273,19 +274,13 @@ def _listify(value: Any) -> Any:
   return value
 
 
-_OUT_AVALS: dict[ConvSpec, jax.ShapeDtypeStruct] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _out_aval(spec: ConvSpec) -> jax.ShapeDtypeStruct:
-  aval = _OUT_AVALS.get(spec)
-  if aval is None:
-    args = (jax.ShapeDtypeStruct(spec.lhs_shape, jax.numpy.dtype(spec.lhs_dtype)),
-            jax.ShapeDtypeStruct(spec.rhs_shape, jax.numpy.dtype(spec.rhs_dtype)))
-    params = spec.params()
-    aval = jax.eval_shape(
-        lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), *args)
-    _OUT_AVALS[spec] = aval
-  return aval
+  args = (jax.ShapeDtypeStruct(spec.lhs_shape, jax.numpy.dtype(spec.lhs_dtype)),
+          jax.ShapeDtypeStruct(spec.rhs_shape, jax.numpy.dtype(spec.rhs_dtype)))
+  params = spec.params()
+  return jax.eval_shape(
+      lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), *args)
 
 
 @dataclasses.dataclass(frozen=True)
