@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from jax import lax
 
 from tests.autotune.test_kernels import _spec, check_kernel, conv_cases
 from tunedjax.autotune import _registry as reg
+from tunedjax.autotune._conv_pallas import conv_pallas
 
 
 @pytest.mark.slow
@@ -45,3 +48,18 @@ def test_pallas_only_on_gpu():
   assert not pallas.applicable(
       dataclasses.replace(spec, lhs_dtype="float64", rhs_dtype="float64"),
       "gpu")
+
+
+def test_pallas_bfloat16_accumulates_in_float32(rng):
+  kwargs = dict(window_strides=(1, 1), padding="SAME",
+                dimension_numbers=("NCHW", "OIHW", "NHWC"),
+                preferred_element_type=jnp.float32)
+  lhs = jnp.asarray(rng.normal(size=(2, 24, 5, 5)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.normal(size=(20, 24, 3, 3)), jnp.bfloat16)
+  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  assert reg.get_kernel("conv", "pallas").applicable(spec, "gpu")
+  got = conv_pallas(lhs, rhs, spec, interpret=True)
+  want = lax.conv_general_dilated(lhs.astype(jnp.float32),
+                                  rhs.astype(jnp.float32), **kwargs)
+  assert got.dtype == jnp.float32 and got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
