@@ -162,13 +162,17 @@ class _Rules:
         lhs_arr = st.to_perm(lhs, lhs_perm)
     else:
       lhs_arr = lhs.array
+    # A weight-gradient convolution reads activations with batch and feature
+    # roles swapped; its result is a kernel gradient, produced in the kernel's
+    # own layout (where the optimizer update and the output want it).
+    weight_grad = lhs_perm != _act_order(dn.lhs_spec, target)  # the swapped form
     rhs_perm = perm_of(rhs)
     if rhs_perm is None:
       rhs_perm = _kernel_order(dn.rhs_spec, target)
       rhs_arr = st.to_perm(rhs, rhs_perm)
     else:
       rhs_arr = rhs.array
-    out_perm = _act_order(dn.out_spec, target)
+    out_perm = identity(len(dn.out_spec)) if weight_grad else _act_order(dn.out_spec, target)
     lhs_inv, rhs_inv, out_inv = inverse(lhs_perm), inverse(rhs_perm), inverse(out_perm)
     new_dn = lax.ConvDimensionNumbers(
         lhs_spec=tuple(lhs_inv[a] for a in dn.lhs_spec),
@@ -321,7 +325,10 @@ class _Rules:
   def rev(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
     (operand,) = invals
     if not isinstance(operand, Laid):
-      return ctx.default(eqn, invals)
+      done = self.st.converted(operand)  # a kernel already re-laid for the forward conv
+      if not done:
+        return ctx.default(eqn, invals)
+      operand = Laid(done[0][1], done[0][0])
     inv = inverse(operand.perm)
     dims = tuple(sorted(inv[d] for d in eqn.params["dimensions"]))
     out = ctx.bind(eqn, [operand.array], dimensions=dims)[0]
