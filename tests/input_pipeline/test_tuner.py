@@ -92,7 +92,14 @@ def test_max_workers_and_max_batches_are_respected():
   result = _climb(measure, clock, max_workers=3, max_batches=75)
   assert max(t.worker_count for t in result.trials) <= 3
   assert result.batches <= 75 and len(result.trials) == 7
-  assert result.stopped == "tuning_steps"
+  assert result.stopped == "max_batches"
+
+
+def test_a_fast_enough_start_is_not_climbed_from():
+  clock = FakeClock()
+  result = _climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
+  assert len(result.trials) == 1 and result.stopped == "fast enough"
+  assert result.setting == (0, 16)
 
 
 def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
@@ -136,7 +143,8 @@ def test_real_tuning_is_bounded_and_cached(cache_dir):
                 max_read_threads=2, tuning_steps=60, budget_s=20)
   first = ip.tune_worker_count(src, **kwargs)
   assert not first.from_cache and first.trials
-  assert first.batches <= 60 and first.seconds <= 20 + 1
+  assert all(t.batches <= 60 for t in first.trials)  # tuning_steps: per trial
+  assert first.seconds <= 20 + 1
   assert all(t.worker_count == 0 and t.read_threads <= 2 for t in first.trials)
   assert all(t.batches_per_s > 0 for t in first.trials)
   again = ip.tune_worker_count(src, **kwargs)
@@ -177,8 +185,7 @@ def test_config_enable_tunes_even_given_ints(cache_dir):
                        tuning_budget_s=10)
     result = loader.tune(cache=False)
   assert result is not None and result.start == (0, 4)
-  assert result.batches <= 30
-  assert all(t.worker_count == 0 for t in result.trials)
+  assert all(t.batches <= 30 and t.worker_count == 0 for t in result.trials)
 
 
 def test_only_the_auto_knob_is_tuned(cache_dir):
@@ -194,7 +201,8 @@ def test_real_trial_with_a_worker_process(cache_dir):
                                 read_threads=0, max_workers=1, max_read_threads=0,
                                 tuning_steps=40, budget_s=30, cache=False)
   assert result.trials[0].setting == (1, 0) and result.trials[0].startup_s > 0
-  assert result.seconds <= 30 + 2 and result.batches <= 40
+  assert result.seconds <= 30 + 2
+  assert all(t.batches <= 40 for t in result.trials)
 
 
 def test_bad_tuner_options_are_explained():

@@ -47,7 +47,7 @@ class Loader:
   When a knob is ``"auto"``, or the config's ``dataloader.enable`` is on, the
   loader measures the best (worker processes, read threads) on a random
   subset of the records before the first batch (`tune_worker_count`, bounded
-  by `tuning_budget_s` and `tuning_steps` batches), or reuses the choice the
+  by `tuning_budget_s`, reading at most `tuning_steps` batches per trial), or reuses the choice the
   persistent tuning cache holds for this host and pipeline. Integers with
   ``dataloader.enable`` off are used as given. Tuning never reads from, or
   moves, the training stream. Call `tune` first to include the training step
@@ -70,7 +70,8 @@ class Loader:
     drop_remainder: drop each epoch's last, short batch.
     worker_count: worker processes, or "auto" to measure.
     read_threads: read threads per process, or "auto" to measure.
-    tuning_steps: batches the tuner may read (None: config, 500 by default).
+    tuning_steps: batches the tuner reads per trial, at most (None: the
+      config's, 500 by default).
     max_workers: the most workers to try (None: config, else the CPU count).
     tuning_budget_s: seconds the tuner may take; 0 turns measuring off
       ("auto" then means 0 workers and 16 read threads).

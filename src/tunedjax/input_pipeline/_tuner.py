@@ -40,6 +40,9 @@ THREAD_LADDER = (0, 1, 2, 4, 8, 16)
 DEFAULT_READ_THREADS = 16  # grain's ReadOptions default
 DEFAULT_STARTUP_PER_WORKER_S = 1.5  # until one is measured
 NOISE_MARGIN = 0.05
+# A pipeline already this fast (batches/s, or steps/s with a consumer) is no
+# bottleneck for any training step: worker processes cannot pay for themselves.
+FAST_ENOUGH = 1000.0
 KNOBS = ("workers", "read_threads")
 
 
@@ -83,7 +86,8 @@ class TuningResult:
     trials: every trial, in order.
     seconds: the time spent tuning (0 on a cache hit).
     batches: the batches read while tuning (0 on a cache hit).
-    stopped: why the climb ended: "converged", "budget", "tuning_steps",
+    stopped: why the climb ended: "converged", "budget", "max_batches",
+      "fast enough" (the start already reads over `FAST_ENOUGH` batches/s),
       "cache" (reused a stored choice) or "no budget".
     from_cache: whether the choice came from the persistent cache.
 
@@ -180,9 +184,10 @@ def choices(start: tuple[int, int], *, max_workers: int, max_read_threads: int,
 
 
 def hill_climb(measure: Measure, *, start: tuple[int, int], worker_choices: Sequence[int],
-               thread_choices: Sequence[int], budget_s: float, max_batches: int,
+               thread_choices: Sequence[int], budget_s: float, max_batches: int | None,
                trial_batches: Callable[[tuple[int, int]], int],
                margin: float = NOISE_MARGIN, confirm_rounds: int = 2,
+               fast_enough: float = float("inf"),
                clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Climbs from `start` to the best-measured setting within the bounds.
 
@@ -200,10 +205,11 @@ def hill_climb(measure: Measure, *, start: tuple[int, int], worker_choices: Sequ
     worker_choices: the worker counts it may try.
     thread_choices: the read-thread counts it may try.
     budget_s: seconds the whole climb may take.
-    max_batches: batches all trials together may read.
+    max_batches: batches all trials together may read (None: no limit).
     trial_batches: batches one trial of a setting reads.
     margin: the relative gain that counts as better than noise.
     confirm_rounds: re-measurements of each of the two best settings.
+    fast_enough: stop after the first trial if it reads this fast.
     clock: seconds, monotonic (a fake one in tests).
 
   Returns:
@@ -236,8 +242,8 @@ def hill_climb(measure: Measure, *, start: tuple[int, int], worker_choices: Sequ
 
   def run(setting: tuple[int, int], phase: str) -> bool:
     nonlocal batches, stopped
-    if batches + trial_batches(setting) > max_batches:
-      stopped = "tuning_steps"
+    if max_batches is not None and batches + trial_batches(setting) > max_batches:
+      stopped = "max_batches"
       return False
     spent = clock() - t0
     if spent >= budget_s or spent + estimate(setting) > budget_s:
@@ -259,14 +265,16 @@ def hill_climb(measure: Measure, *, start: tuple[int, int], worker_choices: Sequ
 
   log.debug("========= tunedjax DataLoader auto-tune =========")
   log.debug("start: workers=%d read_threads=%d; range: workers %s, read_threads %s; "
-            "budget %.1f s, %d batches", start[0], start[1], list(worker_choices),
+            "budget %.1f s, %s batches", start[0], start[1], list(worker_choices),
             list(thread_choices), budget_s, max_batches)
   if not run(start, "climb"):
     return TuningResult(*start, batches_per_s=0.0, start=start, trials=(),
                         seconds=clock() - t0, batches=0,
                         stopped="no budget" if stopped == "budget" else stopped)
   current = start
-  climbing = True
+  climbing = score(start) < fast_enough
+  if not climbing:
+    stopped = "fast enough"
   while climbing:
     untried = [n for n in neighbours(current, worker_choices=worker_choices,
                                      thread_choices=thread_choices)
@@ -401,19 +409,18 @@ def _block(value: Any) -> None:
 
 
 def trial_sizes(tuning_steps: int, setting: tuple[int, int]) -> tuple[int, int]:
-  """(warm-up, window) batches of one trial of `setting`.
+  """(warm-up, window) batches of one trial of `setting`: `tuning_steps` in all.
 
-  The window is a sixteenth of `tuning_steps` (4 to 64 batches); the warm-up
-  drains what the prefetch buffers hold after the workers start, so that the
-  window times the pipeline, not the buffers.
+  As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
+  what the prefetch buffers hold once the workers are up (at most half the
+  batches), so that the window times the pipeline, not the buffers.
 
   Example:
     >>> trial_sizes(500, (2, 4))
-    (13, 31)
+    (13, 487)
   """
-  window = min(64, max(4, tuning_steps // 16))
-  warmup = min(_processes.buffered_batches(*setting) + 1, 3 * window)
-  return warmup, window
+  warmup = max(1, min(_processes.buffered_batches(*setting) + 1, tuning_steps // 2))
+  return warmup, max(1, tuning_steps - warmup)
 
 
 def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
@@ -431,8 +438,9 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
 
   Hill-climbs from (`worker_count`, `read_threads`) over worker processes
   (0 to `max_workers`) and read threads (0 to `max_read_threads`), timing
-  each setting on a random subset of the records after a warm-up, within
-  `budget_s` seconds and `tuning_steps` batches. With `consumer` (e.g. the
+  each setting on a random subset of the records: a warm-up, then a window
+  that ends after `tuning_steps` batches in all or a time slice of the
+  budget, whichever comes first; the whole tuning stays within `budget_s`. With `consumer` (e.g. the
   compiled training step) or `consumer_s` (its duration, slept: a step that
   runs on an accelerator), it measures end-to-end steps per second. The
   choice is stored in the persistent tuning cache under this host and this
@@ -450,7 +458,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     read_threads: the read threads to start from (None: grain's 16).
     max_workers: the most workers to try (None: config, else the CPU count).
     max_read_threads: the most read threads to try.
-    tuning_steps: batches all trials may read (None: the config's value).
+    tuning_steps: batches one trial reads at most, warm-up included (as
+      Paddle's; None: the config's value).
     budget_s: seconds the tuning may take.
     consumer: called on each timed batch (its result is waited for).
     consumer_s: seconds per step to simulate when there is no consumer.
@@ -504,8 +513,7 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                           from_cache=True)
 
   rng = np.random.default_rng([seed, 0x7E57])
-  most_batches = sum(trial_sizes(tuning_steps, (max_workers, max_read_threads)))
-  subset = rng.choice(len(source), size=min(len(source), most_batches * batch_size),
+  subset = rng.choice(len(source), size=min(len(source), (tuning_steps + 1) * batch_size),
                       replace=False)
   ds = _dataset.build(source, batch_size=batch_size, transforms=transforms,
                       shuffle=shuffle, seed=seed, num_epochs=None,
@@ -516,14 +524,14 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   def measure_setting(setting: tuple[int, int], deadline: float) -> Trial:
     warmup, window = trial_sizes(tuning_steps, setting)
     return _measure_real(ds, warmup=warmup, window=window,
-                         max_window_s=max(0.5, budget_s / 12), consumer=consumer,
+                         max_window_s=min(2.0, max(0.25, budget_s / 15)), consumer=consumer,
                          consumer_s=consumer_s, clock=clock)(setting, deadline)
 
   worker_choices, thread_choices = choices(start, max_workers=max_workers,
                                            max_read_threads=max_read_threads, tune=tune)
   result = hill_climb(measure_setting, start=start, worker_choices=worker_choices,
                       thread_choices=thread_choices, budget_s=budget_s,
-                      max_batches=tuning_steps,
+                      max_batches=None, fast_enough=FAST_ENOUGH,
                       trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
                       margin=margin, clock=clock)
   if store is not None and result.trials:

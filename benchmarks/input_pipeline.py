@@ -1,0 +1,193 @@
+"""Input-pipeline throughput: grain's defaults, Paddle's rule, tunedjax's tuner, the oracle.
+
+Three pipelines, batch 16, read through `tunedjax.input_pipeline`'s grain
+recipe (records shuffled and batched on the MapDataset side):
+
+- light: a 64-float record, scaled (the reading overhead dominates);
+- decode: a PNG-like decode (zlib inflate, which releases the GIL, an
+  un-filter pass and per-channel normalisation in NumPy) of a 112x112x3
+  image, about 3 ms per record on an idle core;
+- python: a pure-Python word count and string hash (holds the GIL).
+
+For each, four settings of (worker processes, read threads):
+
+- grain defaults: `MapDataset.to_iter_dataset()` with its default
+  ReadOptions (16 threads, 500-element buffer), no worker processes;
+- Paddle's rule: the same hill climb over worker processes only, threads
+  left at 16 (Paddle's DataLoader autotune has no thread knob);
+- tuned: `tune_worker_count` over both knobs (default budget 60 s and
+  `tuning_steps` 500, no cache);
+- oracle: the best fixed setting of a full sweep (every workers x threads).
+
+The settings are then timed side by side in interleaved rounds: each round
+starts every setting's iterator afresh, skips its warm-up (the prefetch
+buffers), and times a window of batches; the table gives the median seconds
+per batch and the per-round ratio to grain's defaults, with the defaults timed
+twice as an A/A control. The tuning time is compared with a 1,000-step epoch
+at the tuned throughput. The machine is shared: the load average is printed.
+
+Run: `.venv/bin/python benchmarks/input_pipeline.py [--quick] [--write] [--rounds N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import zlib
+
+import grain
+import numpy as np
+
+import _harness
+from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _processes
+from tunedjax.input_pipeline import _tuner
+
+BATCH = 16
+SIDE = 112
+
+
+def light(record):
+  return record * 2.0 + 1.0
+
+
+def decode(blob):
+  a = np.frombuffer(zlib.decompress(blob), np.uint8).reshape(SIDE, SIDE, 3)
+  a = np.cumsum(a.astype(np.int32), axis=1).astype(np.uint8)  # undo a PNG "Sub" filter
+  x = a.astype(np.float32) / 255.0
+  return (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-6)
+
+
+def python_heavy(text):
+  counts = {}
+  for word in text.split():
+    counts[word] = counts.get(word, 0) + 1
+  h = 0
+  for c in text:
+    h = (h * 31 + ord(c)) & 0xFFFFFFFF
+  return np.array([h, len(counts)], np.int64)
+
+
+def make_sources(n: int) -> dict[str, tuple[object, list]]:
+  rng = np.random.default_rng(0)
+  ramp = np.add.outer(np.arange(SIDE), np.arange(SIDE))[..., None]
+  images = [(ramp + rng.integers(0, 40, (SIDE, SIDE, 3))).astype(np.uint8)
+            for _ in range(min(n, 256))]
+  blobs = [zlib.compress(np.diff(im, axis=1, prepend=np.uint8(0)).astype(np.uint8).tobytes(), 6)
+           for im in images]
+  words = "the quick brown fox jumps over the lazy dog".split()
+  texts = [" ".join(rng.choice(words, 400)) for _ in range(min(n, 256))]
+  return {
+      "light": (rng.normal(size=(n, 64)).astype(np.float32), [light]),
+      "decode": ([blobs[i % len(blobs)] for i in range(n)], [decode]),
+      "python": ([texts[i % len(texts)] for i in range(n)], [python_heavy]),
+  }
+
+
+def window_s_per_batch(ds, setting, *, window: int, grain_defaults: bool = False) -> float:
+  """Seconds per batch in steady state: skip the buffers, time `window` batches."""
+  workers, threads = setting
+  if grain_defaults:
+    iterator = iter(ds.to_iter_dataset())
+    warmup = 16 + 2  # its 16 threads start 16 batches at once
+    iterator = _processes.open_iterator(ds, workers=workers, read_threads=threads)
+    warmup = _processes.buffered_batches(workers, threads) + 2
+  try:
+    for _ in range(warmup):
+      next(iterator)
+    start = time.perf_counter()
+    for _ in range(window):
+      next(iterator)
+    return (time.perf_counter() - start) / window
+  finally:
+    _processes.close_quietly(iterator)
+
+
+def sweep(ds, grid, *, window: int) -> dict[tuple[int, int], float]:
+  return {s: window_s_per_batch(ds, s, window=window) for s in grid}
+
+
+def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick):
+  ds = _dataset.build(source, batch_size=BATCH, transforms=transforms, shuffle=True,
+                      seed=0, num_epochs=None, drop_remainder=True)
+  tune_kwargs = dict(batch_size=BATCH, transforms=transforms, max_workers=max_workers,
+                     cache=False)
+  if quick:
+    tune_kwargs.update(tuning_steps=60, budget_s=15)
+  tuned = _tuner.tune_worker_count(source, **tune_kwargs)
+  paddle = _tuner.tune_worker_count(source, tune=("workers",), **tune_kwargs)
+  threads = (0, 1, 4, 16) if quick else _tuner.THREAD_LADDER
+  grid = [(w, t) for w in range(max_workers + 1) for t in threads]
+  t0 = time.perf_counter()
+  swept = sweep(ds, grid, window=window)
+  sweep_s = time.perf_counter() - t0
+  oracle = min(swept, key=swept.get)
+
+  variants = {
+      "grain defaults (0 workers, 16 threads, 500 buffer)": ("defaults", None),
+      f"Paddle's rule: workers only -> {paddle.setting}": ("fixed", paddle.setting),
+      f"tunedjax tuned -> {tuned.setting}": ("fixed", tuned.setting),
+      f"oracle (sweep of {len(grid)}) -> {oracle}": ("fixed", oracle),
+  }
+  names = [*variants, _harness.CONTROL]
+  baseline = names[0]
+  runs = {n: [] for n in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for n in order:
+      kind, setting = variants.get(n, variants[baseline])
+      runs[n].append(window_s_per_batch(ds, setting or (0, 16), window=window,
+                                        grain_defaults=kind == "defaults"))
+  timings = _harness.Timings(runs, baseline)
+  epoch_s = 1000 * timings.median(names[2])
+  notes = {
+      names[1]: f"tuned in {paddle.seconds:.1f} s, {len(paddle.trials)} trials",
+      names[2]: (f"tuned in {tuned.seconds:.1f} s, {len(tuned.trials)} trials, "
+                 f"{tuned.batches} batches; = {tuned.seconds / epoch_s:.0%} of a "
+                 f"1,000-step epoch ({epoch_s:.0f} s)"),
+      names[3]: f"sweep took {sweep_s:.0f} s",
+  }
+  table = _harness.ratio_table(timings, unit="ms/batch", scale=1e3, notes=notes)
+  oracle_ratio = timings.median(names[3]) / timings.median(names[2])
+  summary = (f"tuned reaches {oracle_ratio:.0%} of the oracle's throughput; "
+             f"vs grain defaults: {1 / timings.ratio(names[2]):.2f}x throughput; "
+             f"tuning = {tuned.seconds / epoch_s:.1%} of a 1,000-step epoch.")
+  return f"**{name}**\n\n{table}\n\n{summary}\n", tuned
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+  parser.add_argument("--write", action="store_true", help="write BENCHMARKS.md")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--only", default=None, help="light, decode or python")
+  args = parser.parse_args(argv)
+  rounds = args.rounds or (2 if args.quick else 5)
+  window = 16 if args.quick else 40
+  max_workers = os.cpu_count() or 1
+  load_before = os.getloadavg()
+  sources = make_sources(400 if args.quick else 4000)
+  parts = []
+  for name, (source, transforms) in sources.items():
+    if args.only and name != args.only:
+      continue
+    part, _ = run_pipeline(name, source, transforms, rounds=rounds, window=window,
+                           max_workers=max_workers, quick=args.quick)
+    print(part, flush=True)
+    parts.append(part)
+  load_after = os.getloadavg()
+  footer = (f"{_harness.machine_line()} Load average {load_before[0]:.1f} before, "
+            f"{load_after[0]:.1f} after (1 min). {rounds} rounds of {window} batches "
+            f"of {BATCH}; max_workers={max_workers}.")
+  print(footer)
+  if args.write:
+    body = ("## Input pipeline: tuned workers and read threads\n\n"
+            "Median ms per batch (lower is better), ratio to grain's defaults per round. "
+            "Produced by `benchmarks/input_pipeline.py`.\n\n" + "\n".join(parts) + "\n" + footer)
+    _harness.write_section("input_pipeline", body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
