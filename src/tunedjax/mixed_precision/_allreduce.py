@@ -44,7 +44,8 @@ def allreduce_gradients(grads: Any, axis_name: str | tuple[str, ...], *,
     op: "mean" (divided by the device count, in the gradient's dtype) or "sum".
 
   Returns:
-    The reduced gradients, in their original dtypes.
+    The reduced gradients, in their original dtypes; leaves that are not
+    floating (no gradient) pass through unreduced.
 
   Example:
     >>> import jax, jax.numpy as jnp

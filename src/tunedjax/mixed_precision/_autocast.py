@@ -41,6 +41,7 @@ from jax import lax
 from jax.extend import source_info_util
 
 from tunedjax import rewrite
+from tunedjax._errors import did_you_mean
 from tunedjax.mixed_precision._policy import (DTypeLike, PolicyError,
                                               PolicyLike, canonical_dtype,
                                               get_policy)
@@ -147,7 +148,6 @@ def _check_names(names: Iterable[str], which: str) -> tuple[str, ...]:
   names = tuple(getattr(n, "name", n) for n in names)  # a jax Primitive too
   for n in names:
     if n not in KNOWN_PRIMITIVES:
-      from tunedjax._errors import did_you_mean  # pylint: disable=g-import-not-at-top
       raise PolicyError(
           f"autocast: unknown primitive {n!r} in {which}{did_you_mean(str(n), KNOWN_PRIMITIVES)}. "
           f"Known primitives: {', '.join(KNOWN_PRIMITIVES)}.")
