@@ -78,7 +78,14 @@ def test_convspec_from_dict_rejects_bad_dicts(rng):
   with pytest.raises(TunedJaxError, match="Invalid ConvSpec"):
     reg.ConvSpec.from_dict({**d, "lhs_dtype": "no_such_dtype"})
   with pytest.raises(TunedJaxError, match="precision"):
-    reg.ConvSpec.from_dict({**d, "precision": "__import__('os')"}).params()
+    reg.ConvSpec.from_dict({**d, "precision": "__import__('os')"})
+  for key, bad in [("lhs_shape", [2, "7", 6, 4]), ("lhs_shape", [2, True, 6, 4]),
+                   ("padding", [1, 2]), ("feature_group_count", 0),
+                   ("batch_group_count", 1.0), ("out_dtype", None),
+                   ("dimension_numbers", [[0, 1, 2, 3], [0, 1, 2, 3]])]:
+    with pytest.raises(TunedJaxError, match=key if key != "dimension_numbers"
+                       else "dimension_numbers"):
+      reg.ConvSpec.from_dict({**d, key: bad})
 
 
 def test_convspec_from_equation_rejects_other_primitives():

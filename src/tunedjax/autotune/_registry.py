@@ -260,12 +260,49 @@ class ConvSpec:
       got = sorted(d) if isinstance(d, dict) else type(d).__name__
       raise TunedJaxError(
           f"A ConvSpec dict must have exactly the keys {format_choices(names)}; "
-          f"got {got!r}."
-      )
-    try:
-      return cls(**d)
-    except (TypeError, ValueError) as e:
-      raise TunedJaxError(f"Invalid ConvSpec dict {d!r}: {e}") from e
+          f"got {got!r}.")
+    problem = _check_types(d)
+    if problem is None:
+      try:
+        spec = cls(**d)
+        _parse_precision(spec.precision)
+        return spec
+      except (TypeError, ValueError, TunedJaxError) as e:
+        problem = str(e)
+    raise TunedJaxError(f"Invalid ConvSpec dict {d!r}: {problem}")
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ints(v: Any, depth: int = 1) -> bool:
+  if not isinstance(v, (list, tuple)):
+    return False
+  if depth == 1:
+    return all(_is_int(x) for x in v)
+  return all(_is_ints(x, depth - 1) for x in v)
+
+
+def _check_types(d: dict[str, Any]) -> str | None:
+  """Says what is wrong with the field types of a ConvSpec dict, or None."""
+  for key in ("lhs_shape", "rhs_shape", "window_strides", "lhs_dilation",
+              "rhs_dilation"):
+    if not _is_ints(d[key]):
+      return f"{key} must be a list of integers, got {d[key]!r}"
+  for key in ("padding", "dimension_numbers"):
+    if not _is_ints(d[key], depth=2):
+      return f"{key} must be a list of lists of integers, got {d[key]!r}"
+  for key in ("feature_group_count", "batch_group_count"):
+    if not _is_int(d[key]) or d[key] < 1:
+      return f"{key} must be a positive integer, got {d[key]!r}"
+  for key in ("lhs_dtype", "rhs_dtype", "out_dtype", "preferred_element_type",
+              "precision"):
+    optional = key in ("preferred_element_type", "precision")
+    if not (isinstance(d[key], str) or (optional and d[key] is None)):
+      return f"{key} must be a string{' or None' if optional else ''}, " \
+             f"got {d[key]!r}"
+  return None
 
 
 def _listify(value: Any) -> Any:
