@@ -275,10 +275,11 @@ def test_not_applicable_outside_declared_domain(name, spec):
   assert reg.get_kernel("conv", "xla").applicable(spec, "cpu")
 
 
-@pytest.mark.parametrize("name", ["matmul_1x1", "im2col", "depthwise"])
+@pytest.mark.parametrize("name", ["matmul_1x1", "im2col", "fft", "depthwise"])
 def test_bfloat16_with_float32_accumulation(name, rng):
   shapes = {"matmul_1x1": ((2, 5, 5, 8), (1, 1, 8, 6), {}),
             "im2col": ((2, 5, 5, 8), (3, 3, 8, 6), {}),
+            "fft": ((2, 9, 9, 3), (5, 5, 3, 4), {}),
             "depthwise": ((2, 5, 5, 8), (3, 3, 1, 8),
                           {"feature_group_count": 8})}
   lhs_shape, rhs_shape, extra = shapes[name]
@@ -310,3 +311,12 @@ def test_check_kernel_catches_a_wrong_kernel():
       check_kernel("test_off_by_1e_6", case)
   finally:
     reg.unregister_kernel("conv", "test_off_by_1e_6")
+
+
+def test_im2col_backward_at_its_largest_kernel():
+  # conv_general_dilated_patches crashes XLA:CPU's backward at 15x15; the
+  # explicit slices must differentiate at im2col's largest kernel (7x7).
+  case = ((2, 12, 12, 3), (7, 7, 3, 4), dict(
+      window_strides=(2, 2), padding="SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  check_kernel("im2col", case, dtype=np.float32, rtol=1e-5)
