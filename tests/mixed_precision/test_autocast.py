@@ -75,7 +75,11 @@ def test_transformer_block_jaxpr():
                  for v in e.outvars)
 
 
-@pytest.mark.parametrize("case_name", CASES)
+SLOW_CASES = ("nnx_cnn", "optax_train_step")  # > 10 s on the shared 2-core machine
+
+
+@pytest.mark.parametrize("case_name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_matches_float32_forward_and_gradient(case_name):
   case, want, want_grads = make(case_name)
   counts = []

@@ -60,6 +60,7 @@ def _train_nnx(model, x, y, steps, opt=optax.adam(1e-2)):
   return [float(step(model, optimizer)) for _ in range(steps)]
 
 
+@pytest.mark.slow
 def test_nnx_o1_trains_with_float32_params_and_float32_norms(rng):
   x, y = _data(rng)
   reference = _Net(nnx.Rngs(0))
@@ -112,6 +113,7 @@ def test_nnx_o2_half_params_except_norms_with_master_weights(rng):
   assert _param_dtypes(model.module) == dtypes
 
 
+@pytest.mark.slow
 def test_linen_transformer_trains_under_o1_and_o2(rng):
   block = cases._Block()
   x = jnp.asarray(rng.normal(size=(8, 6, 16)), jnp.float32)
