@@ -18,7 +18,7 @@ from tunedjax.autotune._conv_pallas import conv_pallas
 
 @pytest.mark.slow
 @settings(max_examples=6)
-@given(conv_cases(nsp=(2,), kernel=(1, 3), spatial=(1, 6), strides=(1, 1),
+@given(conv_cases(nsp=(2,), kernel=(1, 3), spatial=(1, 7), strides=(1, 3),
                   groups="none"))
 def test_pallas_matches_lax_in_interpret_mode(case):
   check_kernel("pallas", case, platform="gpu", dtype=np.float32, rtol=1e-5)
@@ -43,8 +43,12 @@ def test_pallas_only_on_gpu():
   assert pallas.applicable(spec, "gpu")
   assert not pallas.applicable(spec, "cpu")
   assert not pallas.applicable(spec, "tpu")
+  assert pallas.applicable(
+      _spec((8, 224, 224, 3), (7, 7, 3, 64), window_strides=(2, 2)), "gpu")
   assert not pallas.applicable(
-      _spec((8, 56, 56, 64), (3, 3, 64, 64), window_strides=(2, 2)), "gpu")
+      _spec((8, 56, 56, 64), (3, 3, 32, 64), feature_group_count=2), "gpu")
+  assert not pallas.applicable(
+      _spec((8, 56, 56, 64), (9, 9, 64, 64)), "gpu")  # 81 taps
   assert not pallas.applicable(
       dataclasses.replace(spec, lhs_dtype="float64", rhs_dtype="float64"),
       "gpu")
@@ -63,3 +67,11 @@ def test_pallas_bfloat16_accumulates_in_float32(rng):
                                   rhs.astype(jnp.float32), **kwargs)
   assert got.dtype == jnp.float32 and got.shape == want.shape
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_pallas_strided_stem():
+  # The 7x7 stride-2 ResNet stem (small), strides split into 4 phases.
+  case = ((1, 11, 11, 3), (7, 7, 3, 4), dict(
+      window_strides=(2, 2), padding=((3, 3), (3, 3)), lhs_dilation=(1, 1),
+      rhs_dilation=(1, 1), dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  check_kernel("pallas", case, platform="gpu", dtype=np.float32, rtol=1e-5)

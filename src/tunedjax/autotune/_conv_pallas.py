@@ -8,12 +8,14 @@ The input is padded (padding and lhs dilation, in plain JAX) and its spatial
 dims flattened, so that every kernel tap ``(kh, kw)`` reads the input at a
 fixed offset ``kh * rd_h * Wp + kw * rd_w`` of the flattened output index:
 the convolution is a sum over taps of ``(BM, C) @ (C, BO)`` matrix products
-with no patch matrix in memory (implicit GEMM). The grid runs over batch,
+with no patch matrix in memory (implicit GEMM). A strided input is first split
+into its stride phases (``x[a::sh, b::sw]``), from each of which a tap reads
+at stride 1. The grid runs over batch,
 blocks of ``BM`` flattened output positions (full padded rows; the columns
 past the output width are computed and dropped) and blocks of ``BO`` output
 channels; channels are zero-padded to multiples of the (power-of-two, >= 16)
 block sizes Triton needs. It handles 2-D convolutions with any dimension
-numbers, padding, lhs and rhs dilation, stride 1, no feature or batch
+numbers, padding, strides, lhs and rhs dilation, no feature or batch
 groups, float32, bfloat16 or float16 operands (accumulating in float32, or
 preferred_element_type), up to 49 taps. Gradients come from a custom VJP
 that differentiates the XLA convolution (in a train step the backward
@@ -63,14 +65,14 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _kernel(x_ref, w_ref, o_ref, *, offsets, block_m, block_c, num_c, acc):
+def _kernel(x_ref, w_ref, o_ref, *, taps, block_m, block_c, num_c, acc):
   """One (batch, M block, O block) tile: sum over taps and channel blocks."""
   m0 = pl.program_id(1) * block_m
 
   def c_step(ci, total):
     c0 = pl.multiple_of(ci * block_c, block_c)
-    for t, d in enumerate(offsets):
-      a = x_ref[pl.ds(m0 + d, block_m), pl.ds(c0, block_c)]
+    for t, (phase, d) in enumerate(taps):
+      a = x_ref[phase, pl.ds(m0 + d, block_m), pl.ds(c0, block_c)]
       b = w_ref[t, pl.ds(c0, block_c), :]
       total += jnp.dot(a, b, preferred_element_type=acc)
     return total
@@ -80,33 +82,58 @@ def _kernel(x_ref, w_ref, o_ref, *, offsets, block_m, block_c, num_c, acc):
   o_ref[...] = total.astype(o_ref.dtype)
 
 
+def _phases(x: Any, strides: tuple[int, int]) -> tuple[Any, int, int]:
+  """Splits a padded (N, Hp, Wp, C) input into its stride phases.
+
+  Phase ``(a, b)`` holds ``x[:, a::sh, b::sw]``, zero-padded to a common
+  ``(Hq, Wq)``; a strided convolution reads every tap from one phase at a
+  fixed offset, with stride 1.
+
+  Returns:
+    ``(phases (N, sh * sw, Hq, Wq, C), Hq, Wq)``.
+  """
+  sh, sw = strides
+  n, hp, wp, c = x.shape
+  hq, wq = -(-hp // sh), -(-wp // sw)
+  if (sh, sw) == (1, 1):
+    return x[:, None], hp, wp
+  x = jnp.pad(x, ((0, 0), (0, hq * sh - hp), (0, wq * sw - wp), (0, 0)))
+  x = x.reshape(n, hq, sh, wq, sw, c).transpose(0, 2, 4, 1, 3, 5)
+  return x.reshape(n, sh * sw, hq, wq, c), hq, wq
+
+
 def _forward(lhs: Any, rhs: Any, spec: ConvSpec, interpret: bool) -> Any:
   acc = layout.accumulation_dtype(spec)
   out_dtype = layout.out_dtype(spec)
   x = layout.pad_spatial(layout.lhs_to_channels_last(lhs, spec), spec, 1)
   w = layout.rhs_to_channels_last(rhs, spec)  # (KH, KW, C, O)
-  n, hp, wp, c = x.shape
+  n, _, _, c = x.shape
   kh, kw, _, o = w.shape
   _, ho, wo, _ = layout.out_shape_channels_last(spec)
-  rd_h, rd_w = spec.rhs_dilation
-  offsets = tuple(i * rd_h * wp + j * rd_w for i in range(kh) for j in range(kw))
+  (rd_h, rd_w), (sh, sw) = spec.rhs_dilation, spec.window_strides
+  x, hq, wq = _phases(x, (sh, sw))
+  taps = tuple(
+      ((i * rd_h % sh) * sw + j * rd_w % sw,
+       (i * rd_h // sh) * wq + j * rd_w // sw)
+      for i in range(kh) for j in range(kw))
   block_c, block_o = _block(c, 32), _block(o, 64)
   cp, op = _round_up(c, block_c), _round_up(o, block_o)
-  m_total = ho * wp
+  m_total = ho * wq
   num_m = pl.cdiv(m_total, BLOCK_M)
-  length = num_m * BLOCK_M + max(offsets)
-  x = x.reshape(n, hp * wp, c)
-  x = jnp.pad(x, ((0, 0), (0, length - hp * wp), (0, cp - c)))
+  length = num_m * BLOCK_M + max(d for _, d in taps)
+  x = x.reshape(n, sh * sw, hq * wq, c)
+  x = jnp.pad(x, ((0, 0), (0, 0), (0, length - hq * wq), (0, cp - c)))
   w = jnp.pad(w.reshape(kh * kw, c, o), ((0, 0), (0, cp - c), (0, op - o)))
   kernel = functools.partial(
-      _kernel, offsets=offsets, block_m=BLOCK_M, block_c=block_c,
+      _kernel, taps=taps, block_m=BLOCK_M, block_c=block_c,
       num_c=cp // block_c, acc=acc)
   y = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((n, num_m * BLOCK_M, op), out_dtype),
       grid=(n, num_m, op // block_o),
       in_specs=[
-          pl.BlockSpec((None, length, cp), lambda b, m, j: (b, 0, 0)),
+          pl.BlockSpec((None, sh * sw, length, cp),
+                       lambda b, m, j: (b, 0, 0, 0)),
           pl.BlockSpec((kh * kw, cp, block_o), lambda b, m, j: (0, 0, j)),
       ],
       out_specs=pl.BlockSpec((None, BLOCK_M, block_o),
@@ -114,7 +141,7 @@ def _forward(lhs: Any, rhs: Any, spec: ConvSpec, interpret: bool) -> Any:
       interpret=interpret,
       name="tunedjax_conv_implicit_gemm",
   )(x, w)
-  y = y[:, :m_total].reshape(n, ho, wp, op)[:, :, :wo, :o]
+  y = y[:, :m_total].reshape(n, ho, wq, op)[:, :, :wo, :o]
   return layout.out_from_channels_last(y, spec)
 
 
@@ -163,7 +190,6 @@ def supports(spec: ConvSpec) -> bool:
   return (spec.num_spatial == 2
           and spec.lhs_dtype == spec.rhs_dtype
           and spec.lhs_dtype in DTYPES
-          and all(s == 1 for s in spec.window_strides)
           and spec.feature_group_count == 1
           and spec.batch_group_count == 1
           and layout.window_count(spec) <= MAX_TAPS
@@ -171,7 +197,7 @@ def supports(spec: ConvSpec) -> bool:
 
 
 def applicable(spec: ConvSpec, platform: str) -> bool:
-  """On "gpu" only: 2-D, stride 1, no groups, f32/bf16/f16, <= 49 taps."""
+  """On "gpu" only: 2-D, no groups, f32/bf16/f16, <= 49 taps."""
   return platform == "gpu" and supports(spec)
 
 
