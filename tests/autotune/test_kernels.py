@@ -320,3 +320,25 @@ def test_im2col_backward_at_its_largest_kernel():
       window_strides=(2, 2), padding="SAME",
       dimension_numbers=("NHWC", "HWIO", "NHWC")))
   check_kernel("im2col", case, dtype=np.float32, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,lhs_shape,rhs_shape,extra", [
+    ("matmul_1x1", (2, 5, 5, 4), (1, 1, 4, 3), {}),
+    ("im2col", (2, 5, 5, 4), (3, 3, 4, 3), {}),
+    ("fft", (2, 9, 9, 2), (5, 5, 2, 3), {}),
+    ("depthwise", (2, 5, 5, 4), (3, 3, 1, 4), {"feature_group_count": 4}),
+])
+def test_kernels_compose_with_vmap_and_jit(name, lhs_shape, rhs_shape, extra,
+                                           rng):
+  # The selection pass evaluates kernels inside the caller's trace, which may
+  # be a vmap (per-example gradients) under jit.
+  kwargs = dict(window_strides=(1, 1), padding="SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"), **extra)
+  lhs = rng.normal(size=(3, *lhs_shape)).astype(np.float32)
+  rhs = rng.normal(size=rhs_shape).astype(np.float32)
+  spec = reg.ConvSpec.from_arrays(lhs[0], rhs, **kwargs)
+  kernel = reg.get_kernel("conv", name)
+  got = jax.jit(jax.vmap(lambda l: kernel.fn(l, rhs, spec)))(lhs)
+  want = jax.vmap(lambda l: lax.conv_general_dilated(l, rhs, **kwargs))(lhs)
+  np.testing.assert_allclose(got, want, rtol=1e-4,
+                             atol=1e-4 * float(np.max(np.abs(want))))
