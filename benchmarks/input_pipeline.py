@@ -92,6 +92,7 @@ def window_s_per_batch(ds, setting, *, window: int, grain_defaults: bool = False
   if grain_defaults:
     iterator = iter(ds.to_iter_dataset())
     warmup = 16 + 2  # its 16 threads start 16 batches at once
+  else:
     iterator = _processes.open_iterator(ds, workers=workers, read_threads=threads)
     warmup = _processes.buffered_batches(workers, threads) + 2
   try:

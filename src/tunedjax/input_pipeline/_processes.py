@@ -161,15 +161,16 @@ def is_running(pid: int) -> bool:
 
 
 def read_options(read_threads: int) -> Any:
-  """grain ReadOptions for `read_threads`: a buffer as deep as the threads.
+  """grain ReadOptions for `read_threads`: a buffer twice as deep as the threads.
 
   grain's default buffer of 500 elements holds 500 *batches* here (batching
   happens before prefetching): memory for nothing, and a buffer that makes
-  short timing windows read the buffer instead of the pipeline.
+  short timing windows read the buffer instead of the pipeline. Twice the
+  threads keeps every thread busy while the consumer takes a batch.
   """
   import grain  # pylint: disable=g-import-not-at-top
   return grain.ReadOptions(num_threads=read_threads,
-                           prefetch_buffer_size=max(1, read_threads))
+                           prefetch_buffer_size=max(1, 2 * read_threads))
 
 
 PER_WORKER_BUFFER = 2
@@ -180,9 +181,9 @@ def buffered_batches(workers: int, read_threads: int) -> int:
 
   Example:
     >>> buffered_batches(2, 4)
-    12
+    20
   """
-  per_process = max(1, read_threads)
+  per_process = max(1, 2 * read_threads)
   if workers == 0:
     return per_process
   return workers * (PER_WORKER_BUFFER + per_process)

@@ -149,14 +149,19 @@ def neighbours(setting: tuple[int, int], *, worker_choices: Sequence[int],
                thread_choices: Sequence[int]) -> list[tuple[int, int]]:
   """The settings one step away: threads down/up, then workers down/up.
 
+  Also the jump to the fewest threads (a synchronous read): thread hand-offs
+  cost more than they give on a light pipeline, but the settings in between
+  are often worse than both ends, which would stop a plain climb.
+
   Example:
     >>> neighbours((0, 16), worker_choices=[0, 1, 2], thread_choices=THREAD_LADDER)
-    [(0, 8), (1, 16)]
+    [(0, 8), (0, 0), (1, 16)]
   """
   w, t = setting
   out = []
-  for t2 in (_step(thread_choices, t, -1), _step(thread_choices, t, +1)):
-    if t2 is not None:
+  for t2 in (_step(thread_choices, t, -1), _step(thread_choices, t, +1),
+             min(thread_choices)):
+    if t2 is not None and t2 != t and (w, t2) not in out:
       out.append((w, t2))
   for w2 in (_step(worker_choices, w, -1), _step(worker_choices, w, +1)):
     if w2 is not None:
@@ -417,7 +422,7 @@ def trial_sizes(tuning_steps: int, setting: tuple[int, int]) -> tuple[int, int]:
 
   Example:
     >>> trial_sizes(500, (2, 4))
-    (13, 487)
+    (21, 479)
   """
   warmup = max(1, min(_processes.buffered_batches(*setting) + 1, tuning_steps // 2))
   return warmup, max(1, tuning_steps - warmup)
