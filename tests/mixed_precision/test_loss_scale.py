@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+import tunedjax as tj
 from tunedjax import mixed_precision as mp
 
 
@@ -146,6 +147,12 @@ def test_loss_scale_for_follows_the_config_values():
   assert isinstance(mp.loss_scale_for("mixed_float16", "none"), mp.NoOpLossScale)
   with pytest.raises(ValueError, match="'auto', 'dynamic', 'static' or 'none'"):
     mp.loss_scale_for("mixed_float16", "always")
+  # With no arguments, the active config decides.
+  with tj.config_context({"mixed_precision": {"policy": "p=f32,c=f16,o=f32"}}):
+    assert isinstance(mp.loss_scale_for(), mp.DynamicLossScale)
+    with tj.config_context({"mixed_precision": {"loss_scale": "static"}}):
+      assert isinstance(mp.loss_scale_for(), mp.StaticLossScale)
+  assert isinstance(mp.loss_scale_for(), mp.NoOpLossScale)  # default policy: bfloat16
 
 
 # A small CNN in float16 against its float32 twin.

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunedjax._config import get_config
 from tunedjax._errors import ConfigError, format_choices
 from tunedjax.mixed_precision._policy import PolicyLike, get_policy
 
@@ -337,14 +338,16 @@ def _shift(argnums: int | tuple[int, ...]) -> int | tuple[int, ...]:
   return tuple(a + 1 for a in argnums)
 
 
-def loss_scale_for(policy: PolicyLike, config_value: str = "auto", *,
+def loss_scale_for(policy: PolicyLike | None = None, config_value: str | None = None, *,
                    static_value: float = 2.0**15) -> LossScale:
   """The loss scale that the config's ``mixed_precision.loss_scale`` names.
 
   Args:
-    policy: the `Policy` (or its string or name) being trained with.
+    policy: the `Policy` (or its string or name) being trained with; None
+      reads ``mixed_precision.policy`` from `tunedjax.get_config()`.
     config_value: "auto" (dynamic for float16 compute, none otherwise: bfloat16
-      has float32's range, as Paddle does), "dynamic", "static" or "none".
+      has float32's range, as Paddle does), "dynamic", "static" or "none";
+      None reads ``mixed_precision.loss_scale`` from the config.
     static_value: the factor for "static".
 
   Example:
@@ -353,6 +356,10 @@ def loss_scale_for(policy: PolicyLike, config_value: str = "auto", *,
     >>> type(loss_scale_for("mixed_bfloat16", "auto")).__name__
     'NoOpLossScale'
   """
+  if policy is None or config_value is None:
+    section = get_config().mixed_precision
+    policy = section.policy if policy is None else policy
+    config_value = section.loss_scale if config_value is None else config_value
   policy = get_policy(policy)
   if config_value == "auto":
     config_value = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
