@@ -19,9 +19,11 @@ The three op classes of PaddlePaddle's layout autotune, as rewrite rules:
   `integer_pow`, ...): the layout passes through; operands that disagree are
   brought to the common layout, broadcasts and scalars are remapped.
 
-`jit` calls are inlined and `custom_jvp_call` (``jax.nn.relu``, ``gelu``) is
-rebuilt on the re-laid operands with its derivative rule conjugated, so a
-region in the target layout extends across them.
+`jit` calls are inlined, and `custom_jvp_call` (``jax.nn.relu``, ``gelu``)
+and `remat2` (``jax.checkpoint``) are rebuilt on the re-laid operands with
+their bodies (and derivative rule) conjugated, so a region in the target
+layout extends across them. `scan`, `while` and `cond` bodies are rewritten
+on their own: their operands go back to the original layout at the boundary.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -52,7 +54,6 @@ from tunedjax.layout._value import LayoutState
 from tunedjax.layout._value import Perm
 from tunedjax.layout._value import identity
 from tunedjax.layout._value import inverse
-from tunedjax.layout._value import is_identity
 from tunedjax.layout._value import perm_of
 from tunedjax.layout._value import rank_of
 from tunedjax.layout._value import wrap
@@ -376,9 +377,11 @@ class _Rules:
 
   def jit(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Inlines a nested `jit` (jnp functions, Flax modules) so regions span it."""
-    if not any(isinstance(v, (Laid, Bcast)) for v in invals) or not _plain_jit(eqn):
-      return ctx.default(eqn, invals)
     sub = eqn.params["jaxpr"]
+    if not _plain_jit(eqn) or not (
+        any(isinstance(v, (Laid, Bcast)) for v in invals)
+        or any(e.primitive.name == CONV for e in rewrite.iter_equations(sub))):
+      return ctx.default(eqn, invals)
     return ctx.eval_jaxpr(sub.jaxpr, sub.consts, list(invals))
 
   def custom_jvp_call(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
@@ -414,6 +417,22 @@ class _Rules:
     outs = _compat.bind_equation(eqn, phys, new_params)
     return [o if p is None else Laid(o, p) for o, p in zip(outs, out_perms)]
 
+  def remat(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Rebuilds ``jax.checkpoint`` bodies on re-laid operands (conjugated, as above),
+    so a checkpointed block stays inside the region instead of cutting it."""
+    body = eqn.params.get("jaxpr")
+    if not isinstance(body, _compat.Jaxpr) or not (
+        any(isinstance(v, Laid) for v in invals)
+        or any(e.primitive.name == CONV for e in rewrite.iter_equations(body))):
+      return ctx.default(eqn, invals)
+    st = self.st
+    in_perms = [v.perm if isinstance(v, Laid) else None for v in invals]
+    phys = [v.array if isinstance(v, Laid) else st.logical(v) for v in invals]
+    new, out_perms = _conjugate(ctx, st, _compat.ClosedJaxpr(body, ()), in_perms, None)
+    new_open, consts = _compat.closed_to_open(new)
+    outs = ctx.bind(eqn, [*consts, *phys], jaxpr=new_open)
+    return [o if p is None else Laid(o, p) for o, p in zip(outs, out_perms)]
+
   def table(self) -> dict[str, Any]:
     rules: dict[str, Any] = {CONV: self.conv, "pad": self.pad}
     rules.update({name: self.elementwise for name in ELEMENTWISE})
@@ -427,6 +446,7 @@ class _Rules:
         "dynamic_update_slice": self.dynamic_update_slice, "rev": self.rev,
         "squeeze": self.squeeze, "split": self.split, "reshape": self.reshape,
         "jit": self.jit, "pjit": self.jit, "custom_jvp_call": self.custom_jvp_call,
+        "remat2": self.remat, "checkpoint": self.remat,
     })
     return rules
 

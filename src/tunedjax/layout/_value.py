@@ -36,6 +36,7 @@ Perm = tuple[int, ...]
 
 
 def identity(n: int) -> Perm:
+  """The permutation that leaves `n` axes in place."""
   return tuple(range(n))
 
 
@@ -48,6 +49,7 @@ def inverse(perm: Sequence[int]) -> Perm:
 
 
 def is_identity(perm: Sequence[int]) -> bool:
+  """Whether `perm` leaves every axis in place."""
   return all(i == a for i, a in enumerate(perm))
 
 
@@ -90,6 +92,7 @@ def perm_of(value: Any) -> Perm | None:
 
 
 def rank_of(value: Any) -> int:
+  """The logical rank of a pass value (plain, `Laid` or `Bcast`)."""
   if isinstance(value, Laid):
     return len(value.perm)
   if isinstance(value, Bcast):
