@@ -173,6 +173,7 @@ def test_grad_inside_and_vmap_compose(rng):
   assert got.dtype == F32
 
 
+@pytest.mark.slow
 @settings(max_examples=5, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(batch=st.integers(1, 5), d_in=st.integers(1, 17), d_hidden=st.integers(1, 33),
        d_out=st.integers(2, 9), seed=st.integers(0, 2**16))
