@@ -210,3 +210,10 @@ def test_bad_tuner_options_are_explained():
     ip.tune_worker_count(np.arange(10.0), batch_size=2, max_workers=-1)
   with pytest.raises(tj.ConfigError, match="did you mean 'workers'"):
     ip.tune_worker_count(np.arange(10.0), batch_size=2, tune=("worker",))
+
+
+def test_consumer_seconds_bound_the_measured_rate(cache_dir):
+  result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
+                                max_read_threads=0, tuning_steps=12, budget_s=10,
+                                consumer_s=0.004, cache=False)
+  assert result.trials and all(t.batches_per_s <= 1 / 0.004 for t in result.trials)
