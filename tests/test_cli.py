@@ -208,3 +208,39 @@ def test_cache_import_of_a_bad_file_is_an_error(cache_dir, tmp_path, capsys):
   assert cli.main(["cache", "import", str(bad)]) == 1
   assert "Cannot import" in capsys.readouterr().err
   assert cli.main(["cache"]) == 2  # an action is required
+
+
+@pytest.mark.slow
+def test_cache_import_checks_every_tuner_namespace_in_a_fresh_process(tmp_path):
+  """`tunedjax cache import` alone (no other tunedjax import first) validates
+  conv, layout and dataloader entries with the tuners' own validators."""
+  from tunedjax.autotune._cache import Cache
+  source = Cache(tmp_path / "source")
+  good = {
+      "conv": {"winner": "im2col", "timings": {"xla": [0.2], "im2col": [0.1]}},
+      "layout": {"choice": "relaid", "target": "NHWC", "seconds": {"relaid": 0.1}},
+      "dataloader": {"worker_count": 2, "read_threads": 0, "batches_per_s": 25.4},
+  }
+  bad = {
+      "conv": {"winner": "a kernel from nowhere"},
+      "layout": {"choice": "relaid", "target": "NWHC"},
+      "dataloader": {"worker_count": -1, "read_threads": 0, "batches_per_s": 1.0},
+  }
+  for namespace in good:
+    source.put(namespace, {"which": "good"}, good[namespace])
+    source.put(namespace, {"which": "bad"}, bad[namespace])
+  exported = tmp_path / "cluster.json"
+  source.export(exported)
+  target = tmp_path / "target"
+  result = subprocess.run(
+      [sys.executable, "-m", "tunedjax.cli", "cache", "import", str(exported),
+       "--dir", str(target)],
+      capture_output=True, text=True, timeout=120, check=False,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "Imported 3 entries" in result.stdout and "skipped 3" in result.stdout
+  for text in ("a kernel from nowhere", "NWHC", "worker_count must be an int >= 0"):
+    assert text in result.stderr
+  taken = Cache(target).entries()
+  assert sorted(e.namespace for e in taken) == ["conv", "dataloader", "layout"]
+  assert all(e.key == {"which": "good"} for e in taken)

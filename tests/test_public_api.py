@@ -12,10 +12,25 @@ import tunedjax as tj
 
 PUBLIC = {
     "tunedjax": {"CacheWarning", "Config", "ConfigError", "RewriteError", "TunedJaxError", "__version__",
-                 "autotune", "config_context", "get_config", "rewrite", "set_config"},
+                 "autotune", "config_context", "get_config", "input_pipeline", "layout",
+                 "mixed_precision", "rewrite", "set_config"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"Cache", "CacheEntry", "DeviceFingerprint", "device_fingerprint"},
+    "tunedjax.autotune": {"Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",
+                          "Kernel", "Stats", "StepStats", "TuneOptions", "TuneResult",
+                          "active_hints", "current_phase", "device_fingerprint", "get_kernel",
+                          "hint", "kernel_pass", "kernels", "phase_key", "register_kernel",
+                          "reset_stats", "select_kernels", "stats", "step", "unregister_kernel"},
+    "tunedjax.mixed_precision": {
+        "DEFAULT_ALLOW", "DEFAULT_DENY", "DEFAULT_FOLLOW", "DynamicLossScale",
+        "LinenMixedPrecision", "MasterWeightsState", "MixedPrecision", "NoOpLossScale", "OpLists",
+        "Policy", "PolicyError", "SkipNonFiniteState", "StaticLossScale", "all_finite",
+        "allreduce_gradients", "autocast", "autocast_pass", "data_parallel_value_and_grad",
+        "get_policy", "loss_scale_for", "master_weights", "precision_region",
+        "scaled_value_and_grad", "select_tree", "skip_nonfinite", "wrap"},
+    "tunedjax.layout": {"LayoutReport", "Optimized", "explain", "optimize", "preferred"},
+    "tunedjax.input_pipeline": {"Loader", "LoaderState", "StateError", "TransformError", "Trial",
+                                "TuningResult", "tune_worker_count"},
 }
 
 

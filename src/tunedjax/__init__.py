@@ -11,6 +11,9 @@ Example:
 """
 
 from tunedjax import autotune as autotune
+from tunedjax import input_pipeline as input_pipeline
+from tunedjax import layout as layout
+from tunedjax import mixed_precision as mixed_precision
 from tunedjax import rewrite as rewrite
 from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
@@ -32,6 +35,9 @@ __all__ = [
     "autotune",
     "config_context",
     "get_config",
+    "input_pipeline",
+    "layout",
+    "mixed_precision",
     "rewrite",
     "set_config",
 ]

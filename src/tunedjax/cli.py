@@ -16,7 +16,6 @@ import argparse
 import collections
 import datetime
 import importlib.metadata
-import importlib.util
 import json
 import pathlib
 import platform
@@ -160,17 +159,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
   return 0
 
 
-# Modules whose import registers a tuning-cache validator (kernel, layout and
-# input-pipeline tuners), so that `cache import` checks every entry it takes.
-_TUNER_MODULES = ("tunedjax.autotune._tuner", "tunedjax.layout", "tunedjax.input_pipeline")
-
-
-def _register_validators() -> None:
-  for name in _TUNER_MODULES:
-    if importlib.util.find_spec(name) is not None:
-      importlib.import_module(name)
-
-
 def _cache(args: argparse.Namespace) -> Cache:
   return Cache(args.dir) if args.dir else Cache()
 
@@ -229,8 +217,11 @@ def _cmd_cache_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_import(args: argparse.Namespace) -> int:
-  """``tunedjax cache import FILE [--dir DIR]``: validated, merged, per device."""
-  _register_validators()
+  """``tunedjax cache import FILE [--dir DIR]``: validated, merged, per device.
+
+  ``import tunedjax`` above registered every tuner's entry validator (conv,
+  layout, dataloader), so each imported entry is checked before it is taken.
+  """
   cache, count, problems = import_file(args.file, args.dir)
   for problem in problems:
     print(f"skipped {problem}", file=sys.stderr)

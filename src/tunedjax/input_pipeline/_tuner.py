@@ -30,6 +30,7 @@ from tunedjax._config import get_config
 from tunedjax._errors import ConfigError
 from tunedjax._errors import did_you_mean
 from tunedjax._errors import format_choices
+from tunedjax.autotune import _cache as _cache_mod
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
 
@@ -361,11 +362,7 @@ def _validate(value: dict[str, Any]) -> None:
     raise TypeError(f"batches_per_s must be a number, got {value.get('batches_per_s')!r}")
 
 
-try:  # the cache is shared infrastructure; tuning works without it
-  from tunedjax.autotune import _cache as _cache_mod  # pylint: disable=g-import-not-at-top
-  _cache_mod.register_validator(NAMESPACE, _validate)
-except ImportError:  # pragma: no cover
-  _cache_mod = None
+_cache_mod.register_validator(NAMESPACE, _validate)
 
 
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
@@ -549,7 +546,7 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
 
 
 def _resolve_cache(cache: Any) -> Any:
-  if cache is False or cache is None or _cache_mod is None:
+  if cache is False or cache is None:
     return None
   if cache is True:
     return _cache_mod.default_cache()
