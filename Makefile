@@ -20,8 +20,15 @@ demo: $(STAMP)
 	@echo "Today: $(VENV)/bin/tunedjax info"
 	$(VENV)/bin/tunedjax info
 
+# Every benchmark, one after another (about 40 minutes on 2 quiet cores); each
+# rewrites its own section of BENCHMARKS.md. Run one alone with
+# `$(PY) benchmarks/<name>.py --write`, or `--quick` for a smoke run.
 bench: $(STAMP)
 	$(PY) benchmarks/rewrite_overhead.py --write
+	$(PY) benchmarks/kernels.py --write
+	$(PY) benchmarks/layout.py --image 112 --rounds 9 --write
+	$(PY) benchmarks/mixed_precision.py --write
+	$(PY) benchmarks/input_pipeline.py --write
 
 clean-venv:
 	rm -rf $(VENV)

@@ -78,7 +78,10 @@ def main(argv=None) -> int:
   parser.add_argument("--depth", type=int, default=6)
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--quick", action="store_true", help="depth 2, 2 rounds (smoke run)")
   args = parser.parse_args(argv)
+  if args.quick:
+    args.depth, args.rounds = 2, 2
 
   step, inputs = make_train_step(args.depth)
   closed = jax.make_jaxpr(step)(*inputs)

@@ -23,12 +23,17 @@ from tunedjax._errors import CacheWarning as CacheWarning
 from tunedjax._errors import ConfigError as ConfigError
 from tunedjax._errors import RewriteError as RewriteError
 from tunedjax._errors import TunedJaxError as TunedJaxError
+from tunedjax._jit import Jitted as Jitted
+from tunedjax._jit import JitReport as JitReport
+from tunedjax._jit import jit as jit
 from tunedjax._version import __version__ as __version__
 
 __all__ = [
     "CacheWarning",
     "Config",
     "ConfigError",
+    "JitReport",
+    "Jitted",
     "RewriteError",
     "TunedJaxError",
     "__version__",
@@ -36,6 +41,7 @@ __all__ = [
     "config_context",
     "get_config",
     "input_pipeline",
+    "jit",
     "layout",
     "mixed_precision",
     "rewrite",

@@ -254,3 +254,19 @@ def test_bad_op_lists_name_the_value_and_list_the_known_ones(kwargs, shows):
 def test_bad_policy_is_rejected():
   with pytest.raises(mp.PolicyError, match="compute_dtype must be a floating dtype"):
     mp.autocast(jnp.sin, "p=f32,c=int32")
+
+
+@pytest.mark.parametrize("dims", [
+    (((2,), (3,)), ((0, 1), (0, 2))),   # attention's backward: batch dims not leading
+    (((2,), (1,)), ((0, 1), (0, 2))),
+    (((3,), (3,)), ((0, 1), (0, 1))),   # already leading: left as written
+])
+def test_half_dots_with_any_batch_dims_run_on_cpu(dims, rng):
+  shapes = {((2,), (3,)): ((4, 2, 8, 6), (4, 6, 2, 8)), ((2,), (1,)): ((4, 2, 6, 6), (4, 6, 2, 8)),
+            ((3,), (3,)): ((4, 2, 6, 8), (4, 2, 5, 8))}[dims[0]]
+  a, b = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes)
+  f = lambda a, b: jax.lax.dot_general(a, b, dims)
+  got = jax.jit(mp.autocast(f, "mixed_bfloat16"))(a, b)
+  want = f(a, b)
+  assert got.shape == want.shape
+  assert float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)) < 1e-2

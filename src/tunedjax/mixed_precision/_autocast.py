@@ -195,10 +195,45 @@ def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
     ctx.count(f"{name} in {target.name}")
     if name in _ACCUMULATING:
       acc = target if accumulate is None else jnp.promote_types(target, accumulate)
-      outs = ctx.bind(eqn, new, preferred_element_type=acc)
+      extra = {}
+      if name == "dot_general" and ctx.platform == "cpu" and target != jnp.float32:
+        new, extra = _leading_batch_dims(new, eqn.params["dimension_numbers"])
+        if extra:
+          ctx.count("dot_general batch dims moved first (XLA:CPU)")
+      outs = ctx.bind(eqn, new, preferred_element_type=acc, **extra)
       return [_cast(ctx, o, target) for o in outs]
     return ctx.bind(eqn, new)
   return rule
+
+
+def _leading_batch_dims(operands: list[Any], dimension_numbers: Any
+                        ) -> tuple[list[Any], dict[str, Any]]:
+  """Transposes dot_general operands so that their batch dims come first.
+
+  XLA:CPU (jax 0.10) has no runtime kernel for a half-precision dot with a
+  float32 result whose batch dims are not leading ("Unsupported element type
+  for DotThunk::Execute: BF16 x BF16 = F32"); attention's backward pass makes
+  such dots. Moving the batch dims first (other dims keep their order) gives
+  the same output, element for element, and a dot XLA:CPU runs.
+
+  Returns:
+    The operands and ``{"dimension_numbers": ...}``, or the operands and
+    ``{}`` when the batch dims already lead.
+  """
+  (l_contract, r_contract), (l_batch, r_batch) = dimension_numbers
+  lead = tuple(range(len(l_batch)))
+  if tuple(l_batch) == lead and tuple(r_batch) == lead:
+    return operands, {}
+
+  def move(x: Any, batch: Any, contract: Any) -> tuple[Any, tuple[int, ...]]:
+    perm = list(batch) + [d for d in range(jnp.ndim(x)) if d not in batch]
+    where = {old: new for new, old in enumerate(perm)}
+    return jax.lax.transpose(x, perm), tuple(where[c] for c in contract)
+
+  lhs, l_contract = move(operands[0], l_batch, l_contract)
+  rhs, r_contract = move(operands[1], r_batch, r_contract)
+  return [lhs, rhs, *operands[2:]], {
+      "dimension_numbers": ((l_contract, r_contract), (lead, lead))}
 
 
 def _deny_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:

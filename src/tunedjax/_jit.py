@@ -1,0 +1,604 @@
+"""`tunedjax.jit`: `jax.jit` with the tuners' passes, at levels O0/O1/O2.
+
+On each new input signature, inside `jax.jit`'s own trace, the function is
+traced to a jaxpr and the passes the config enables run in order (mixed
+precision if ``mixed_precision.enable``, layout if ``layout.enable``, kernel
+selection if ``kernel.enable``), then a cleanup pass folds the casts and
+transposes they leave next to each other, and the result is evaluated with
+jit's tracers. So jit's cache, static arguments, donation, pytrees, `grad` and
+`vmap` around it and sharded inputs behave as with `jax.jit`.
+
+The compiled function is looked up by what the passes depend on: the level,
+the config, the kernel-selection phase and the active kernel hints. A change
+of any of them (a `config_context`, a step that leaves the tuning window)
+takes effect on the next call.
+
+Levels (after MindSpore's ``jit_level``):
+
+- ``O0``: plain `jax.jit`, nothing rewritten (for debugging);
+- ``O1``: the passes the config enables (the default, ``Config.level``);
+- ``O2``: O1, plus JAX's persistent compilation cache in ``<cache dir>/xla``
+  beside the tuning cache, so that a restarted job compiles less. It is the
+  level at which the Trainer runs several steps in one compiled loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+import jax
+
+from tunedjax import _errors
+from tunedjax import layout as layout_lib
+from tunedjax import rewrite
+from tunedjax._config import LEVELS
+from tunedjax._config import Config
+from tunedjax._config import get_config
+from tunedjax.autotune import _hints
+from tunedjax.autotune import _phases
+from tunedjax.autotune._select import kernel_pass
+from tunedjax.layout._report import LayoutReport
+from tunedjax.mixed_precision._autocast import autocast_pass
+from tunedjax.rewrite._cleanup import cleanup_pass
+
+logger = logging.getLogger("tunedjax.jit")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+XLA_CACHE_SUBDIR = "xla"
+PASS_NAMES = ("mixed_precision", "layout", "kernel_selection", "cleanup")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures:
+  """What the compiled program needs, from `compiled.memory_analysis()`.
+
+  Attributes:
+    argument_bytes: inputs (parameters, optimizer state, batch).
+    output_bytes: outputs.
+    temp_bytes: temporaries (activations and intermediates).
+    alias_bytes: outputs that reuse donated inputs.
+    generated_code_bytes: the executable's code.
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+
+  @classmethod
+  def from_compiled(cls, compiled: Any) -> MemoryFigures | None:
+    stats = compiled.memory_analysis()
+    if stats is None:  # some backends do not report memory
+      return None
+    return cls(argument_bytes=int(stats.argument_size_in_bytes),
+               output_bytes=int(stats.output_size_in_bytes),
+               temp_bytes=int(stats.temp_size_in_bytes),
+               alias_bytes=int(stats.alias_size_in_bytes),
+               generated_code_bytes=int(stats.generated_code_size_in_bytes))
+
+  def __str__(self) -> str:
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # pylint: disable=unnecessary-lambda-assignment
+    return (f"arguments {mib(self.argument_bytes)}, outputs {mib(self.output_bytes)}, "
+            f"temporaries {mib(self.temp_bytes)}, aliased {mib(self.alias_bytes)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureReport:
+  """What `tunedjax.jit` did for one input signature.
+
+  Attributes:
+    signature: the traced input types and static values.
+    level: ``"O0"``, ``"O1"`` or ``"O2"``.
+    passes: the passes that ran, in order.
+    policy: the mixed-precision policy, or None when that pass did not run.
+    casts: the autocast pass's counters (casts inserted, ops per dtype).
+    layout: the layout pass's `LayoutReport`, or None when it did not run.
+    kernels: ``{"conv <kernel> (<why>)": count}`` from kernel selection; why
+      is ``hit`` (from the cache), ``tuned``, ``hint``, ``observe``,
+      ``miss``, ``only xla``, ...
+    cache_hits: kernel buckets found in the tuning cache.
+    cache_misses: kernel buckets not found (tuned now, or xla in the apply phase).
+    tuning_s: seconds spent tuning kernels and measuring layouts in this trace.
+    cleanup: the cleanup pass's counters (casts and transposes folded).
+    trace_s: seconds to trace the function and run the passes (compiling
+      not included).
+    memory: the compiled program's `MemoryFigures` (filled by `report()`).
+  """
+
+  signature: str
+  level: str
+  passes: tuple[str, ...]
+  policy: str | None = None
+  casts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  layout: LayoutReport | None = None
+  kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  cache_hits: int = 0
+  cache_misses: int = 0
+  tuning_s: float = 0.0
+  cleanup: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  trace_s: float = 0.0
+  memory: MemoryFigures | None = None
+
+  @property
+  def hit_rate(self) -> float:
+    """cache_hits / (cache_hits + cache_misses); 1.0 when nothing was looked up."""
+    total = self.cache_hits + self.cache_misses
+    return self.cache_hits / total if total else 1.0
+
+  def __str__(self) -> str:
+    lines = [f"signature {self.signature}  (level {self.level})",
+             f"  passes: {', '.join(self.passes) or 'none'}; traced and rewritten in "
+             f"{self.trace_s:.3f} s"]
+    if self.policy is not None:
+      lines.append(f"  mixed precision [{self.policy}]: {_counts(self.casts)}")
+    if self.layout is not None:
+      lines.append(f"  layout: {self.layout.decision} -> {self.layout.target} "
+                   f"({self.layout.reason}); {_counts(self.layout.counts)}")
+    if "kernel_selection" in self.passes:
+      lines.append(f"  kernels: {_counts(self.kernels)}; cache hits {self.cache_hits}, "
+                   f"misses {self.cache_misses}, tuning {self.tuning_s:.1f} s")
+    if self.cleanup:
+      lines.append(f"  cleanup: {_counts(self.cleanup)}")
+    if self.memory is not None:
+      lines.append(f"  memory: {self.memory}")
+    return "\n".join(lines)
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+  return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "nothing to do"
+
+
+@dataclasses.dataclass(frozen=True)
+class JitReport:
+  """`Jitted.report()`: one `SignatureReport` per signature compiled, oldest first.
+
+  Iterate over it, index it, or ``print`` it.
+  """
+
+  function: str
+  signatures: tuple[SignatureReport, ...]
+
+  def __iter__(self):
+    return iter(self.signatures)
+
+  def __len__(self) -> int:
+    return len(self.signatures)
+
+  def __getitem__(self, i: int) -> SignatureReport:
+    return self.signatures[i]
+
+  @property
+  def last(self) -> SignatureReport:
+    """The most recently traced signature."""
+    if not self.signatures:
+      raise _errors.TunedJaxError(
+          f"tunedjax.jit({self.function}) has not been called yet: nothing to report.")
+    return self.signatures[-1]
+
+  def __str__(self) -> str:
+    if not self.signatures:
+      return f"tunedjax.jit({self.function}): not called yet."
+    return "\n".join([f"tunedjax.jit({self.function}): {len(self.signatures)} signature(s)"]
+                     + [str(s) for s in self.signatures])
+
+
+def _check_level(level: Any) -> str | None:
+  if level is None or level in LEVELS:
+    return level
+  raise _errors.ConfigError(
+      f"tunedjax.jit(level=...) must be one of {_errors.format_choices(LEVELS)} "
+      f"(or None for the config's level), got {level!r}"
+      f"{_errors.did_you_mean(str(level), LEVELS)}.")
+
+
+def _as_tuple(name: str, value: Any, kind: type) -> tuple[Any, ...]:
+  if value is None:
+    return ()
+  items = (value,) if isinstance(value, kind) else value
+  try:
+    items = tuple(items)
+  except TypeError:
+    items = (value,)
+  bad = [v for v in items if not isinstance(v, kind) or isinstance(v, bool)]
+  if bad:
+    raise TypeError(f"tunedjax.jit({name}=...) must be {'an int' if kind is int else 'a str'} "
+                    f"or a sequence of them, got {value!r}.")
+  return items
+
+
+def _argnames_to_nums(fun: Callable[..., Any], names: Sequence[str]) -> dict[str, int]:
+  """Positions of the named parameters that can be passed positionally."""
+  try:
+    params = list(inspect.signature(fun).parameters.values())
+  except (TypeError, ValueError):
+    return {}
+  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  return {p.name: i for i, p in enumerate(params) if p.kind in positional and p.name in names}
+
+
+def _all_names(fun: Callable[..., Any]) -> tuple[str, ...]:
+  try:
+    return tuple(inspect.signature(fun).parameters)
+  except (TypeError, ValueError):
+    return ()
+
+
+def _check_static_and_donated(fun: Callable[..., Any], static_argnums: tuple[int, ...],
+                              static_argnames: tuple[str, ...], donate_argnums: tuple[int, ...],
+                              donate_argnames: tuple[str, ...]) -> None:
+  names = _argnames_to_nums(fun, static_argnames + donate_argnames)
+  static = set(static_argnums) | {names[n] for n in static_argnames if n in names}
+  donated = set(donate_argnums) | {names[n] for n in donate_argnames if n in names}
+  both = sorted(static & donated) + sorted(set(static_argnames) & set(donate_argnames))
+  if both:
+    raise _errors.ConfigError(
+        f"tunedjax.jit: argument(s) {both} are both static and donated. A static "
+        "argument is a Python value baked into the program, not a buffer: it cannot "
+        "be donated. Remove it from donate_argnums/donate_argnames or from "
+        "static_argnums/static_argnames.")
+
+
+def enable_compilation_cache(config: Config) -> str:
+  """Points JAX's persistent compilation cache at ``<cache dir>/xla`` (level O2).
+
+  Thresholds are lowered so that every executable is kept: a restart should
+  find all of them. Leaves a directory the user set themselves alone.
+
+  Returns:
+    The directory in use.
+  """
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  directory = config.cache.resolved_dir / XLA_CACHE_SUBDIR
+  directory.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  logger.info("level O2: JAX's persistent compilation cache is %s", directory)
+  return str(directory)
+
+
+def _signature(dyn_args: Any, dyn_kwargs: Any, static: Mapping[Any, Any]) -> str:
+  leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+  parts = [jax.typeof(x).str_short(short_dtypes=True) for x in leaves]
+  parts += [f"{k}={v!r}" for k, v in static.items()]
+  return ", ".join(parts)
+
+
+class _Trace:
+  """What one trace's passes did, collected through their `on_trace` hooks."""
+
+  def __init__(self):
+    self.casts: dict[str, int] = {}
+    self.kernels: dict[str, int] = {}
+    self.cleanup: dict[str, int] = {}
+
+  def hook(self, target: dict[str, int]) -> Callable[[rewrite.Context], None]:
+    def on_trace(ctx: rewrite.Context) -> None:
+      target.clear()
+      target.update(ctx.counts)
+    return on_trace
+
+
+class Jitted(Generic[P, R]):
+  """A function compiled by `tunedjax.jit`; call it as the function.
+
+  Besides calling, `report()` says what each pass did per signature, `jaxpr`
+  shows the rewritten program, `lower` lowers it as `jax.jit`'s does and
+  `memory_analysis` gives the compiled program's memory figures.
+  """
+
+  def __init__(self, fun: Callable[P, R], *, level: str | None,
+               static_argnums: tuple[int, ...], static_argnames: tuple[str, ...],
+               donate_argnums: tuple[int, ...], donate_argnames: tuple[str, ...],
+               platform: str | None):
+    self.__wrapped__ = fun
+    self.level = level
+    # As jax.jit does: a static name passed by position is static too, and back.
+    positions = _argnames_to_nums(fun, static_argnames)
+    names = {i: n for n, i in _argnames_to_nums(fun, _all_names(fun)).items()}
+    self._static_argnums = tuple(sorted(set(static_argnums) | set(positions.values())))
+    self._static_argnames = tuple(dict.fromkeys(
+        static_argnames + tuple(names[i] for i in static_argnums if i in names)))
+    donate_positions = _argnames_to_nums(fun, donate_argnames)
+    # Given in full: the rewriting wrapper's (*args, **kwargs) hides the names from jax.jit.
+    self._jit_options = dict(
+        static_argnums=self._static_argnums, static_argnames=self._static_argnames,
+        donate_argnums=tuple(sorted(set(donate_argnums) | set(donate_positions.values()))),
+        donate_argnames=donate_argnames)
+    self._platform = platform
+    self._lock = threading.Lock()
+    self._compiled: dict[Hashable, Any] = {}
+    self._last_state: tuple[Any, Any] | None = None  # (state, jitted): the fast path
+    # Per (compiled program state, signature): a config change is a new entry.
+    self._reports: dict[tuple[Hashable, str], SignatureReport] = {}
+    self._abstract: dict[tuple[Hashable, str], tuple[Hashable, tuple[Any, Any]]] = {}
+    functools.update_wrapper(self, fun)
+
+  def __repr__(self) -> str:
+    return f"tunedjax.jit({self._name}, level={self.level!r})"
+
+  @property
+  def _name(self) -> str:
+    return getattr(self.__wrapped__, "__qualname__", repr(self.__wrapped__))
+
+  # -- calling ------------------------------------------------------------------
+
+  def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    return self._jitted()(*args, **kwargs)
+
+  def __get__(self, obj: Any, objtype: Any = None) -> Any:
+    if obj is None:
+      return self
+    return functools.partial(self, obj)
+
+  def _state(self) -> tuple[str, Hashable]:
+    config = get_config()
+    level = self.level or config.level
+    if level == "O0":
+      return level, (level,)
+    return level, (level, config, _phases.phase_key(config), _hints.active_hints(config))
+
+  def _jitted(self) -> Any:
+    level, state = self._state()
+    last = self._last_state
+    if last is not None and last[0] == state:
+      return last[1]
+    with self._lock:
+      fn = self._compiled.get(state)
+      if fn is None:
+        fn = self._compiled[state] = self._build(level, state)
+      self._last_state = (state, fn)
+    return fn
+
+  def _build(self, level: str, state: Hashable) -> Any:
+    if level == "O0":
+      return jax.jit(self.__wrapped__, **self._jit_options)
+    config = state[1]
+    if level == "O2":
+      enable_compilation_cache(config)
+    traced = functools.wraps(self.__wrapped__)(self._rewriting(level, config, state))
+    return jax.jit(traced, **self._jit_options)
+
+  # -- the passes ---------------------------------------------------------------------
+
+  def _split_static(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    n = len(args)
+    static_pos = {i % n if n else i for i in self._static_argnums if -n <= i < n}
+    static = {i: args[i] for i in sorted(static_pos)}
+    static.update({k: kwargs[k] for k in self._static_argnames if k in kwargs})
+    dyn_pos = [i for i in range(n) if i not in static_pos]
+    dyn_args = tuple(args[i] for i in dyn_pos)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static}
+
+    def rebuild(*d_args: Any, **d_kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+      full = list(args)
+      for i, x in zip(dyn_pos, d_args):
+        full[i] = x
+      return tuple(full), {**{k: kwargs[k] for k in static if isinstance(k, str)}, **d_kwargs}
+
+    return static, dyn_args, dyn_kwargs, rebuild
+
+  def _rewriting(self, level: str, config: Config, state: Hashable) -> Callable[..., Any]:
+    fun, platform = self.__wrapped__, self._platform
+
+    def rewritten(*args: Any, **kwargs: Any) -> Any:
+      start = time.perf_counter()
+      static, dyn_args, dyn_kwargs, rebuild = self._split_static(args, kwargs)
+
+      def inner(*d_args: Any, **d_kwargs: Any) -> Any:
+        full_args, full_kwargs = rebuild(*d_args, **d_kwargs)
+        return fun(*full_args, **full_kwargs)
+
+      trace = _Trace()
+      passes: list[str] = []
+      program: Callable[..., Any] = inner
+      optimized = None
+      if config.mixed_precision.enable:
+        program = rewrite.transform(program, autocast_pass(config.mixed_precision.policy),
+                                    platform=platform, on_trace=trace.hook(trace.casts))
+        passes.append("mixed_precision")
+      if config.layout.enable:
+        program = optimized = layout_lib.optimize(program, mode=config.layout.mode,
+                                                  platform=platform)
+        passes.append("layout")
+      if config.kernel.enable:
+        program = rewrite.transform(program, kernel_pass(), platform=platform,
+                                    on_trace=trace.hook(trace.kernels))
+        passes.append("kernel_selection")
+      if passes:
+        program = rewrite.transform(program, cleanup_pass(), platform=platform,
+                                    on_trace=trace.hook(trace.cleanup))
+        passes.append("cleanup")
+      before = _phases.stats().tuning_s
+      out = program(*dyn_args, **dyn_kwargs)
+      layout_report = optimized.report() if optimized is not None else None
+      tuning_s = _phases.stats().tuning_s - before
+      if layout_report is not None and layout_report.seconds and not layout_report.cached:
+        tuning_s += sum(layout_report.seconds.values())
+      signature = _signature(dyn_args, dyn_kwargs, static)
+      hits = sum(v for k, v in trace.kernels.items() if k.endswith("(hit)"))
+      misses = sum(v for k, v in trace.kernels.items()
+                   if k.endswith("(tuned)") or k.endswith("(miss)"))
+      report = SignatureReport(
+          signature=signature, level=level, passes=tuple(passes),
+          policy=config.mixed_precision.policy if config.mixed_precision.enable else None,
+          casts=dict(trace.casts), layout=layout_report, kernels=dict(trace.kernels),
+          cache_hits=hits, cache_misses=misses, tuning_s=tuning_s,
+          cleanup=dict(trace.cleanup), trace_s=time.perf_counter() - start)
+      abstract = jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type),
+          (dyn_args, dyn_kwargs))
+      with self._lock:
+        key = (state, signature)
+        self._reports.pop(key, None)
+        self._reports[key] = report
+        self._abstract[key] = (state, (abstract, static))
+      logger.info("tunedjax.jit(%s):\n%s", self._name, report)
+      return out
+
+    return rewritten
+
+  # -- introspection ------------------------------------------------------------
+
+  def report(self, *, memory: bool = True) -> JitReport:
+    """What each pass did, for every signature compiled so far (oldest first).
+
+    Args:
+      memory: add each compiled program's memory figures. The program was
+        compiled by the call that traced it, so this costs no compile.
+
+    Returns:
+      A `JitReport`; ``print`` it, or read its `SignatureReport` entries.
+
+    Example:
+      >>> import jax.numpy as jnp, tunedjax as tj
+      >>> f = tj.jit(lambda x: jnp.tanh(x) * 2)
+      >>> _ = f(jnp.ones(3))
+      >>> f.report().last.signature
+      'f32[3]'
+    """
+    with self._lock:
+      items = list(self._reports.items())
+      abstract = dict(self._abstract)
+    out = []
+    for key, rep in items:
+      if memory and rep.memory is None and key in abstract:
+        figures = self._memory_of(*abstract[key])
+        if figures is not None:
+          rep = dataclasses.replace(rep, memory=figures)
+          with self._lock:
+            if self._reports.get(key) is not None:
+              self._reports[key] = rep
+      out.append(rep)
+    return JitReport(self._name, tuple(out))
+
+  def _memory_of(self, state: Hashable, saved: tuple[Any, Any]) -> MemoryFigures | None:
+    (d_args, d_kwargs), static = saved
+    with self._lock:
+      fn = self._compiled.get(state)
+    if fn is None:
+      return None
+    args = list(d_args)
+    for i in sorted(k for k in static if isinstance(k, int)):
+      args.insert(i, static[i])
+    kwargs = {**d_kwargs, **{k: v for k, v in static.items() if isinstance(k, str)}}
+    try:
+      return MemoryFigures.from_compiled(fn.lower(*args, **kwargs).compile())
+    except Exception as e:  # pylint: disable=broad-except  # a report never fails a job
+      logger.debug("tunedjax.jit: no memory figures for %s (%s)", self._name, e)
+      return None
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    """Lowers the rewritten function for `args`, as `jax.jit(f).lower` does.
+
+    Example:
+      >>> import jax.numpy as jnp, tunedjax as tj
+      >>> tj.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()(jnp.ones(2)).tolist()
+      [2.0, 2.0]
+    """
+    return self._jitted().lower(*args, **kwargs)
+
+  def trace(self, *args: Any, **kwargs: Any) -> Any:
+    """Traces the rewritten function for `args`, as `jax.jit(f).trace` does."""
+    return self._jitted().trace(*args, **kwargs)
+
+  def jaxpr(self, *args: Any, **kwargs: Any) -> Any:
+    """The rewritten jaxpr for `args` (a `ClosedJaxpr`), for inspection.
+
+    Example:
+      >>> import jax.numpy as jnp, tunedjax as tj
+      >>> print(tj.jit(lambda x: x * 2.0).jaxpr(jnp.ones(2)))
+      { lambda ; a:f32[2]. let b:f32[2] = mul a 2.0:f32[] in (b,) }
+    """
+    return self.trace(*args, **kwargs).jaxpr
+
+  def memory_analysis(self, *args: Any, **kwargs: Any) -> MemoryFigures | None:
+    """The compiled program's memory figures for `args` (None if not reported)."""
+    return MemoryFigures.from_compiled(self.lower(*args, **kwargs).compile())
+
+
+@overload
+def jit(fun: Callable[P, R], *, level: str | None = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        platform: str | None = None) -> Jitted[P, R]: ...
+
+
+@overload
+def jit(fun: None = None, *, level: str | None = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        platform: str | None = None) -> Callable[[Callable[P, R]], Jitted[P, R]]: ...
+
+
+def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        platform: str | None = None) -> Any:
+  """Compiles `fun` like `jax.jit`, with the tuners' passes the config enables.
+
+  Use it bare (``@tj.jit``) or with options (``@tj.jit(level="O2",
+  static_argnums=1)``). On each new input signature the function is traced,
+  the enabled passes run (mixed precision, layout, kernel selection, then a
+  cleanup), and the result is compiled by `jax.jit`; later calls with that
+  signature run the compiled program directly.
+
+  Args:
+    fun: the function.
+    level: ``"O0"`` (plain `jax.jit`), ``"O1"`` (the enabled passes) or
+      ``"O2"`` (O1 and JAX's persistent compilation cache under the tuning
+      cache folder); None reads ``level`` from the config at each call.
+    static_argnums: as in `jax.jit`.
+    static_argnames: as in `jax.jit`.
+    donate_argnums: as in `jax.jit`.
+    donate_argnames: as in `jax.jit`.
+    platform: the platform the passes tune for (default: JAX's default backend).
+
+  Returns:
+    A `Jitted` function (or, without `fun`, a decorator that makes one).
+
+  Raises:
+    ConfigError: an unknown level, or an argument both static and donated.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, tunedjax as tj
+    >>> @tj.jit
+    ... def conv(x, w):
+    ...   return jax.nn.relu(jax.lax.conv(x, w, (1, 1), "SAME"))
+    >>> with tj.config_context({"layout": {"enable": True}}):
+    ...   y = conv(jnp.ones((1, 3, 8, 8)), jnp.ones((4, 3, 3, 3)))
+    >>> y.shape, conv.report().last.layout.decision
+    ((1, 4, 8, 8), 'relaid')
+  """
+  level = _check_level(level)
+  options = dict(
+      static_argnums=_as_tuple("static_argnums", static_argnums, int),
+      static_argnames=_as_tuple("static_argnames", static_argnames, str),
+      donate_argnums=_as_tuple("donate_argnums", donate_argnums, int),
+      donate_argnames=_as_tuple("donate_argnames", donate_argnames, str))
+
+  def decorate(f: Callable[P, R]) -> Jitted[P, R]:
+    if not callable(f):
+      raise TypeError(f"tunedjax.jit expects a function, got {f!r}.")
+    _check_static_and_donated(f, **options)
+    return Jitted(f, level=level, platform=platform, **options)
+
+  return decorate if fun is None else decorate(fun)
