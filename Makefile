@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tunedjax-installed
 
-.PHONY: test demo bench clean-venv
+.PHONY: test demo bench bench-smoke clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ demo: $(STAMP)
 	@echo "Today: $(VENV)/bin/tunedjax info"
 	$(VENV)/bin/tunedjax info
 
-# Every benchmark, one after another (about 40 minutes on 2 quiet cores); each
+# Every benchmark, one after another (about 30 minutes on 2 quiet cores); each
 # rewrites its own section of BENCHMARKS.md. Run one alone with
 # `$(PY) benchmarks/<name>.py --write`, or `--quick` for a smoke run.
 bench: $(STAMP)
@@ -29,6 +29,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/layout.py --image 112 --rounds 9 --write
 	$(PY) benchmarks/mixed_precision.py --write
 	$(PY) benchmarks/input_pipeline.py --write
+	$(PY) benchmarks/jit_overhead.py --write
+
+# Every benchmark's --quick run (about 8 minutes), nothing written.
+bench-smoke: $(STAMP)
+	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 
 clean-venv:
 	rm -rf $(VENV)

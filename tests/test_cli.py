@@ -244,3 +244,17 @@ def test_cache_import_checks_every_tuner_namespace_in_a_fresh_process(tmp_path):
   taken = Cache(target).entries()
   assert sorted(e.namespace for e in taken) == ["conv", "dataloader", "layout"]
   assert all(e.key == {"which": "good"} for e in taken)
+
+
+def test_cache_show_and_clear_include_the_compilation_cache(cache_dir, capsys):
+  xla = cache_dir / "xla"
+  xla.mkdir(parents=True)
+  (xla / "jit_step-abc123").write_bytes(b"x" * 2048)
+  assert cli.main(["cache", "show"]) == 0
+  out = capsys.readouterr().out
+  assert f"Compilation cache {xla} (level O2): 1 files, 2.0 KiB" in out
+  assert cli.main(["cache", "show", "--json"]) == 0
+  shown = json.loads(capsys.readouterr().out)["xla_cache"]
+  assert shown == {"path": str(xla), "files": 1, "bytes": 2048}
+  assert cli.main(["cache", "clear", "--all"]) == 0
+  assert not (xla / "jit_step-abc123").exists()

@@ -14,6 +14,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
+# Smoke runs that take minutes (worker-process starts, kernel tuning) run with
+# `make bench-smoke`, not in `make test`.
+LONG_SMOKE = {"input_pipeline", "jit_overhead", "kernels"}
 
 # Runs each block in a namespace of its own and names the block that failed.
 _DRIVER = """
@@ -55,7 +58,9 @@ def test_readme_python_blocks_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", [
+    pytest.param(p, marks=pytest.mark.bench_smoke) if p.stem in LONG_SMOKE else p
+    for p in BENCHMARKS], ids=lambda p: p.stem)
 def test_benchmark_smoke_run(script, tmp_path):
   result = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=600,

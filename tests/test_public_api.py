@@ -11,9 +11,9 @@ import pytest
 import tunedjax as tj
 
 PUBLIC = {
-    "tunedjax": {"CacheWarning", "Config", "ConfigError", "RewriteError", "TunedJaxError", "__version__",
-                 "autotune", "config_context", "get_config", "input_pipeline", "layout",
-                 "mixed_precision", "rewrite", "set_config"},
+    "tunedjax": {"CacheWarning", "Config", "ConfigError", "JitReport", "Jitted", "RewriteError",
+                 "TunedJaxError", "__version__", "autotune", "config_context", "get_config",
+                 "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",

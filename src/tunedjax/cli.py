@@ -27,6 +27,7 @@ import jax
 
 import tunedjax
 from tunedjax._errors import TunedJaxError
+from tunedjax._jit import XLA_CACHE_SUBDIR
 from tunedjax._version import __version__
 from tunedjax.autotune import device_fingerprint
 from tunedjax.autotune._cache import Cache
@@ -178,9 +179,12 @@ def _cmd_cache_show(args: argparse.Namespace) -> int:
   """``tunedjax cache show [--json] [--namespace NS] [--dir DIR]``."""
   cache = _cache(args)
   entries = cache.entries(args.namespace)
+  xla_dir, xla_files, xla_bytes = _xla_cache(cache)
   if args.json:
     print(json.dumps({"path": str(cache.path), "fingerprint": cache.fingerprint.to_dict(),
-                      "entries": [e._asdict() for e in entries]}, indent=2))
+                      "entries": [e._asdict() for e in entries],
+                      "xla_cache": {"path": str(xla_dir), "files": xla_files,
+                                    "bytes": xla_bytes}}, indent=2))
     return 0
   counts = collections.Counter(e.namespace for e in entries)
   summary = ", ".join(f"{n} {ns}" for ns, n in sorted(counts.items())) or "empty"
@@ -192,7 +196,16 @@ def _cmd_cache_show(args: argparse.Namespace) -> int:
   others = sorted(p.name for p in cache.dir.glob("*.json") if p != cache.path)
   if others:
     print(f"Other devices' files in {cache.dir}: {', '.join(others)}")
+  print(f"Compilation cache {xla_dir} (level O2): "
+        + (f"{xla_files} files, {_human_size(xla_bytes)}" if xla_files else "empty"))
   return 0
+
+
+def _xla_cache(cache: Cache) -> tuple[pathlib.Path, int, int]:
+  """JAX's persistent compilation cache that level O2 keeps beside the tuning cache."""
+  directory = cache.dir / XLA_CACHE_SUBDIR
+  files = [p for p in directory.rglob("*") if p.is_file()] if directory.is_dir() else []
+  return directory, len(files), sum(p.stat().st_size for p in files)
 
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
@@ -200,6 +213,9 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
   cache = _cache(args)
   if args.all:
     removed = [p for p in cache.dir.glob("*.json*") if p.is_file()]
+    xla_dir = cache.dir / XLA_CACHE_SUBDIR
+    if xla_dir.is_dir():
+      removed += [p for p in xla_dir.rglob("*") if p.is_file()]
     for path in removed:
       path.unlink(missing_ok=True)
     print(f"Removed {len(removed)} files from {cache.dir}.")
@@ -248,7 +264,8 @@ def _add_cache_commands(commands: Any) -> None:
   show.set_defaults(run=_cmd_cache_show)
   clear = actions.add_parser("clear", parents=[common], help="delete this device's entries")
   clear.add_argument("--all", action="store_true",
-                     help="delete every device's file, and files moved aside")
+                     help="delete every device's file, files moved aside and the "
+                          "compilation cache of level O2")
   clear.set_defaults(run=_cmd_cache_clear)
   export = actions.add_parser("export", parents=[common],
                               help="write this device's entries to FILE")

@@ -182,6 +182,31 @@ def test_nhwc_model_is_unchanged_by_nhwc_target(rng):
   assert layout.explain(f, x, w, target="NCHW").decision == "relaid"
 
 
+def test_nhwc_train_step_with_depthwise_convs_is_unchanged(rng):
+  """The backward convolutions of an NHWC model (weight gradients read the
+  activations with batch and feature roles swapped) are left as written too."""
+  nhwc = ("NHWC", "HWIO", "NHWC")
+  params = {"dw": jnp.asarray(rng.normal(size=(3, 3, 1, 4)), jnp.float32),
+            "pw": jnp.asarray(rng.normal(size=(1, 1, 4, 8)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(2, 8, 8, 4)), jnp.float32)
+
+  def loss(params, x):
+    h = lax.conv_general_dilated(x, params["dw"], (2, 2), "SAME", dimension_numbers=nhwc,
+                                 feature_group_count=4)
+    h = lax.conv_general_dilated(jax.nn.relu(h), params["pw"], (1, 1), "SAME",
+                                 dimension_numbers=nhwc)
+    return jnp.mean(h ** 2)
+
+  step = jax.grad(loss)
+  report = layout.explain(step, params, x)
+  assert report.decision == "unchanged", report
+  assert report.counts.get("convolutions re-laid", 0) == 0
+  opt = jax.make_jaxpr(layout.optimize(step))(params, x)
+  assert rewrite.count_primitives(opt)["transpose"] == rewrite.count_primitives(
+      jax.make_jaxpr(step)(params, x))["transpose"]
+  assert rel_err(layout.optimize(step)(params, x)["dw"], step(params, x)["dw"]) < 1e-6
+
+
 def test_function_without_convolutions_is_unchanged(rng):
   x = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
   f = lambda x: jnp.tanh(x.T @ x).sum(0) + jnp.cumsum(x, 1)[0]

@@ -152,6 +152,11 @@ class _Rules:
     lhs, rhs = invals
     dn = eqn.params["dimension_numbers"]
     target = st.target
+    if (perm_of(lhs) is None and perm_of(rhs) is None
+        and _acceptable_act(identity(len(dn.lhs_spec)), dn.lhs_spec, target)):
+      # Already in the target layout and fed from outside any re-laid region
+      # (an NHWC model, the backward convolutions of one included): as written.
+      return ctx.default(eqn, invals)
     lhs_perm = perm_of(lhs)
     if lhs_perm is None or not _acceptable_act(lhs_perm, dn.lhs_spec, target):
       reuse = [(p, a) for p, a in st.converted(lhs)
