@@ -290,6 +290,15 @@ class _Trace:
       target.update(ctx.counts)
     return on_trace
 
+  def split_hook(self) -> Callable[[rewrite.Context], None]:
+    """For the merged kernel-selection and cleanup pass: conv counts go to kernels."""
+    def on_trace(ctx: rewrite.Context) -> None:
+      self.kernels.clear()
+      self.cleanup.clear()
+      for key, n in ctx.counts.items():
+        (self.kernels if key.startswith("conv ") else self.cleanup)[key] = n
+    return on_trace
+
 
 class Jitted(Generic[P, R]):
   """A function compiled by `tunedjax.jit`; call it as the function.
@@ -414,10 +423,13 @@ class Jitted(Generic[P, R]):
                                                   platform=platform)
         passes.append("layout")
       if config.kernel.enable:
-        program = rewrite.transform(program, kernel_pass(), platform=platform,
-                                    on_trace=trace.hook(trace.kernels))
-        passes.append("kernel_selection")
-      if passes:
+        # Kernel selection and cleanup touch different primitives: one evaluation.
+        passes += ["kernel_selection", "cleanup"]
+        kernels, cleanup = kernel_pass(), cleanup_pass()
+        program = rewrite.transform(
+            program, rewrite.Pass("kernel_selection+cleanup", {**kernels.rules, **cleanup.rules}),
+            platform=platform, on_trace=trace.split_hook())
+      elif passes:
         program = rewrite.transform(program, cleanup_pass(), platform=platform,
                                     on_trace=trace.hook(trace.cleanup))
         passes.append("cleanup")
