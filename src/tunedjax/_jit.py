@@ -425,7 +425,8 @@ class Jitted(Generic[P, R]):
       if config.kernel.enable:
         # Kernel selection and cleanup touch different primitives: one evaluation.
         passes += ["kernel_selection", "cleanup"]
-        kernels, cleanup = kernel_pass(), cleanup_pass()
+        cleanup = cleanup_pass()
+        kernels = kernel_pass(post=cleanup)
         program = rewrite.transform(
             program, rewrite.Pass("kernel_selection+cleanup", {**kernels.rules, **cleanup.rules}),
             platform=platform, on_trace=trace.split_hook())

@@ -65,6 +65,31 @@ def test_climbs_both_knobs_to_the_best_setting():
   assert len(result.trials) < len(grid)  # climbed, did not sweep
 
 
+def _plateau(w: int, t: int) -> float:
+  """What 2 cores measured on a decode-heavy pipeline: threads in one process
+  or one worker reach the same rate; only several single-threaded workers win."""
+  if w >= 2:
+    return 60.0 - 2.0 * abs(math.log2(t + 1) - 1.5)
+  return 45.0 if t >= 8 else 20.0 + 2.0 * t
+
+
+def test_seeds_carry_the_climb_across_a_plateau():
+  workers, threads = _tuner.choices((0, 16), max_workers=2, max_read_threads=16)
+  clock = FakeClock()
+  plain = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
+                            worker_choices=workers, thread_choices=threads, budget_s=1e9,
+                            max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  assert _plateau(*plain.setting) == 45.0  # stuck on the plateau
+  clock = FakeClock()
+  seeded = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
+                             worker_choices=workers, thread_choices=threads, budget_s=1e9,
+                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock,
+                             seeds=_tuner.seed_settings(workers, threads, cpus=2))
+  grid = [(w, t) for w in workers for t in threads]
+  assert seeded.setting == max(grid, key=lambda s: _plateau(*s))
+  assert [t.phase for t in seeded.trials[1:3]] == ["seed", "seed"]
+
+
 def test_workers_only_would_miss_the_best():
   clock = FakeClock()
   workers, _ = _tuner.choices((0, 16), max_workers=4, max_read_threads=16)

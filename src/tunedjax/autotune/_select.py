@@ -143,9 +143,30 @@ def decide(spec: _registry.ConvSpec, platform: str, *, cache: CacheLike = None,
   return name, reason
 
 
+def _run_kernel(ctx: _engine.Context, fn: Callable[..., Any], invals: list[Any],
+                post: _engine.Pass | None) -> Any:
+  """Calls the kernel `fn` on `invals`, its equations through `post` if given.
+
+  The kernel is traced to a jaxpr and evaluated with `post`'s rules in the
+  caller's trace, so a pass like cleanup sees the kernel's own equations next
+  to the program's (a kernel that transposes into its layout folds with a
+  transpose the layout pass put before it). `post`'s counts join `ctx`'s.
+  """
+  if post is None:
+    return fn(*invals)
+  closed, flat, _ = _engine.trace(fn, *invals)
+  sub = _engine.Context(post, platform=ctx.platform, config=ctx.config)
+  (out,) = sub.finish(sub.eval_jaxpr(closed.jaxpr, closed.consts, flat), closed.out_avals,
+                      "a kernel")
+  for what, n in sub.counts.items():
+    ctx.count(what, n)
+  return out
+
+
 def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
                 budget_s: float = _tuner.DEFAULT_BUDGET_S,
-                margin: float = _tuner.DEFAULT_MARGIN, seed: int = 0) -> _engine.Pass:
+                margin: float = _tuner.DEFAULT_MARGIN, seed: int = 0,
+                post: _engine.Pass | None = None) -> _engine.Pass:
   """The kernel-selection `Pass`, for `tunedjax.rewrite.transform` or `tunedjax.jit`.
 
   Args:
@@ -156,6 +177,10 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
     margin: how much faster than ``xla`` a kernel must be to be chosen
       (0.10: more than 10%).
     seed: seed of the random tuning inputs.
+    post: a pass the chosen kernel's own equations go through (`tunedjax.jit`
+      gives its cleanup pass, whose rules it merges with this one's, so that
+      one evaluation selects kernels and folds the transposes and casts a
+      kernel makes against those around it).
 
   Returns:
     A `Pass` named ``"kernel_selection"``. Its rule counts, per trace,
@@ -182,7 +207,8 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
       return ctx.default(eqn, invals)
     want = eqn.outvars[0].aval
     try:
-      out = _registry.get_kernel(OP, name).fn(*invals, spec)
+      kernel = _registry.get_kernel(OP, name).fn
+      out = _run_kernel(ctx, lambda lhs, rhs: kernel(lhs, rhs, spec), list(invals), post)
       got = jax.typeof(out)
       if got.shape != want.shape or got.dtype != want.dtype:
         raise TypeError(f"it returned {got.str_short()} for {want.str_short()}")
