@@ -385,3 +385,20 @@ def test_a_restarted_process_tunes_nothing_and_compiles_from_disk(tmp_path):
   assert second["hits"] == first["misses"] and second["hit_rate"] == 1.0
   assert second["xla_cache_hits"] > 0 and first["xla_cache_hits"] == 0
   assert list((tmp_path / "shared" / XLA_CACHE_SUBDIR).iterdir())
+
+
+def test_the_kernel_phase_retraces_only_when_kernel_selection_is_on():
+  f = tj.jit(lambda x: x * 2)
+  try:
+    with tj.config_context({"kernel": {"enable": False}}):
+      for index in (0, 5):  # observe, then tune: nothing to select
+        tj.autotune.step(index=index)
+        f(jnp.ones(2))
+    assert len(f.report(memory=False)) == 1
+    with tj.config_context({"kernel": {"enable": True}}):
+      for index in (0, 5):
+        tj.autotune.step(index=index)
+        f(jnp.ones(2))
+    assert len(f.report(memory=False)) == 3  # one program per phase of selection
+  finally:
+    tj.autotune.reset_stats()

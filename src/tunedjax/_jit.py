@@ -357,6 +357,8 @@ class Jitted(Generic[P, R]):
     level = self.level or config.level
     if level == "O0":
       return level, (level,)
+    if not config.kernel.enable:  # the phase and hints only matter to kernel selection
+      return level, (level, config)
     return level, (level, config, _phases.phase_key(config), _hints.active_hints(config))
 
   def _jitted(self) -> Any:

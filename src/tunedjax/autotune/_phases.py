@@ -157,21 +157,27 @@ def phase_key(config: Any = None) -> str:
   return "observe" if current_phase(config) == OBSERVE else "select"
 
 
-def step() -> int:
+def step(index: int | None = None) -> int:
   """Starts the next training step and returns its index (0 on the first call).
 
   Logs the step that just ended at INFO when it lay in the tuning window.
 
+  Args:
+    index: the index of the step starting now, for a run that resumes at a
+      later step (default: one more than the last, or 0).
+
   Example:
     >>> reset()
-    >>> step(), step()
-    (0, 1)
+    >>> step(), step(), step(index=10), step()
+    (0, 1, 10, 11)
   """
+  if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+    raise ValueError(f"autotune.step(index=...) must be an int >= 0, got {index!r}.")
   config = get_config()
   with _COUNTER.lock:
     ended = _COUNTER.step
     row = _COUNTER.per_step.get(ended)
-    _COUNTER.step = 0 if ended is None else ended + 1
+    _COUNTER.step = index if index is not None else (0 if ended is None else ended + 1)
     new = _COUNTER.step
   if row is not None and row[0] == TUNE:
     total = row[1] + row[2]

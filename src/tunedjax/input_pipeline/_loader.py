@@ -162,6 +162,12 @@ class Loader:
       return _tuner.KNOBS
     return tuple(k for k, v in zip(_tuner.KNOBS, self._requested) if v == AUTO)
 
+  @property
+  def needs_tuning(self) -> bool:
+    """Whether the worker and thread counts are still to be chosen by `tune`
+    (measured, or read from the cache) under the active config."""
+    return self._setting is None and bool(self._knobs_to_tune())
+
   def _start_setting(self) -> tuple[int, int]:
     w, t = self._requested
     return (0 if w == AUTO else w, _tuner.DEFAULT_READ_THREADS if t == AUTO else t)
