@@ -180,3 +180,12 @@ def test_ints_are_used_as_given_without_tuning(data):
   assert loader.tune() is None and (loader.worker_count, loader.read_threads) == (0, 3)
   off = ip.Loader(data, batch_size=4, tuning_budget_s=0)
   assert off.tune() is None and (off.worker_count, off.read_threads) == (0, 16)
+
+
+def test_needs_tuning_follows_the_knobs_and_the_config():
+  fixed = ip.Loader(np.arange(8), batch_size=2, worker_count=0, read_threads=0)
+  assert not fixed.needs_tuning
+  with tj.config_context({"dataloader": {"enable": True}}):
+    assert fixed.needs_tuning  # the switch measures even given integers
+  assert ip.Loader(np.arange(8), batch_size=2).needs_tuning  # "auto"
+  assert not ip.Loader(np.arange(8), batch_size=2, tuning_budget_s=0).needs_tuning
