@@ -13,7 +13,8 @@ import tunedjax as tj
 PUBLIC = {
     "tunedjax": {"CacheWarning", "Config", "ConfigError", "JitReport", "Jitted", "RewriteError",
                  "TunedJaxError", "__version__", "autotune", "config_context", "get_config",
-                 "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config"},
+                 "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
+                 "History", "Trainer", "trainer"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",
@@ -31,6 +32,8 @@ PUBLIC = {
     "tunedjax.layout": {"LayoutReport", "Optimized", "explain", "optimize", "preferred"},
     "tunedjax.input_pipeline": {"Loader", "LoaderState", "StateError", "TransformError", "Trial",
                                 "TuningResult", "tune_worker_count"},
+    "tunedjax.trainer": {"Callback", "Checkpointer", "History", "Progress", "TrainState",
+                         "Trainer", "TrainerError"},
 }
 
 
@@ -50,6 +53,7 @@ def test_errors_form_one_hierarchy():
   assert issubclass(tj.ConfigError, tj.TunedJaxError)
   assert issubclass(tj.ConfigError, ValueError)
   assert issubclass(tj.RewriteError, tj.TunedJaxError)
+  assert issubclass(tj.trainer.TrainerError, tj.TunedJaxError)
 
 
 def test_version_matches_package_metadata():

@@ -15,6 +15,7 @@ from tunedjax import input_pipeline as input_pipeline
 from tunedjax import layout as layout
 from tunedjax import mixed_precision as mixed_precision
 from tunedjax import rewrite as rewrite
+from tunedjax import trainer as trainer
 from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
 from tunedjax._config import get_config as get_config
@@ -27,14 +28,18 @@ from tunedjax._jit import Jitted as Jitted
 from tunedjax._jit import JitReport as JitReport
 from tunedjax._jit import jit as jit
 from tunedjax._version import __version__ as __version__
+from tunedjax.trainer import History as History
+from tunedjax.trainer import Trainer as Trainer
 
 __all__ = [
     "CacheWarning",
     "Config",
     "ConfigError",
+    "History",
     "JitReport",
     "Jitted",
     "RewriteError",
+    "Trainer",
     "TunedJaxError",
     "__version__",
     "autotune",
@@ -46,4 +51,5 @@ __all__ = [
     "mixed_precision",
     "rewrite",
     "set_config",
+    "trainer",
 ]

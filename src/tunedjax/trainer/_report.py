@@ -1,0 +1,48 @@
+"""What the tuners chose, as JSON-able dicts for `History.tuning`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunedjax.input_pipeline import TuningResult
+
+
+def loader_summary(result: TuningResult) -> dict[str, Any]:
+  """The loader tuner's choice and every trial it measured.
+
+  Example:
+    >>> from tunedjax.input_pipeline import TuningResult
+    >>> r = TuningResult(worker_count=2, read_threads=1, batches_per_s=40.0, start=(0, 16),
+    ...                  trials=(), seconds=3.0, batches=100, stopped="converged")
+    >>> loader_summary(r)["worker_count"]
+    2
+  """
+  return {
+      "worker_count": result.worker_count, "read_threads": result.read_threads,
+      "batches_per_s": result.batches_per_s, "from_cache": result.from_cache,
+      "seconds": result.seconds, "stopped": result.stopped,
+      "trials": [{"worker_count": t.worker_count, "read_threads": t.read_threads,
+                  "batches_per_s": t.batches_per_s, "phase": t.phase}
+                 for t in result.trials],
+  }
+
+
+def jit_summary(jitted: Any) -> dict[str, Any]:
+  """What `tunedjax.jit` did to the training step's latest signature."""
+  report = jitted.report(memory=False)
+  last = report.last if len(report) else None
+  if last is None:
+    return {}
+  layout = last.layout
+  return {
+      "level": last.level,
+      "passes": list(last.passes),
+      "kernels": dict(last.kernels),
+      "kernel_cache_hits": last.cache_hits,
+      "kernel_cache_misses": last.cache_misses,
+      "layout": None if layout is None else {"decision": layout.decision,
+                                             "target": layout.target,
+                                             "reason": layout.reason},
+      "casts": dict(last.casts),
+      "tuning_s": last.tuning_s,
+  }

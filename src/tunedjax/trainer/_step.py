@@ -1,0 +1,126 @@
+"""The Trainer's pure functions: its state, one train step, k steps, evaluation.
+
+Everything here is a pure function of pytrees, as in optax: `TrainState`
+holds what changes during training, the step functions return a new one.
+The Trainer compiles them with `tunedjax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tunedjax import mixed_precision as mp
+from tunedjax.trainer._model import ModelAdapter
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """What a training step reads and writes; a pytree.
+
+  Attributes:
+    params: the trainable parameters.
+    rest: the model's other state (BatchNorm statistics, nnx RNG counters,
+      linen's mutable collections).
+    opt_state: the optax optimizer's state.
+    loss_scale: a `mixed_precision` loss scale (`NoOpLossScale` when off).
+    step: how many steps were taken (int32 scalar).
+    rng: the Trainer's PRNG key; step ``s`` uses ``fold_in(rng, s)``.
+  """
+
+  params: Any
+  rest: Any
+  opt_state: Any
+  loss_scale: Any
+  step: jax.Array
+  rng: jax.Array
+
+  def replace(self, **changes: Any) -> TrainState:
+    return dataclasses.replace(self, **changes)
+
+
+StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
+
+
+def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformation, *,
+                    skip_nonfinite: bool) -> StepFn:
+  """One training step: loss, scaled gradients, optimizer update.
+
+  Args:
+    adapter: the model.
+    optimizer: the optax optimizer (already wrapped in `mp.skip_nonfinite`
+      when `skip_nonfinite`).
+    skip_nonfinite: keep the model's other state (BatchNorm statistics) as it
+      was on a step whose gradients are not finite, as the optimizer does.
+
+  Returns:
+    ``step(state, batch) -> (new state, {"loss", "finite", <metrics>})``.
+  """
+
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_of(params: Any) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
+      loss, metrics, rest = adapter.loss(params, state.rest, batch, rng, train=True)
+      return loss, (metrics, rest)
+
+    (loss, (metrics, rest)), grads, finite = mp.scaled_value_and_grad(
+        loss_of, has_aux=True)(state.loss_scale, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if skip_nonfinite:
+      rest = mp.select_tree(finite, rest, state.rest)
+    new = state.replace(params=params, rest=rest, opt_state=opt_state,
+                        loss_scale=state.loss_scale.adjust(finite), step=state.step + 1)
+    return new, {"loss": loss, "finite": finite, **metrics}
+
+  return step
+
+
+def make_multi_step(step: StepFn) -> StepFn:
+  """`step` run over a stacked batch (leading axis k) in one `lax.scan`.
+
+  Returns:
+    ``steps(state, stacked) -> (state after k steps, outputs stacked over k)``.
+  """
+
+  def steps(state: TrainState, stacked: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    return jax.lax.scan(step, state, stacked)
+
+  return steps
+
+
+def make_eval_step(adapter: ModelAdapter) -> Callable[[TrainState, Any], dict[str, jax.Array]]:
+  """The loss and metrics on one batch, in evaluation mode (no update)."""
+
+  def evaluate(state: TrainState, batch: Any) -> dict[str, jax.Array]:
+    loss, metrics, _ = adapter.loss(state.params, state.rest, batch, state.rng, train=False)
+    return {"loss": loss, **metrics}
+
+  return evaluate
+
+
+def make_predict(adapter: ModelAdapter, fn: Callable[..., Any] | None
+                 ) -> Callable[[TrainState, Any], Any]:
+  """The model's output on inputs, in evaluation mode."""
+
+  def predict(state: TrainState, x: Any) -> Any:
+    return adapter.predict(state.params, state.rest, x, fn)
+
+  return predict
+
+
+def init_state(adapter: ModelAdapter, optimizer: optax.GradientTransformation,
+               loss_scale: Any, seed: int) -> TrainState:
+  """The state before the first step."""
+  key = jax.random.key(seed)
+  init_key, step_key = jax.random.split(key)
+  params, rest = adapter.init(init_key)
+  return TrainState(params=params, rest=rest, opt_state=optimizer.init(params),
+                    loss_scale=loss_scale, step=jnp.zeros((), jnp.int32), rng=step_key)

@@ -1,0 +1,603 @@
+"""`Trainer`: a training loop with every tuner behind one flag.
+
+The loop every researcher writes (compile the step, move the data, log,
+checkpoint, resume), built on the library's parts: `tunedjax.jit` compiles
+the step with the passes the config enables, a `Loader` tunes its workers
+before the first step, loss scaling follows the precision policy, orbax keeps
+the checkpoints, tqdm shows the progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tunedjax import autotune
+from tunedjax import mixed_precision as mp
+from tunedjax._config import Config, ConfigLike, config_context, get_config
+from tunedjax._jit import jit as tj_jit
+from tunedjax.trainer import _step
+from tunedjax.trainer._callbacks import Callback, CallbackList
+from tunedjax.trainer._checkpoint import Checkpointer
+from tunedjax.trainer._data import BatchChecker, BatchStream, Placement, is_arrays
+from tunedjax.trainer._history import History
+from tunedjax.trainer._model import TrainerError, adapt, split_loss_output, takes_keyword
+from tunedjax.trainer._progress import Progress
+from tunedjax.trainer._report import jit_summary, loader_summary
+
+logger = logging.getLogger("tunedjax.trainer")
+
+_TUNERS_OFF = {"kernel": {"enable": False}, "layout": {"enable": False},
+               "dataloader": {"enable": False}}
+
+
+def _resolve_config(autotune_option: Any, policy: mp.Policy | None) -> Config:
+  """The config this trainer runs under: the active one, with its options."""
+  with contextlib.ExitStack() as stack:
+    if autotune_option is True:
+      stack.enter_context(config_context(None))
+    elif autotune_option is False:
+      stack.enter_context(config_context(_TUNERS_OFF))
+    elif isinstance(autotune_option, (Mapping, Config, str)):
+      stack.enter_context(config_context(autotune_option))
+    else:
+      raise TrainerError(f"autotune must be True, False, a config dict, a Config or a JSON "
+                         f"path, got {autotune_option!r}.")
+    if policy is not None:
+      half = policy.compute_dtype != jnp.float32
+      stack.enter_context(config_context(
+          {"mixed_precision": {"enable": bool(half), "policy": str(policy)}}))
+    return get_config()
+
+
+def _check_positive(name: str, value: Any, *, optional: bool = False) -> Any:
+  if optional and value is None:
+    return value
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1:
+    return int(value)
+  raise TrainerError(f"{name} must be an int >= 1{' or None' if optional else ''}, "
+                     f"got {value!r}.")
+
+
+class Trainer:
+  """Trains a Flax model with an optax optimizer, tuned behind one flag.
+
+  ``autotune=True`` runs this trainer under ``set_config(None)``: kernel
+  selection and layout in the compiled step (`tunedjax.jit`), a measured
+  worker count for a `tunedjax.input_pipeline.Loader`. ``precision`` adds the
+  mixed-precision pass and the loss scaling its policy needs (dynamic for
+  float16: a step whose gradients overflow is skipped and counted). Batches
+  are sharded over the devices of `mesh` (all local devices by default,
+  data-parallel); parameters are replicated.
+
+  Args:
+    model: a Flax ``nnx.Module``, or a ``linen.Module`` with `example_batch`.
+    optimizer: an optax `GradientTransformation`.
+    loss_fn: ``loss_fn(model, batch)`` returning a scalar loss or ``(loss,
+      {name: scalar})``; it may take a ``train`` keyword (True while training).
+      It is called on the model rebuilt from the trainer's state, inside the
+      compiled step: nnx models in ``train()`` mode (``eval()`` to evaluate),
+      linen modules bound to their variables.
+    metrics: ``{name: fn(model, batch) -> scalar}`` computed by `evaluate`
+      (and on `eval_data` during `fit`). Training metrics come from the
+      dict `loss_fn` returns.
+    precision: a `mixed_precision.Policy`, a policy string or a name
+      (``"mixed_bfloat16"``, ``"mixed_float16"``, ``"float32"``); None keeps
+      the config's.
+    autotune: True (every tuner on: ``set_config(None)`` for this trainer),
+      False (every tuner off), or a config dict / `Config` / JSON path.
+    checkpoint_dir: where orbax keeps checkpoints; None for none.
+    checkpoint_every: save every this many steps (and at the end of `fit`);
+      None saves at the end only.
+    max_checkpoints: how many checkpoints to keep.
+    mesh: a `jax.sharding.Mesh`; None for all devices on one ``"data"`` axis.
+    data_axis: the mesh axis the batch is split over (default ``"data"`` if
+      the mesh has one, else its first axis).
+    steps_per_execution: run this many steps in one compiled `lax.scan` over
+      a stacked batch (whole-loop sinking, as MindSpore's O2): one dispatch
+      per k steps, for models whose steps are short.
+    seed: seed of a linen model's initialisation and of its per-step RNG
+      streams, and of the shuffle when `fit` is given arrays.
+    progress: True for a tqdm bar in terminals and notebooks and plain log
+      lines elsewhere; False for nothing; or a `Progress` mode ("bar", "log").
+    example_batch: a batch to initialise a linen module with.
+    rng_streams: the RNG streams a linen module uses while training.
+
+  Example:
+    >>> import numpy as np, optax
+    >>> from flax import nnx
+    >>> import tunedjax as tj
+    >>> x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    >>> data = {"x": x, "y": x @ np.array([1.0, -2.0, 0.5], np.float32)}
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> loss_fn = lambda model, b: ((model(b["x"])[:, 0] - b["y"]) ** 2).mean()
+    >>> trainer = tj.Trainer(model, optax.sgd(0.1), loss_fn, autotune=False,
+    ...                      progress=False)
+    >>> history = trainer.fit(data, batch_size=16, epochs=5)
+    >>> len(history.losses), history.losses[-1] < history.losses[0]
+    (20, True)
+  """
+
+  def __init__(self, model: Any, optimizer: optax.GradientTransformation,
+               loss_fn: Callable[..., Any], *,
+               metrics: Mapping[str, Callable[..., Any]] | None = None,
+               precision: Any = None, autotune: bool | ConfigLike = True,
+               checkpoint_dir: Any = None, checkpoint_every: int | None = None,
+               max_checkpoints: int = 3, mesh: jax.sharding.Mesh | None = None,
+               data_axis: str | None = None, steps_per_execution: int = 1, seed: int = 0,
+               progress: bool | str = True, example_batch: Any = None,
+               rng_streams: Sequence[str] = ("dropout",)):
+    if not isinstance(optimizer, optax.GradientTransformation):
+      raise TrainerError(f"optimizer must be an optax GradientTransformation (e.g. "
+                         f"optax.adam(1e-3)), got {optimizer!r}.")
+    self.metrics = dict(metrics or {})
+    bad = [k for k, f in self.metrics.items() if not callable(f)]
+    if bad:
+      raise TrainerError(f"metrics must map names to functions fn(model, batch); these are "
+                         f"not callable: {bad}.")
+    self.steps_per_execution = _check_positive("steps_per_execution", steps_per_execution)
+    self.checkpoint_every = _check_positive("checkpoint_every", checkpoint_every, optional=True)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise TrainerError(f"seed must be an int >= 0, got {seed!r}.")
+    self.seed = int(seed)
+    if progress is True:
+      self._progress_mode = "auto"
+    elif progress is False:
+      self._progress_mode = "off"
+    elif progress in ("auto", "bar", "log", "off"):
+      self._progress_mode = str(progress)
+    else:
+      raise TrainerError(f"progress must be True, False, 'auto', 'bar', 'log' or 'off', "
+                         f"got {progress!r}.")
+    self.policy = None if precision is None else mp.get_policy(precision)
+    self.config = _resolve_config(autotune, self.policy)
+    with config_context(self.config):
+      self.loss_scale = (mp.loss_scale_for() if self.config.mixed_precision.enable
+                         else mp.NoOpLossScale())
+    self._skips = not isinstance(self.loss_scale, mp.NoOpLossScale)
+
+    self.adapter = adapt(model, self._with_metrics(loss_fn), example_batch=example_batch,
+                         rng_streams=rng_streams)
+    self.model = model
+    self.placement = Placement(mesh, data_axis)
+    opt = optimizer
+    param_dtype = None if self.policy is None else self.policy.param_dtype
+    if param_dtype is not None and param_dtype != jnp.float32:
+      opt = mp.master_weights(opt)  # half parameters: keep a float32 copy
+    if self._skips:
+      opt = mp.skip_nonfinite(opt)
+    self.optimizer = opt
+    state = _step.init_state(self.adapter, opt, self.loss_scale, self.seed)
+    if param_dtype is not None:
+      state = state.replace(params=jax.tree_util.tree_map(
+          lambda p: p.astype(param_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+          state.params))
+      state = state.replace(opt_state=opt.init(state.params))
+    self.state: _step.TrainState = self.placement.replicate(state)
+
+    step = _step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips)
+    self._train_step = tj_jit(step, donate_argnums=0)
+    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0)
+                        if self.steps_per_execution > 1 else None)
+    self._eval_step = tj_jit(_step.make_eval_step(self.adapter))
+    self._predictors: dict[Any, Any] = {}
+    self.checkpointer = (Checkpointer(checkpoint_dir, max_to_keep=max_checkpoints)
+                         if checkpoint_dir is not None else None)
+    self.history = History()
+    self.stop_training = False
+
+  # --- the pieces -------------------------------------------------------------
+
+  def _with_metrics(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`loss_fn` plus the `metrics` functions when evaluating."""
+    wants_train, extra = takes_keyword(loss_fn, "train"), self.metrics
+
+    def combined(model: Any, batch: Any, train: bool = True) -> Any:
+      out = loss_fn(model, batch, train=train) if wants_train else loss_fn(model, batch)
+      if train or not extra:
+        return out
+      loss, metrics = split_loss_output(out, "loss_fn")
+      return loss, {**metrics, **{k: f(model, batch) for k, f in extra.items()}}
+
+    return combined
+
+  @property
+  def step(self) -> int:
+    """Steps taken so far (restored ones included)."""
+    return int(jax.device_get(self.state.step))
+
+  @property
+  def variables(self) -> dict[str, Any]:
+    """The model's state: ``{"params": ..., <collections>}`` (linen) or nnx
+    ``{"params": Param state, "rest": other state}``."""
+    if self.adapter.kind == "linen":
+      return {"params": self.state.params, **self.state.rest}
+    return {"params": self.state.params, "rest": self.state.rest}
+
+  def _sync_model(self) -> None:
+    self.adapter.write_back(self.state.params, self.state.rest)
+
+  @contextlib.contextmanager
+  def _running(self) -> Iterator[None]:
+    with config_context(self.config):
+      yield
+
+  # --- fit ------------------------------------------------------------------------
+
+  def fit(self, train_data: Any, *, epochs: int | None = None, steps: int | None = None,
+          batch_size: int | None = None, eval_data: Any = None,
+          eval_every: int | None = None, callbacks: Sequence[Callback] = (),
+          resume: bool = False) -> History:
+    """Trains until `steps` steps or `epochs` epochs have been run in all.
+
+    Both count from the start of training, restored steps included, so a job
+    restarted with the same arguments and ``resume=True`` ends where an
+    uninterrupted one would. Without either, one epoch more.
+
+    Args:
+      train_data: a `tunedjax.input_pipeline.Loader` (its workers are tuned
+        with this step as the consumer before the first step, when the config
+        or the loader asks for it), arrays (an array, or a dict/tuple of
+        arrays with one row per record; with `batch_size`), or any iterable
+        of batches (re-iterated each epoch).
+      epochs: train until this many epochs are done.
+      steps: train until this many steps are done.
+      batch_size: records per batch, for arrays.
+      eval_data: data for `evaluate` at each epoch's end, or every
+        `eval_every` steps.
+      eval_every: evaluate every this many steps instead.
+      callbacks: `Callback` objects.
+      resume: first restore the latest checkpoint of `checkpoint_dir`, if
+        there is one: state, data position, history and step.
+
+    Returns:
+      The `History` of every step so far (this trainer's `history`).
+    """
+    self.stop_training = False
+    epochs = _check_positive("epochs", epochs, optional=True)
+    steps = _check_positive("steps", steps, optional=True)
+    eval_every = _check_positive("eval_every", eval_every, optional=True)
+    stream = BatchStream(train_data, batch_size=batch_size, seed=self.seed)
+    try:
+      if resume:
+        self._resume(stream)
+      return self._fit(stream, epochs, steps, eval_data, eval_every, batch_size,
+                       CallbackList(callbacks))
+    finally:
+      stream.close()
+
+  def _fit(self, stream: BatchStream, epochs: int | None, steps: int | None, eval_data: Any,
+           eval_every: int | None, batch_size: int | None, callbacks: CallbackList) -> History:
+    start = self.step
+    per_epoch = stream.steps_per_epoch
+    if epochs is None and steps is None:
+      epochs = stream.epoch + 1
+    target = steps
+    if epochs is not None and per_epoch is not None:
+      by_epochs = epochs * per_epoch
+      target = by_epochs if target is None else min(target, by_epochs)
+    if target is not None and target <= start:
+      logger.info("Trainer.fit: already at step %d (target %d): nothing to do.", start, target)
+      return self.history
+    self.stop_training = False
+    self.history.tuning.setdefault("precision", str(self.policy) if self.policy else
+                                   (self.config.mixed_precision.policy
+                                    if self.config.mixed_precision.enable else "float32"))
+    total = None if target is None else target - start
+    checker = BatchChecker("train_data")
+    with self._running(), Progress(total=total, mode=self._progress_mode, desc="train") as bar:
+      callbacks.on_fit_start(self)
+      self._tune_loader(stream, bar)
+      loop = _Loop(self, stream, checker, bar, callbacks, target=target, epochs=epochs,
+                   eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
+      loop.run()
+      self.history.tuning.update(jit_summary(self._train_step))
+      if self.checkpointer is not None:
+        self.save(stream, force=True)
+        self.checkpointer.wait()  # on disk when fit returns; periodic saves overlap steps
+      self._sync_model()
+      callbacks.on_fit_end(self, self.history)
+    return self.history
+
+  def _tune_loader(self, stream: BatchStream, bar: Progress) -> None:
+    """Tunes a Loader's workers with the training step as the consumer."""
+    loader = stream.loader
+    if loader is None or not loader.needs_tuning:
+      return
+    scratch: list[Any] = []
+
+    def consumer(batch: Any) -> None:
+      if not scratch:  # a copy: tuning never changes the real state
+        scratch.append(jax.tree_util.tree_map(jnp.copy, self.state))
+      scratch[0], out = self._train_step(scratch[0], self.placement.put(batch))
+      jax.block_until_ready(out)
+
+    bar.message("Trainer: tuning the loader's worker count with the training step ...")
+    result = loader.tune(consumer=consumer)
+    if result is not None:
+      self.history.tuning["dataloader"] = loader_summary(result)
+      bar.message(f"Trainer: loader uses {result.worker_count} workers, "
+                  f"{result.read_threads} read threads "
+                  f"({'cached' if result.from_cache else f'tuned in {result.seconds:.1f} s'})")
+
+  # --- evaluate / predict -----------------------------------------------------------
+
+  def evaluate(self, data: Any, *, batch_size: int | None = None) -> dict[str, float]:
+    """The mean loss and metrics over one pass of `data` (weighted by batch size).
+
+    Args:
+      data: a Loader (one epoch of it is read), arrays with `batch_size`
+        (every record, the last batch short if need be), or an iterable of
+        batches.
+      batch_size: records per batch, for arrays (default: all at once).
+
+    Returns:
+      ``{"loss": ..., <metric>: ...}`` as Python floats.
+    """
+    if is_arrays(data) and batch_size is None:
+      data = [data]
+    stream = BatchStream(data, batch_size=batch_size, seed=self.seed, shuffle=False,
+                         what="eval data", drop_remainder=False)
+    totals: dict[str, float] = {}
+    count = 0
+    try:
+      with self._running():
+        checker = BatchChecker("eval data")
+        n = stream.steps_per_epoch
+        index = 0
+        while n is None or index < n:
+          try:
+            epoch, batch = stream.next()
+          except StopIteration:
+            break
+          if epoch > 0 and index > 0 and stream.loader is None:
+            break
+          checker.check(batch, index)
+          size = int(jax.tree_util.tree_leaves(batch)[0].shape[0])
+          out = jax.device_get(self._eval_step(self.state, self._place_any(batch, size)))
+          for k, v in out.items():
+            totals[k] = totals.get(k, 0.0) + float(v) * size
+          count += size
+          index += 1
+    finally:
+      stream.close()
+    if not count:
+      raise TrainerError("evaluate: the data yielded no batch.")
+    return {k: v / count for k, v in totals.items()}
+
+  def _place_any(self, batch: Any, size: int) -> Any:
+    """Sharded when the batch splits evenly over the devices, else replicated."""
+    if size % self.placement.shards == 0:
+      return self.placement.put(batch)
+    return self.placement.replicate(batch)
+
+  def predict(self, x_or_data: Any, *, batch_size: int | None = None,
+              fn: Callable[..., Any] | None = None) -> Any:
+    """The model's outputs in evaluation mode, compiled once per input shape.
+
+    Args:
+      x_or_data: inputs (an array or a pytree of arrays, one row per record)
+        or an iterable of batches; outputs are concatenated along axis 0.
+      batch_size: split array inputs into batches of this many records.
+      fn: ``fn(model, batch)`` computing the output (default ``model(batch)``).
+
+    Returns:
+      The outputs, as NumPy arrays.
+    """
+    key = fn
+    if key not in self._predictors:
+      self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn))
+    predict = self._predictors[key]
+    if is_arrays(x_or_data) or isinstance(x_or_data, (np.ndarray, jax.Array)):
+      size = int(jax.tree_util.tree_leaves(x_or_data)[0].shape[0])
+      step = batch_size or size
+      batches: Any = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + step], x_or_data)
+                      for i in range(0, size, step)]
+    else:
+      batches = x_or_data
+    outs = []
+    with self._running():
+      for batch in batches:
+        size = int(jax.tree_util.tree_leaves(batch)[0].shape[0])
+        outs.append(jax.device_get(predict(self.state, self._place_any(batch, size))))
+    if not outs:
+      raise TrainerError("predict: no inputs.")
+    return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=0), *outs)
+
+  # --- checkpoints ---------------------------------------------------------------
+
+  def save(self, stream: BatchStream | None = None, *, force: bool = False) -> bool:
+    """Saves a checkpoint of the state, the data position and the history now."""
+    if self.checkpointer is None:
+      raise TrainerError("This Trainer has no checkpoint_dir: pass checkpoint_dir= to "
+                         "Trainer(...) to save checkpoints.")
+    metadata = {"history": self.history.to_dict(),
+                "data": stream.get_state() if stream is not None else None,
+                "trainer": {"steps_per_execution": self.steps_per_execution,
+                            "seed": self.seed, "kind": self.adapter.kind}}
+    return self.checkpointer.save(self.step, self.state, metadata, force=force)
+
+  def restore(self, checkpoint_dir: Any = None, *, step: int | None = None) -> dict[str, Any]:
+    """Restores the state and history of a checkpoint (the latest by default).
+
+    Args:
+      checkpoint_dir: the folder (default: this trainer's `checkpoint_dir`).
+      step: the checkpoint's step (default: the latest).
+
+    Returns:
+      The checkpoint's metadata (the data position under ``"data"``).
+    """
+    checkpointer = (Checkpointer(checkpoint_dir) if checkpoint_dir is not None
+                    else self.checkpointer)
+    if checkpointer is None:
+      raise TrainerError("Trainer.restore needs a checkpoint_dir: this Trainer has none.")
+    target = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+    if checkpointer is self.checkpointer:
+      checkpointer.wait()
+    state, metadata = checkpointer.restore(step, target=target)
+    self.state = state
+    self.history = History.from_dict(metadata["history"])
+    self._sync_model()
+    logger.info("Trainer: restored step %d from %s", self.step, checkpointer.directory)
+    return metadata
+
+  def _resume(self, stream: BatchStream) -> None:
+    if self.checkpointer is None:
+      raise TrainerError("fit(resume=True) needs a checkpoint_dir: pass checkpoint_dir= "
+                         "to Trainer(...).")
+    if self.checkpointer.latest_step() is None:
+      logger.info("Trainer: no checkpoint in %s yet; starting from scratch.",
+                  self.checkpointer.directory)
+      return
+    metadata = self.restore()
+    if metadata.get("data") is not None:
+      stream.set_state(metadata["data"])
+
+
+class _Loop:
+  """One `fit` call's loop: dispatch, read the losses back one step late, record.
+
+  Reading step s's loss only after step s+1 was dispatched keeps the devices
+  busy while the host records, logs and fetches the next batch. Epoch ends,
+  evaluations and checkpoints wait for the steps before them.
+  """
+
+  def __init__(self, trainer: Trainer, stream: BatchStream, checker: BatchChecker,
+               bar: Progress, callbacks: CallbackList, *, target: int | None,
+               epochs: int | None, eval_data: Any, eval_every: int | None,
+               batch_size: int | None):
+    self.t, self.stream, self.checker, self.bar = trainer, stream, checker, bar
+    self.callbacks, self.target, self.epochs = callbacks, target, epochs
+    self.eval_data, self.eval_every, self.batch_size = eval_data, eval_every, batch_size
+    self.pending: tuple[list[tuple[int, int]], list[tuple[Any, int | None]]] | None = None
+    self.last_ready = time.perf_counter()
+    self.epoch_started = self.last_ready
+    self.current_epoch: int | None = None
+    self.past_last_epoch = False
+    self.index = 0
+
+  def _take(self, n: int) -> list[tuple[int, Any]]:
+    group = []
+    for _ in range(n):
+      if self.epochs is not None and self.stream.epoch >= self.epochs:
+        break
+      try:
+        epoch, batch = self.stream.next()
+      except StopIteration:
+        break
+      if self.epochs is not None and epoch >= self.epochs:  # found only by reading
+        self.past_last_epoch = True
+        break
+      self.checker.check(batch, self.index)
+      if self.index == 0:
+        self.t.placement.check_batch_size(_size(batch), "train_data")
+      self.index += 1
+      group.append((epoch, batch))
+    return group
+
+  def run(self) -> None:
+    t, k = self.t, self.t.steps_per_execution
+    step = t.step
+    while not t.stop_training and (self.target is None or step < self.target):
+      group = self._take(k if self.target is None else min(k, self.target - step))
+      if not group:
+        break
+      for epoch, run in itertools.groupby(group, key=lambda eb: eb[0]):
+        if self.current_epoch is not None and epoch != self.current_epoch:
+          self._read_pending()
+          self._end_epoch(self.current_epoch)
+        self.current_epoch = epoch
+        step = self._dispatch([b for _, b in run], step)
+    self._read_pending()
+    if self.current_epoch is not None and (self.past_last_epoch or
+                                           self.stream.epoch > self.current_epoch):
+      self._end_epoch(self.current_epoch)
+
+  def _dispatch(self, batches: list[Any], step: int) -> int:
+    """Runs `batches` from global step `step`; returns the next step."""
+    t, k = self.t, self.t.steps_per_execution
+    for s in range(step, step + len(batches)):
+      autotune.step(index=s)
+    sizes = [_size(b) for b in batches]
+    if len(batches) == k > 1 and len(set(sizes)) == 1:
+      stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
+      t.state, out = t._multi_step(t.state, t.placement.put(stacked, stacked=True))
+      outs: list[tuple[Any, int | None]] = [(out, i) for i in range(k)]
+    else:
+      outs = []
+      for batch in batches:
+        t.state, out = t._train_step(t.state, t.placement.put(batch))
+        outs.append((out, None))
+    self._read_pending()
+    self.pending = ([(step + i, n) for i, n in enumerate(sizes)], outs)
+    done = range(step + 1, step + len(batches) + 1)
+    if t.checkpointer is not None and t.checkpoint_every and any(
+        s % t.checkpoint_every == 0 for s in done):
+      self._read_pending()
+      t.save(self.stream)
+    if self.eval_every and self.eval_data is not None and any(
+        s % self.eval_every == 0 for s in done):
+      self._read_pending()
+      self._evaluate(step + len(batches))
+    return step + len(batches)
+
+  def _read_pending(self) -> None:
+    if self.pending is None:
+      return
+    info, outs = self.pending
+    self.pending = None
+    values = jax.device_get([o for o, _ in outs])
+    now = time.perf_counter()
+    share = (now - self.last_ready) / len(info)
+    self.last_ready = now
+    t = self.t
+    for (step, size), value, (_, i) in zip(info, values, outs):
+      if i is not None:  # one step of a stacked k-step result
+        value = jax.tree_util.tree_map(lambda v, i=i: v[i], value)
+      loss, finite = float(value["loss"]), bool(value["finite"])
+      metrics = {k: float(v) for k, v in value.items() if k not in ("loss", "finite")}
+      if not finite and not t._skips:
+        raise TrainerError(
+            f"The loss or its gradients are not finite at step {step} (loss {loss}) and "
+            "loss scaling is off, so the update went into the parameters. Lower the "
+            "learning rate, check the data, or train with precision='mixed_float16' "
+            "(dynamic loss scaling skips such steps).")
+      t.history.record_step(step, loss, share, samples=size, metrics=metrics,
+                            skipped=not finite)
+      self.callbacks.on_step_end(t, step, {"loss": loss, **metrics, "skipped": not finite})
+    self.bar.update(info[-1][0] + 1, loss=t.history.losses[-1],
+                    samples_per_s=t.history.throughput(last=50),
+                    phase=autotune.current_phase() if t.config.kernel.enable else None,
+                    n=len(info))
+
+  def _evaluate(self, step: int) -> dict[str, float]:
+    results = self.t.evaluate(self.eval_data, batch_size=self.batch_size)
+    self.t.history.record_eval(step, results)
+    self.bar.message(f"eval at step {step}: " + ", ".join(f"{k} {v:.4g}"
+                                                          for k, v in results.items()))
+    return results
+
+  def _end_epoch(self, epoch: int) -> None:
+    extra = {}
+    if self.eval_data is not None and not self.eval_every:
+      extra = {f"eval_{k}": v for k, v in self._evaluate(self.t.step).items()}
+    now = time.perf_counter()
+    summary = self.t.history.end_epoch(epoch, now - self.epoch_started, extra=extra)
+    self.epoch_started = now
+    self.callbacks.on_epoch_end(self.t, epoch, summary)
+    self.bar.message(f"epoch {epoch}: " + ", ".join(
+        f"{k} {v:.4g}" for k, v in summary.items() if k != "epoch"))
+
+
+def _size(batch: Any) -> int:
+  return int(jax.tree_util.tree_leaves(batch)[0].shape[0])

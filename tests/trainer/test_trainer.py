@@ -1,0 +1,249 @@
+"""tunedjax.Trainer: training nnx and linen models, determinism, data kinds, sharding,
+steps_per_execution, loss scaling, evaluate/predict, progress, callbacks, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import tunedjax as tj
+from tests.trainer import models as m
+from tunedjax.trainer import Callback, Trainer, TrainerError
+
+QUIET = {"autotune": False, "progress": False}
+
+
+def _nnx_trainer(**kwargs):
+  options = {**QUIET, **kwargs}
+  return Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, **options)
+
+
+def _linen_trainer(data, **kwargs):
+  options = {**QUIET, **kwargs}
+  example = {k: v[:16] for k, v in data.items()}
+  return Trainer(m.LinenMLP(), m.optimizer(), m.linen_loss, example_batch=example, **options)
+
+
+# --- training ----------------------------------------------------------------------
+
+
+def test_nnx_model_trains_and_the_same_seed_gives_the_same_history():
+  data = m.regression_data()
+  first = _nnx_trainer().fit(data, batch_size=16, epochs=3)
+  again = _nnx_trainer().fit(data, batch_size=16, epochs=3)
+  assert len(first.losses) == 3 * 16 and first.steps == list(range(48))
+  assert np.mean(first.losses[-5:]) < 0.3 * np.mean(first.losses[:5])
+  assert first.losses == again.losses  # bitwise: same seed, same data order
+  assert [e["epoch"] for e in first.epochs] == [0, 1, 2]
+  assert all(set(mm) == {"mae"} for mm in first.metrics)
+
+
+def test_linen_model_trains_with_dropout_and_batch_stats():
+  data = m.regression_data()
+  trainer = _linen_trainer(data)
+  before = trainer.evaluate(data)["loss"]
+  history = trainer.fit(data, batch_size=16, epochs=3)
+  assert trainer.evaluate(data)["loss"] < 0.3 * before
+  assert np.mean(history.losses[-5:]) < 0.3 * np.mean(history.losses[:5])
+  stats = trainer.variables["batch_stats"]
+  assert float(jnp.abs(jax.tree_util.tree_leaves(stats)[0]).sum()) > 0  # updated
+
+
+def test_trained_nnx_model_object_holds_the_trained_parameters():
+  data = m.regression_data()
+  model = m.NnxMLP()
+  before = np.asarray(model.fc1.kernel.get_value()).copy()
+  trainer = Trainer(model, m.optimizer(), m.nnx_loss, **QUIET)
+  trainer.fit(data, batch_size=16, steps=5)
+  after = np.asarray(model.fc1.kernel.get_value())
+  assert not np.array_equal(before, after)
+  np.testing.assert_array_equal(after, np.asarray(trainer.state.params["fc1"]["kernel"]))
+
+
+def test_iterable_of_batches_and_a_loader_give_epochs_and_steps():
+  data = m.regression_data(n=128)
+  trainer = _nnx_trainer()
+  history = trainer.fit(m.batches(data, 16), epochs=2)
+  assert len(history.losses) == 16 and len(history.epochs) == 2
+  loader = tj.input_pipeline.Loader(data, batch_size=16, shuffle=True, seed=1,
+                                    worker_count=0, read_threads=0, tuning_budget_s=0)
+  history = _nnx_trainer().fit(loader, steps=12)
+  assert len(history.losses) == 12 and len(history.epochs) == 1  # 8 batches per epoch
+  assert loader.position == 12
+
+
+def test_fit_counts_steps_and_epochs_from_the_start_of_training():
+  data = m.regression_data(n=128)
+  trainer = _nnx_trainer()
+  trainer.fit(data, batch_size=16, steps=5)
+  history = trainer.fit(data, batch_size=16, steps=12)
+  assert history.steps == list(range(12)) and trainer.step == 12
+  trainer.fit(data, batch_size=16, steps=12)  # already there: nothing to do
+  assert trainer.step == 12
+
+
+def test_steps_per_execution_runs_the_same_steps_in_one_scan():
+  data = m.regression_data(n=160)
+  one = _nnx_trainer().fit(data, batch_size=16, epochs=2)
+  trainer = _nnx_trainer(steps_per_execution=4)
+  sunk = trainer.fit(data, batch_size=16, epochs=2)
+  assert sunk.steps == one.steps  # 20 steps: 5 calls of 4
+  np.testing.assert_allclose(sunk.losses, one.losses, rtol=1e-5)
+  assert len(trainer._multi_step.report()) == 1
+
+
+def test_data_parallel_over_8_devices_matches_one_device(mesh8):
+  data = m.regression_data()
+  one = _nnx_trainer(mesh=Mesh(np.array(jax.devices()[:1]), ("data",)))
+  eight = _nnx_trainer()  # default: every device on the "data" axis
+  assert eight.placement.shards == 8
+  h1 = one.fit(data, batch_size=16, epochs=2)
+  h8 = eight.fit(data, batch_size=16, epochs=2)
+  np.testing.assert_allclose(h8.losses, h1.losses, rtol=2e-4, atol=1e-6)
+  params = jax.tree_util.tree_leaves(eight.state.params)[0]
+  assert params.sharding.is_fully_replicated
+
+
+# --- evaluation and prediction -----------------------------------------------------
+
+
+def test_evaluate_weights_batches_and_predict_compiles_once_per_shape():
+  data = m.regression_data(n=100)
+  trainer = _nnx_trainer(metrics={"max_err": lambda model, b: jnp.abs(
+      model(b["x"]) - b["y"]).max()})
+  whole = trainer.evaluate(data)
+  batched = trainer.evaluate(data, batch_size=16)  # 6 batches of 16 and one of 4
+  assert set(whole) == {"loss", "mae", "max_err"}
+  assert math.isclose(whole["loss"], batched["loss"], rel_tol=1e-5)
+  out = trainer.predict(data["x"], batch_size=32)
+  assert out.shape == (100,)
+  trainer.predict(data["x"][:32])
+  assert len(trainer._predictors[None].report()) == 2  # 32 and the short 4
+  np.testing.assert_allclose(out, trainer.predict(data["x"]), rtol=1e-5, atol=1e-6)
+
+
+# --- loss scaling and non-finite steps ---------------------------------------------
+
+
+def _with_bad_step(data, bad_batch: int, batch_size: int = 16):
+  out = m.batches(data, batch_size)
+  out[bad_batch] = {**out[bad_batch], "x": np.full_like(out[bad_batch]["x"], np.inf)}
+  return out
+
+
+def test_mixed_float16_skips_a_non_finite_step_and_counts_it():
+  data = m.regression_data(n=128)
+  trainer = _nnx_trainer(precision="mixed_float16")
+  assert type(trainer.loss_scale).__name__ == "DynamicLossScale"
+  history = trainer.fit(_with_bad_step(data, 3), epochs=1)
+  assert 3 in history.skipped and history.skipped_steps >= 1
+  leaves = jax.tree_util.tree_leaves(trainer.state.params)
+  assert all(bool(jnp.isfinite(p).all()) for p in leaves)  # no NaN reached the params
+  assert trainer.state.loss_scale.loss_scale < 2.0**15  # it backed off
+
+
+def test_a_non_finite_loss_without_loss_scaling_is_an_error_naming_the_step():
+  data = m.regression_data(n=128)
+  with pytest.raises(TrainerError, match=r"not finite at step 2 .*loss scaling is off"):
+    _nnx_trainer().fit(_with_bad_step(data, 2), epochs=1)
+
+
+def test_bfloat16_precision_runs_the_autocast_pass():
+  data = m.regression_data(n=128)
+  trainer = _nnx_trainer(precision="mixed_bfloat16")
+  assert trainer.config.mixed_precision.enable
+  assert type(trainer.loss_scale).__name__ == "NoOpLossScale"
+  history = trainer.fit(data, batch_size=16, epochs=2)
+  assert history.tuning["precision"] == "params=float32,compute=bfloat16,output=float32"
+  assert "mixed_precision" in history.tuning["passes"]
+  assert np.mean(history.losses[-4:]) < 0.5 * np.mean(history.losses[:4])
+
+
+# --- progress, callbacks, tuning report -------------------------------------------
+
+
+def test_plain_log_lines_when_output_is_not_a_terminal(capsys):
+  data = m.regression_data(n=64)
+  Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, autotune=False).fit(
+      data, batch_size=16, epochs=1)
+  err = capsys.readouterr().err
+  assert "train step 1/4" in err and "train step 4/4 (100%)" in err and "\r" not in err
+  Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, **QUIET).fit(data, batch_size=16, epochs=1)
+  assert capsys.readouterr().err == ""
+
+
+def test_callbacks_see_steps_and_epochs_and_can_stop_training():
+  seen = []
+
+  class Recorder(Callback):
+
+    def on_step_end(self, trainer, step, logs):
+      seen.append(("step", step, round(logs["loss"], 6)))
+      if step == 5:
+        trainer.stop_training = True
+
+    def on_epoch_end(self, trainer, epoch, logs):
+      seen.append(("epoch", epoch))
+
+  data = m.regression_data(n=64)
+  history = _nnx_trainer().fit(data, batch_size=16, epochs=3, callbacks=[Recorder()])
+  steps = [s for kind, s, *_ in seen if kind == "step"]
+  assert ("epoch", 0) in seen and steps[:6] == list(range(6))
+  assert len(history.losses) <= 7  # stops after the step in flight
+
+
+def test_history_says_what_the_tuners_chose():
+  data = m.regression_data(n=64)
+  with tj.config_context({"cache": {"dir": None}}):
+    trainer = Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, autotune=True, progress=False)
+  assert trainer.config.kernel.enable and trainer.config.layout.enable
+  history = trainer.fit(data, batch_size=16, epochs=1)
+  assert history.tuning["level"] == "O1"
+  assert history.tuning["passes"][:1] == ["layout"]
+  assert history.tuning["precision"] == "float32"
+
+
+# --- bad input ---------------------------------------------------------------------
+
+
+def test_bad_batches_and_losses_are_clear_errors():
+  data = m.regression_data(n=64)
+  good = m.batches(data, 16)
+  wrong = good[:2] + [{"x": good[2]["x"][:, :4], "y": good[2]["y"]}]
+  with pytest.raises(TrainerError, match=r"Batch 2 of train_data does not match the first"):
+    _nnx_trainer().fit(wrong, epochs=1)
+  renamed = good[:1] + [{"inputs": good[1]["x"], "y": good[1]["y"]}]
+  with pytest.raises(TrainerError, match=r"Batch 1 .*does not match"):
+    _nnx_trainer().fit(renamed, epochs=1)
+  vector_loss = lambda model, b: (model(b["x"]) - b["y"]) ** 2  # noqa: E731
+  with pytest.raises(TrainerError, match=r"scalar floating loss.*float32\[16\]"):
+    Trainer(m.NnxMLP(), m.optimizer(), vector_loss, **QUIET).fit(good, epochs=1)
+  with pytest.raises(TrainerError, match=r"batch of 12 records cannot be split evenly"):
+    _nnx_trainer().fit(data, batch_size=12, epochs=1)
+  with pytest.raises(TrainerError, match=r"pass batch_size="):
+    _nnx_trainer().fit(data, epochs=1)
+
+
+def test_bad_options_are_clear_errors():
+  with pytest.raises(TrainerError, match=r"optax GradientTransformation"):
+    Trainer(m.NnxMLP(), "adam", m.nnx_loss)
+  with pytest.raises(TrainerError, match=r"linen module .*needs example_batch="):
+    Trainer(m.LinenMLP(), m.optimizer(), m.linen_loss)
+  with pytest.raises(TrainerError, match=r"flax nnx.Module or linen.Module"):
+    Trainer(lambda x: x, m.optimizer(), m.nnx_loss)
+  with pytest.raises(TrainerError, match=r"steps_per_execution must be an int >= 1, got 0"):
+    _nnx_trainer(steps_per_execution=0)
+  with pytest.raises(TrainerError, match=r"progress must be True, False"):
+    _nnx_trainer(progress="fancy")
+  with pytest.raises(TrainerError, match=r"data_axis='model' is not an axis"):
+    _nnx_trainer(data_axis="model")
+  with pytest.raises(tj.mixed_precision.PolicyError):
+    _nnx_trainer(precision="float17")
+  with pytest.raises(TrainerError, match=r"autotune must be True, False"):
+    _nnx_trainer(autotune=3)
