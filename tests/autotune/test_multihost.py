@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests import processes
 from tunedjax.autotune import _multihost
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,33 +53,12 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_choose_identical_kernels(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
-  port = _free_port()
   dirs = [tmp_path / f"cache{i}" for i in range(2)]
-  procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(dirs[i]),
-                             str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env) for i in range(2)]
-  results = []
-  for p in procs:
-    try:
-      out, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, err[-3000:]
-    results.append(json.loads(out.strip().splitlines()[-1]))
+  results = processes.run_distributed(script, [[str(d), str(ROOT)] for d in dirs])
   leader, follower = results
   assert leader["counts"] and any("t_transposed (tuned)" in k for k in leader["counts"])
   # Same kernel per convolution: the follower received process 0's choices.

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+from tests import processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,33 +36,12 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_train_data_parallel_and_checkpoint(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
-  port = _free_port()
   ckpt = tmp_path / "ckpt"
-  procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(ckpt),
-                             str(ROOT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env) for i in range(2)]
-  results = []
-  for p in procs:
-    try:
-      out, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, err[-3000:]
-    results.append(json.loads(out.strip().splitlines()[-1]))
+  results = processes.run_distributed(script, [[str(ckpt), str(ROOT)]] * 2)
   first, second = results
   assert first["devices"] == 2 and first["shards"] == 2 and first["step"] == 6
   assert first["losses"] == second["losses"]  # one global loss, seen by both

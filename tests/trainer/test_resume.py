@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from tests import processes
 from tests.trainer import models as m
 from tunedjax.trainer import Trainer, TrainerError
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = processes.ROOT
 QUIET = {"autotune": False, "progress": False}
 
 _RUN = textwrap.dedent("""
@@ -43,10 +42,8 @@ _RUN = textwrap.dedent("""
 
 
 def _run(script: pathlib.Path, ckpt: pathlib.Path, kill_at: int) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
   return subprocess.run([sys.executable, str(script), str(ROOT), str(ckpt), str(kill_at)],
-                        capture_output=True, text=True, env=env, timeout=300)
+                        capture_output=True, text=True, env=processes.cpu_env(), timeout=300)
 
 
 @pytest.mark.slow
@@ -59,7 +56,7 @@ def test_a_run_killed_mid_training_resumes_bitwise_where_it_stopped(tmp_path):
   assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL after the step-10 save
   resumed = _run(script, ckpt, kill_at=-1)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  out = json.loads(resumed.stdout.strip().splitlines()[-1])
+  out = processes.last_json(resumed.stdout)
   assert out["steps"] == list(range(20))  # steps 0-9 from the checkpoint's history
   assert out["losses"] == straight.losses  # bitwise, data order included
 
