@@ -247,3 +247,21 @@ def test_bad_options_are_clear_errors():
     _nnx_trainer(precision="float17")
   with pytest.raises(TrainerError, match=r"autotune must be True, False"):
     _nnx_trainer(autotune=3)
+
+
+@pytest.mark.slow
+def test_a_loader_is_tuned_with_the_step_before_the_first_step_and_data_is_unchanged(tmp_path):
+  data = m.regression_data(n=128)
+
+  def loader(**knobs):
+    return tj.input_pipeline.Loader(data, batch_size=16, seed=3, tuning_steps=3,
+                                    max_workers=1, tuning_budget_s=20, **knobs)
+
+  fixed = _nnx_trainer().fit(loader(worker_count=0, read_threads=0), steps=10)
+  with tj.config_context({"cache": {"dir": str(tmp_path)}}):
+    trainer = _nnx_trainer()
+    tuned = trainer.fit(loader(worker_count="auto", read_threads=0), steps=10)
+  choice = tuned.tuning["dataloader"]
+  assert choice["worker_count"] in (0, 1) and not choice["from_cache"]
+  assert {t["worker_count"] for t in choice["trials"]} == {0, 1}
+  assert tuned.losses == fixed.losses  # tuning read its own batches and ran a copy of the step
