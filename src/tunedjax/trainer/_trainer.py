@@ -184,7 +184,9 @@ class Trainer:
       state = state.replace(opt_state=opt.init(state.params))
     self.state: _step.TrainState = self.placement.replicate(state)
 
-    step = _step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips)
+    self._out_names: list[str] = []  # what each step's output vector holds
+    step = _step.packed(_step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips),
+                        self._out_names)
     self._train_step = tj_jit(step, donate_argnums=0)
     self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0)
                         if self.steps_per_execution > 1 else None)
@@ -479,7 +481,7 @@ class _Loop:
     self.t, self.stream, self.checker, self.bar = trainer, stream, checker, bar
     self.callbacks, self.target, self.epochs = callbacks, target, epochs
     self.eval_data, self.eval_every, self.batch_size = eval_data, eval_every, batch_size
-    self.pending: tuple[list[tuple[int, int]], list[tuple[Any, int | None]]] | None = None
+    self.pending: tuple[list[tuple[int, int]], list[jax.Array]] | None = None
     self.last_ready = time.perf_counter()
     self.epoch_started = self.last_ready
     self.current_epoch: int | None = None
@@ -532,12 +534,12 @@ class _Loop:
     if len(batches) == k > 1 and len(set(sizes)) == 1:
       stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
       t.state, out = t._multi_step(t.state, t.placement.put(stacked, stacked=True))
-      outs: list[tuple[Any, int | None]] = [(out, i) for i in range(k)]
+      outs = [out]  # [k, outputs]
     else:
       outs = []
       for batch in batches:
         t.state, out = t._train_step(t.state, t.placement.put(batch))
-        outs.append((out, None))
+        outs.append(out)  # [outputs]
     self._read_pending()
     self.pending = ([(step + i, n) for i, n in enumerate(sizes)], outs)
     done = range(step + 1, step + len(batches) + 1)
@@ -556,16 +558,17 @@ class _Loop:
       return
     info, outs = self.pending
     self.pending = None
-    values = jax.device_get([o for o, _ in outs])
+    values = jax.device_get(outs)  # one array per dispatch
     now = time.perf_counter()
     share = (now - self.last_ready) / len(info)
     self.last_ready = now
     t = self.t
-    for (step, size), value, (_, i) in zip(info, values, outs):
-      if i is not None:  # one step of a stacked k-step result
-        value = jax.tree_util.tree_map(lambda v, i=i: v[i], value)
-      loss, finite = float(value["loss"]), bool(value["finite"])
-      metrics = {k: float(v) for k, v in value.items() if k not in ("loss", "finite")}
+    rows = [row for v in values for row in (v if v.ndim == 2 else [v])]
+    names = t._out_names
+    for (step, size), row in zip(info, rows):
+      value = dict(zip(names, row.tolist()))
+      loss, finite = value.pop("loss"), bool(value.pop("finite"))
+      metrics = value
       if not finite and not t._skips:
         raise TrainerError(
             f"The loss or its gradients are not finite at step {step} (loss {loss}) and "
@@ -576,7 +579,8 @@ class _Loop:
                             skipped=not finite)
       self.callbacks.on_step_end(t, step, {"loss": loss, **metrics, "skipped": not finite})
     self.bar.update(info[-1][0] + 1, loss=t.history.losses[-1],
-                    samples_per_s=t.history.throughput(last=50),
+                    samples_per_s=(t.history.throughput(last=50)
+                                   if self.bar.mode != "off" else None),
                     phase=autotune.current_phase() if t.config.kernel.enable else None,
                     n=len(info))
 
