@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/mixed_precision.py --write
 	$(PY) benchmarks/input_pipeline.py --write
 	$(PY) benchmarks/jit_overhead.py --write
+	$(PY) benchmarks/trainer.py --write
 
 # Every benchmark's --quick run (about 8 minutes), nothing written.
 bench-smoke: $(STAMP)
