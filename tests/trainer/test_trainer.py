@@ -265,3 +265,33 @@ def test_a_loader_is_tuned_with_the_step_before_the_first_step_and_data_is_uncha
   assert choice["worker_count"] in (0, 1) and not choice["from_cache"]
   assert {t["worker_count"] for t in choice["trials"]} == {0, 1}
   assert tuned.losses == fixed.losses  # tuning read its own batches and ran a copy of the step
+
+
+def test_gradients_all_reduced_in_bfloat16_halve_the_wire_and_train_alike(mesh8):
+  from flax import nnx
+  data = m.regression_data()
+
+  def plain_mlp():  # no batch statistics: per-shard and global steps compute the same loss
+    return nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), nnx.relu,
+                          nnx.Linear(32, 1, rngs=nnx.Rngs(1)))
+
+  loss = lambda model, b: ((model(b["x"])[:, 0] - b["y"]) ** 2).mean()  # noqa: E731
+  h_plain = Trainer(plain_mlp(), m.optimizer(), loss, **QUIET).fit(data, batch_size=16, epochs=2)
+  narrow = Trainer(plain_mlp(), m.optimizer(), loss, allreduce_dtype="bfloat16", **QUIET)
+  h_narrow = narrow.fit(data, batch_size=16, epochs=2)
+  np.testing.assert_allclose(h_narrow.losses, h_plain.losses, rtol=0.02, atol=1e-3)
+  assert h_narrow.losses[0] == pytest.approx(h_plain.losses[0], rel=1e-5)  # before any update
+  batch = narrow.placement.put(m.batches(data, 16)[0])
+  # The program reduces in bfloat16 (XLA:CPU then promotes a bf16 all-reduce to float32 on
+  # the host, as tests/mixed_precision/test_allreduce.py shows; GPUs keep it).
+  from tests.mixed_precision.test_allreduce import _lowered_all_reduce_types
+  types = _lowered_all_reduce_types(narrow._train_step.lower(narrow.state, batch).as_text())
+  assert {"bf16"} in types, types  # the gradients' reduction
+  # BatchNorm, dropout and loss scaling work per shard too.
+  bn = _nnx_trainer(allreduce_dtype="bfloat16", precision="mixed_float16").fit(
+      data, batch_size=64, epochs=4)  # 8 records per device for its BatchNorm
+  assert np.isfinite(bn.losses).all() and np.mean(bn.losses[-4:]) < np.mean(bn.losses[:4])
+  with pytest.raises(TrainerError, match=r"allreduce_dtype must be None, 'compute' or a floating"):
+    _nnx_trainer(allreduce_dtype="int8")
+  with pytest.raises(TrainerError, match=r"'compute' needs precision="):
+    _nnx_trainer(allreduce_dtype="compute")

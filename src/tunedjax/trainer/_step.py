@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, PartitionSpec
 
 from tunedjax import mixed_precision as mp
 from tunedjax.trainer._model import ModelAdapter
@@ -49,7 +50,7 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
 
 
 def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformation, *,
-                    skip_nonfinite: bool) -> StepFn:
+                    skip_nonfinite: bool, allreduce: AllReduce | None = None) -> StepFn:
   """One training step: loss, scaled gradients, optimizer update.
 
   Args:
@@ -58,6 +59,11 @@ def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformati
       when `skip_nonfinite`).
     skip_nonfinite: keep the model's other state (BatchNorm statistics) as it
       was on a step whose gradients are not finite, as the optimizer does.
+    allreduce: compute each device's gradients on its shard of the batch in a
+      `jax.shard_map` and all-reduce them in a narrower dtype
+      (`mixed_precision.allreduce_gradients`); the loss, metrics and the
+      model's floating state (BatchNorm statistics) are averaged over devices.
+      None: XLA partitions the step and reduces gradients in their own dtype.
 
   Returns:
     ``step(state, batch) -> (new state, {"loss", "finite", <metrics>})``.
@@ -66,12 +72,16 @@ def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformati
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
     rng = jax.random.fold_in(state.rng, state.step)
 
-    def loss_of(params: Any) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
-      loss, metrics, rest = adapter.loss(params, state.rest, batch, rng, train=True)
+    def loss_of(params: Any, rest: Any = state.rest, batch: Any = batch, rng: Any = rng
+                ) -> tuple[jax.Array, tuple[dict[str, jax.Array], Any]]:
+      loss, metrics, rest = adapter.loss(params, rest, batch, rng, train=True)
       return loss, (metrics, rest)
 
-    (loss, (metrics, rest)), grads, finite = mp.scaled_value_and_grad(
-        loss_of, has_aux=True)(state.loss_scale, state.params)
+    if allreduce is None:
+      (loss, (metrics, rest)), grads, finite = mp.scaled_value_and_grad(
+          loss_of, has_aux=True)(state.loss_scale, state.params)
+    else:
+      loss, metrics, rest, grads, finite = _sharded_grads(allreduce, loss_of, state, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if skip_nonfinite:
@@ -97,6 +107,38 @@ def packed(step: StepFn, names: list[str]) -> Callable[[TrainState, Any],
     return state, jnp.stack([jnp.asarray(v, jnp.float32) for v in out.values()])
 
   return step_packed
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+  """Where and how to all-reduce gradients (see `make_train_step`)."""
+
+  mesh: Mesh
+  axis: str
+  dtype: Any
+
+
+def _sharded_grads(spec: AllReduce, loss_of: Callable[..., Any], state: TrainState,
+                   batch: Any) -> tuple[Any, ...]:
+  """Per-device gradients on a batch shard, all-reduced in `spec.dtype`."""
+
+  def per_device(params, rest, loss_scale, rng, batch):
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(spec.axis))  # own dropout masks
+    (loss, (metrics, rest)), grads, _ = mp.scaled_value_and_grad(
+        loss_of, has_aux=True)(loss_scale, params, rest, batch, rng)
+    grads = mp.allreduce_gradients(grads, spec.axis, dtype=spec.dtype)
+    mean = lambda x: (jax.lax.pmean(x, spec.axis)  # noqa: E731
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    rest = jax.tree_util.tree_map(mean, rest)
+    return jax.lax.pmean(loss, spec.axis), jax.tree_util.tree_map(mean, metrics), rest, grads
+
+  replicated, sharded = PartitionSpec(), PartitionSpec(spec.axis)
+  mapped = jax.shard_map(per_device, mesh=spec.mesh,
+                         in_specs=(replicated, replicated, replicated, replicated, sharded),
+                         out_specs=replicated, check_vma=False)
+  rng = jax.random.fold_in(state.rng, state.step)
+  loss, metrics, rest, grads = mapped(state.params, state.rest, state.loss_scale, rng, batch)
+  return loss, metrics, rest, grads, mp.all_finite(grads)
 
 
 def make_multi_step(step: StepFn) -> StepFn:
