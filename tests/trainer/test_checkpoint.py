@@ -4,7 +4,6 @@ process SIGKILLed in the middle of writing a step."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -316,7 +316,6 @@ class Trainer:
     if target is not None and target <= start:
       logger.info("Trainer.fit: already at step %d (target %d): nothing to do.", start, target)
       return self.history
-    self.stop_training = False
     self.history.tuning.setdefault("precision", str(self.policy) if self.policy else
                                    (self.config.mixed_precision.policy
                                     if self.config.mixed_precision.enable else "float32"))
@@ -390,7 +389,7 @@ class Trainer:
           if epoch > 0 and index > 0 and stream.loader is None:
             break
           checker.check(batch, index)
-          size = int(jax.tree_util.tree_leaves(batch)[0].shape[0])
+          size = _size(batch)
           out = jax.device_get(self._eval_step(self.state, self._place_any(batch, size)))
           for k, v in out.items():
             totals[k] = totals.get(k, 0.0) + float(v) * size
@@ -426,7 +425,7 @@ class Trainer:
       self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn))
     predict = self._predictors[key]
     if is_arrays(x_or_data) or isinstance(x_or_data, (np.ndarray, jax.Array)):
-      size = int(jax.tree_util.tree_leaves(x_or_data)[0].shape[0])
+      size = _size(x_or_data)
       step = batch_size or size
       batches: Any = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + step], x_or_data)
                       for i in range(0, size, step)]
@@ -435,7 +434,7 @@ class Trainer:
     outs = []
     with self._running():
       for batch in batches:
-        size = int(jax.tree_util.tree_leaves(batch)[0].shape[0])
+        size = _size(batch)
         outs.append(jax.device_get(predict(self.state, self._place_any(batch, size))))
     if not outs:
       raise TrainerError("predict: no inputs.")
@@ -630,4 +629,5 @@ class _Loop:
 
 
 def _size(batch: Any) -> int:
+  """Records in a batch: the leading dimension of its first leaf."""
   return int(jax.tree_util.tree_leaves(batch)[0].shape[0])
