@@ -147,6 +147,42 @@ def test_im2col_matches_lax(case):
   check_kernel("im2col", case)
 
 
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None)
+@given(conv_cases(nsp=(2,), kernel=(8, 10), spatial=(7, 12), pad=(-1, 2), rhs_dil=(1, 1),
+                  groups="none"))
+def test_window_matmul_matches_lax(case):
+  lhs_shape, rhs_shape, kwargs = case
+  spec = reg.ConvSpec.from_arrays(np.ones(lhs_shape), np.ones(rhs_shape), **kwargs)
+  assume(reg.get_kernel("conv", "window_matmul").applicable(spec, "cpu"))
+  check_kernel("window_matmul", case)
+
+
+@pytest.mark.parametrize("kernel, stride", [((1, 1), 1), ((3, 3), 1), ((3, 3), 2)])
+def test_window_matmul_computes_weight_gradients(kernel, stride, rng):
+  # The weight-gradient convolution of a conv layer (window: the image; output:
+  # the kernel's taps) is window_matmul's job; it gives the same gradient.
+  x = jnp.asarray(rng.normal(size=(4, 16, 16, 3)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(*kernel, 3, 5)), jnp.float32)
+  conv = lambda x, w: lax.conv_general_dilated(x, w, (stride, stride), "SAME",
+                                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y, vjp = jax.vjp(conv, x, w)
+  wgrad = [e for e in jax.make_jaxpr(lambda ct: vjp(ct)[1])(y).eqns
+           if e.primitive.name == "conv_general_dilated"
+           and sorted(e.outvars[0].aval.shape) == sorted(w.shape)]
+  assert len(wgrad) == 1
+  l, r = (v.aval for v in wgrad[0].invars)
+  params = {k: v for k, v in wgrad[0].params.items() if k in (
+      "window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
+      "feature_group_count", "batch_group_count")}
+  spec = reg.ConvSpec.from_arrays(np.ones(l.shape, l.dtype), np.ones(r.shape, r.dtype), **params)
+  kernel_fn = reg.get_kernel("conv", "window_matmul")
+  assert kernel_fn.applicable(spec, "cpu")
+  lhs, rhs = (jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in (l, r))
+  want = lax.conv_general_dilated(lhs, rhs, **params)
+  np.testing.assert_allclose(kernel_fn.fn(lhs, rhs, spec), want, rtol=1e-4, atol=1e-4)
+
+
 def _rhs_spatial(case):
   _, rhs_shape, kwargs = case
   return [rhs_shape[d] for d in kwargs["dimension_numbers"].rhs_spec[2:]]
@@ -258,6 +294,9 @@ NOT_APPLICABLE = [
     ("im2col", _spec((2, 8, 8, 4), (1, 1, 4, 4))),  # 1x1: matmul_1x1's job
     ("im2col", _spec((8, 64, 64, 3), (15, 15, 3, 8))),  # 225 taps
     ("im2col", _spec((4, 8, 8, 3), (3, 3, 3, 4), batch_group_count=2)),
+    ("window_matmul", _spec((2, 8, 8, 4), (3, 3, 4, 4))),  # a small window
+    ("window_matmul", _spec((2, 40, 40, 4), (10, 10, 4, 4))),  # 31x31 outputs
+    ("window_matmul", _spec((2, 12, 12, 4), (10, 10, 2, 4), feature_group_count=2)),
     ("fft", _spec((2, 16, 16, 3), (5, 5, 3, 4), window_strides=(2, 2))),
     ("fft", _spec((2, 16, 16, 3), (5, 5, 3, 4), rhs_dilation=(2, 2))),
     ("fft", _spec((2, 16, 16, 4), (5, 5, 2, 4), feature_group_count=2)),

@@ -359,3 +359,24 @@ def test_a_kernel_failing_at_trace_time_falls_back_to_xla(tmp_path, rng, caplog)
   np.testing.assert_allclose(out, _conv(x, w), rtol=1e-6)
   assert "conv t_boom failed at trace, xla used" in counts
   assert any("could not be applied" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("ratio, rounds_timed", [(0.1, 2), (3.0, 2), (0.85, 5)])
+def test_timing_stops_early_only_when_the_choice_is_clear(monkeypatch, ratio, rounds_timed):
+  spec = _spec()
+
+  def fake_timer(runners, rounds=5, stop=None, **kw):
+    times = {n: [] for n in runners}
+    for r in range(rounds):
+      for n in runners:
+        times[n].append(1.0 if n == "xla" else ratio)
+      if stop is not None and r + 1 < rounds and stop(times):
+        break
+    return times
+
+  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=5))
+  assert len(result.timings["xla"]) == rounds_timed
+  assert result.winner == ("t_transposed" if ratio < 0.9 else "xla")

@@ -31,14 +31,18 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], *,
                      rounds: int = 5, warmup: int = 1,
                      budget_s: float | None = None,
                      clock: Callable[[], float] = time.perf_counter,
+                     stop: Callable[[Mapping[str, Sequence[float]]], bool] | None = None,
                      ) -> dict[str, list[float]]:
   """Times zero-argument callables against each other in rotated rounds.
 
   Each candidate is called `warmup` times untimed (the first call compiles),
   then `rounds` times timed; round ``r`` starts at candidate ``r mod n``, so
   no candidate always runs first or last. Each result goes through
-  `jax.block_until_ready`, and garbage is collected before every round so a
-  collection does not land inside one candidate's time.
+  `jax.block_until_ready`. As `timeit` does, Python's garbage collector is
+  off while the candidates run (and restored after), so a collection never
+  lands inside one candidate's time; no collection is forced either, since
+  one full collection of a process holding traced programs can take longer
+  than the work being timed.
 
   Args:
     candidates: ``{name: fn}``; each ``fn()`` runs the work once.
@@ -47,6 +51,8 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], *,
     budget_s: stop after the round during which this many seconds (warm-up
       included) have passed; at least one round is always timed.
     clock: the time source (seconds); tests pass a fake one.
+    stop: called with the timings so far after each round; True ends the
+      measurement early (a caller whose decision is already clear).
 
   Returns:
     ``{name: [seconds of each timed call]}``, in the order of `candidates`.
@@ -67,16 +73,23 @@ def time_interleaved(candidates: Mapping[str, Callable[[], Any]], *,
   if not names:
     return times
   start = clock()
-  for name in names:
-    for _ in range(warmup):
-      _run(candidates[name], clock)
-  for r in range(rounds):
-    gc.collect()
-    for i in range(len(names)):
-      name = names[(r + i) % len(names)]
-      times[name].append(_run(candidates[name], clock))
-    if budget_s is not None and clock() - start >= budget_s:
-      break
+  collecting = gc.isenabled()
+  gc.disable()
+  try:
+    for name in names:
+      for _ in range(warmup):
+        _run(candidates[name], clock)
+    for r in range(rounds):
+      for i in range(len(names)):
+        name = names[(r + i) % len(names)]
+        times[name].append(_run(candidates[name], clock))
+      if budget_s is not None and clock() - start >= budget_s:
+        break
+      if stop is not None and r + 1 < rounds and stop(times):
+        break
+  finally:
+    if collecting:
+      gc.enable()
   return times
 
 

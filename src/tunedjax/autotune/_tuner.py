@@ -9,19 +9,22 @@ from the reference beyond its dtype's tolerance is dropped. The survivors are
 timed side by side with `time_interleaved` (after one screening call each, which
 drops any that takes over `SCREEN_FACTOR` times xla's time), and a candidate wins only if the
 median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
-noise margin (10% by default): tuning can only make things faster. A time
-budget bounds the whole bucket.
+noise margin (10% by default): tuning can only make things faster. Timing
+stops early once the choice is clear (`clear_choice`), and a time budget
+bounds the whole bucket.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
 import math
+import os
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +44,11 @@ DEFAULT_BUDGET_S = 15.0
 DEFAULT_MARGIN = 0.10
 # A candidate slower than this many times xla in one first call is not timed further.
 SCREEN_FACTOR = 4.0
+# Timing stops after MIN_ROUNDS rounds once every candidate's round ratios lie
+# all beyond the winning threshold by this factor (a clear win or loss) and
+# at most one candidate clearly wins: more rounds could not change the choice.
+CLEAR_FACTOR = 1.5
+MIN_ROUNDS = 2
 
 # max |candidate - reference| / max |reference| allowed, by output dtype.
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -247,6 +255,66 @@ def _ratio(times: Sequence[float], base: Sequence[float]) -> float:
   return float(statistics.median(t / b for t, b in zip(times, base) if b > 0))
 
 
+def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_MARGIN) -> bool:
+  """Whether more timed rounds could not change which candidate wins.
+
+  True after at least `MIN_ROUNDS` rounds when every candidate's per-round
+  ratios to ``xla`` lie all below ``threshold / CLEAR_FACTOR`` (a clear win)
+  or all above ``threshold * CLEAR_FACTOR`` (a clear loss), where
+  ``threshold = 1 / (1 + margin)``, and at most one candidate clearly wins.
+  Close calls get every round.
+
+  Example:
+    >>> clear_choice({"xla": [1.0, 1.0], "depthwise": [0.1, 0.12], "im2col": [2.0, 2.1]})
+    True
+    >>> clear_choice({"xla": [1.0, 1.0], "im2col": [0.85, 0.95]})
+    False
+  """
+  base = times.get(DEFAULT, ())
+  if len(base) < MIN_ROUNDS or any(b <= 0 for b in base):
+    return False
+  threshold = 1.0 / (1.0 + margin)
+  winners = 0
+  for name, ts in times.items():
+    if name == DEFAULT:
+      continue
+    ratios = [t / b for t, b in zip(ts, base)]
+    if len(ratios) < len(base):
+      return False
+    if max(ratios) < threshold / CLEAR_FACTOR:
+      winners += 1
+    elif min(ratios) <= threshold * CLEAR_FACTOR:
+      return False
+  return winners <= 1
+
+
+def _compile_all(kernels: Mapping[str, Any], spec: Any, lhs: jax.Array,
+                 rhs: jax.Array) -> dict[str, Any]:
+  """Every kernel compiled for these inputs, side by side in threads.
+
+  XLA compiles without holding the GIL, so a bucket's candidates compile in
+  about the time of the slowest one on a machine with cores to spare.
+  Returns ``{name: executable or the exception compiling it raised}``.
+  """
+
+  def compile_one(kernel: Any) -> Any:
+    try:
+      return jax.jit(lambda a, b: kernel.fn(a, b, spec)).lower(lhs, rhs).compile()
+    except Exception as e:  # pylint: disable=broad-except  # reported when it runs
+      return e
+
+  workers = max(1, min(len(kernels), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return dict(zip(kernels, pool.map(compile_one, kernels.values())))
+
+
+def _runner(executable: Any, lhs: jax.Array, rhs: jax.Array) -> Callable[[], Any]:
+  """A zero-argument call of a compiled kernel; raises what compiling raised."""
+  if isinstance(executable, BaseException):
+    raise executable
+  return lambda: executable(lhs, rhs)
+
+
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "") -> TuneResult:
   """Measures `candidates` on one convolution and picks the fastest correct one.
@@ -298,22 +366,19 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     lhs = jax.device_put(random_input(spec.lhs_shape, spec.lhs_dtype, rng), device)
     rhs = jax.device_put(random_input(spec.rhs_shape, spec.rhs_dtype, rng), device)
 
-    def make(kernel: Any) -> Any:
-      fn = jax.jit(lambda a, b: kernel.fn(a, b, spec))
-      return lambda: fn(lhs, rhs)
-
-    ref_run = make(by_name[DEFAULT])
+    compiled = _compile_all(by_name, spec, lhs, rhs)
+    ref_run = _runner(compiled[DEFAULT], lhs, rhs)  # xla failing to compile: an error
     ref = np.asarray(jax.block_until_ready(ref_run()))
     runners[DEFAULT] = ref_run
     tol = tolerance(ref.dtype, platform)
-    for name, kernel in by_name.items():
+    for name in by_name:
       if name == DEFAULT:
         continue
       if time.perf_counter() - start > options.budget_s:
         skipped.append(name)
         continue
-      run = make(kernel)
       try:
+        run = _runner(compiled[name], lhs, rhs)
         out = jax.block_until_ready(run())
       except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
         errors[name] = _describe_error(e)
@@ -348,8 +413,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
       if len(runners) > 1:
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
-        timings.update(_timing.time_interleaved(runners, rounds=options.rounds, warmup=0,
-                                                budget_s=left))
+        timings.update(_timing.time_interleaved(
+            runners, rounds=options.rounds, warmup=0, budget_s=left,
+            stop=lambda t: clear_choice(t, options.margin)))
     except Exception as e:  # pylint: disable=broad-except
       logger.warning("autotune %s: timing failed (%s); keeping xla.", label,
                      _describe_error(e))
