@@ -1,7 +1,7 @@
 """Per-shape kernel selection and its persistent, device-keyed cache.
 
 Each convolution can run on one of several registered kernels (``xla``,
-``matmul_1x1``, ``im2col``, ``fft``, ``depthwise``, ``pallas``, or one you
+``matmul_1x1``, ``im2col``, ``window_matmul``, ``fft``, ``depthwise``, ``pallas``, or one you
 register). The selection pass times the applicable kernels once per shape
 bucket, checks each against the reference on the tuning inputs, and keeps the
 winner in the tuning `Cache`: one JSON file per device fingerprint, shared by
@@ -18,7 +18,7 @@ Example:
   >>> cache.path.name == autotune.device_fingerprint().digest + ".json"
   True
   >>> [k.name for k in autotune.kernels("conv")]
-  ['xla', 'matmul_1x1', 'im2col', 'fft', 'depthwise', 'pallas']
+  ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise', 'pallas']
   >>> conv = lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")
   >>> with autotune.hint(conv="im2col"):
   ...   y = autotune.select_kernels(conv, cache=cache)(jnp.ones((1, 2, 5, 5)),
