@@ -17,9 +17,9 @@ PUBLIC = {
                  "History", "Trainer", "trainer"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",
+    "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",
                           "Kernel", "Stats", "StepStats", "TuneOptions", "TuneResult",
-                          "active_hints", "current_phase", "device_fingerprint", "get_kernel",
+                          "active_hints", "current_phase", "device_fingerprint", "explain", "get_kernel",
                           "hint", "kernel_pass", "kernels", "phase_key", "register_kernel",
                           "reset_stats", "select_kernels", "stats", "step", "unregister_kernel"},
     "tunedjax.mixed_precision": {

@@ -8,7 +8,8 @@ winner in the tuning `Cache`: one JSON file per device fingerprint, shared by
 every tuner, reused across restarts and, through ``tunedjax cache
 export|import``, across a cluster.
 A `hint` pins a kernel and beats the tuner; `step` and `stats` drive and report
-the observe/tune/apply phases of ``kernel.tuning_range``.
+the observe/tune/apply phases of ``kernel.tuning_range``; `explain` says which
+kernel each convolution bucket of a function gets, and the speedup measured.
 
 Example:
   >>> import tempfile
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 from tunedjax.autotune._cache import Cache as Cache
 from tunedjax.autotune._cache import CacheEntry as CacheEntry
+from tunedjax.autotune._explain import BucketChoice as BucketChoice
+from tunedjax.autotune._explain import explain as explain
 from tunedjax.autotune._fingerprint import DeviceFingerprint as DeviceFingerprint
 from tunedjax.autotune._fingerprint import device_fingerprint as device_fingerprint
 from tunedjax.autotune._hints import HintWarning as HintWarning
@@ -55,6 +58,7 @@ from tunedjax.autotune._tuner import TuneOptions as TuneOptions
 from tunedjax.autotune._tuner import TuneResult as TuneResult
 
 __all__ = [
+    "BucketChoice",
     "Cache",
     "CacheEntry",
     "ConvSpec",
@@ -68,6 +72,7 @@ __all__ = [
     "active_hints",
     "current_phase",
     "device_fingerprint",
+    "explain",
     "get_kernel",
     "hint",
     "kernel_pass",
