@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import math
 
+import time
+
 import numpy as np
 import pytest
 
@@ -184,7 +186,20 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
                                 max_read_threads=1, tuning_steps=40, budget_s=10,
                                 consumer=seen.append, cache=False)
-  assert len(seen) == result.batches > 0
+  assert len(seen) == result.batches + 1 and result.batches > 0  # + one untimed warm-up
+
+
+def test_the_consumers_first_call_is_not_charged_to_the_budget(cache_dir):
+  offset = [0.0]
+
+  def compiling_step(batch):  # the first call "takes" 1000 s, as a compile would
+    if not offset[0]:
+      offset[0] = 1000.0
+  clock = lambda: time.perf_counter() + offset[0]
+  result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
+                                max_read_threads=1, tuning_steps=20, budget_s=10,
+                                consumer=compiling_step, cache=False, clock=clock)
+  assert result.trials and result.stopped != "no budget" and result.seconds < 10 + 1
 
 
 def test_loader_auto_tuning_does_not_move_the_stream(cache_dir):

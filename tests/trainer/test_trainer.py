@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 import tunedjax as tj
@@ -294,3 +295,27 @@ def test_gradients_all_reduced_in_bfloat16_halve_the_wire_and_train_alike(mesh8)
     _nnx_trainer(allreduce_dtype="int8")
   with pytest.raises(TrainerError, match=r"'compute' needs precision="):
     _nnx_trainer(allreduce_dtype="compute")
+
+
+def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_apply(tmp_path):
+  # The loader tuner's consumer compiles the step before the first step: it must
+  # do so in step 0's phase, or the apply-phase program (misses use xla) would be
+  # reused by the tune phase and no kernel would ever be tuned.
+  rng = np.random.default_rng(0)
+  data = {"x": rng.normal(size=(48, 8, 8, 3)).astype(np.float32),
+          "y": rng.normal(size=(48,)).astype(np.float32)}
+  model = nnx.Sequential(nnx.Conv(3, 4, (3, 3), feature_group_count=1, rngs=nnx.Rngs(0)),
+                         nnx.relu, nnx.Conv(4, 4, (3, 3), feature_group_count=4,
+                                            rngs=nnx.Rngs(1)))
+  loss = lambda model, b: ((model(b["x"]).mean(axis=(1, 2, 3)) - b["y"]) ** 2).mean()  # noqa: E731
+  config = {"kernel": {"enable": True, "tuning_range": [1, 10]}, "cache": {"dir": str(tmp_path)},
+            "dataloader": {"enable": True, "max_workers": 0, "tuning_steps": 3}}
+  tj.autotune.step(index=50)  # as a finished run would leave it
+  trainer = Trainer(model, m.optimizer(), loss, autotune=config, progress=False)
+  loader = tj.input_pipeline.Loader(data, batch_size=16, seed=0, worker_count=0, read_threads=0,
+                                    tuning_budget_s=5)
+  history = trainer.fit(loader, steps=3)
+  assert "dataloader" in history.tuning
+  kernels = history.tuning["kernels"]
+  assert any(k.endswith("(tuned)") for k in kernels), kernels
+  assert not any(k.endswith("(miss)") for k in kernels), kernels

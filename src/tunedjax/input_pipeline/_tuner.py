@@ -563,6 +563,11 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   if len(ds) == 0:
     raise ConfigError(f"tune_worker_count: {len(source)} records make no batch of "
                       f"batch_size={batch_size} (drop_remainder={drop_remainder}).")
+  if consumer is not None:
+    # A training step's first call compiles it: once, before the clock starts,
+    # so the budget measures the pipeline and not XLA.
+    _block(consumer(ds[0]))
+
   def measure_setting(setting: tuple[int, int], deadline: float) -> Trial:
     warmup, window = trial_sizes(tuning_steps, setting)
     return _measure_real(ds, warmup=warmup, window=window,

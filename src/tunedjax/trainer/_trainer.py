@@ -349,6 +349,10 @@ class Trainer:
       jax.block_until_ready(out)
 
     bar.message("Trainer: tuning the loader's worker count with the training step ...")
+    # The consumer compiles the step in the phase of the first step to come,
+    # never in a phase left over from an earlier run in this process (a
+    # program compiled in the apply phase would skip kernel tuning for good).
+    autotune.step(index=self.step)
     result = loader.tune(consumer=consumer)
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
