@@ -1,8 +1,7 @@
 """The ``tunedjax`` command line.
 
 One function per subcommand, ``_cmd_<name>(args) -> int``, registered in
-`_build_parser`: ``info`` and ``cache show|clear|export|import``; ``demo``
-joins them with the Trainer.
+`_build_parser`: ``info``, ``cache show|clear|export|import`` and ``demo``.
 
 Example:
   >>> main(["--version"])  # doctest: +ELLIPSIS
@@ -297,7 +296,47 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="JAX backend to describe (default: JAX's default)")
   info.set_defaults(run=_cmd_info)
   _add_cache_commands(commands)
+  _add_demo_command(commands)
   return parser
+
+
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+  return value
+
+
+def _add_demo_command(commands: Any) -> None:
+  demo = commands.add_parser(
+      "demo", help="train a small CNN twice: default, then with set_config(None)",
+      description="Train a small ResNet-style CNN (depthwise and 1x1 stages) on "
+      "generated PNG images twice, the baseline (jax.jit, float32, grain's default "
+      "loader) and the one switch (Trainer(autotune=True), i.e. set_config(None)); "
+      "print the two side by side and write report.json and demo.png. Run it twice: "
+      "the second run reads every choice from the tuning cache.")
+  demo.add_argument("--quick", action="store_true",
+                    help="small sizes: well under a minute (what the tests run)")
+  demo.add_argument("--data", metavar="DIR", default=None,
+                    help="train on your images instead: DIR holds one subfolder per class")
+  demo.add_argument("--epochs", type=_positive_int, default=None,
+                    help="epochs of each run (default 2; 1 with --quick)")
+  demo.add_argument("--out", metavar="DIR", default="tunedjax-demo",
+                    help="where report.json and demo.png go (default ./tunedjax-demo)")
+  demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+  demo.set_defaults(run=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from tunedjax import demo  # pylint: disable=import-outside-toplevel  # loads flax, grain
+  options = demo.QUICK if args.quick else demo.DemoOptions()
+  changes: dict[str, Any] = {"data_dir": args.data}
+  if args.epochs is not None:
+    changes["epochs"] = args.epochs
+  demo.run_demo(dataclasses.replace(options, **changes), out=args.out,
+                progress=not args.no_progress)
+  return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""`tunedjax demo`: end to end (--quick, in a fresh process), the report, the warm cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.processes import ROOT, cpu_env
+from tunedjax import autotune
+
+RUN_FIELDS = {"name", "switch", "wall_s", "epoch_s", "steps", "images", "images_per_s",
+              "steady_images_per_s", "median_step_ms", "accuracy", "eval_loss", "precision",
+              "layout", "loader", "kernel_tuning_s", "kernel_cache_hits", "kernel_cache_misses",
+              "kernels", "losses", "step_times"}
+
+
+def _demo_quick(tmp_path, out: str) -> tuple[subprocess.CompletedProcess, float]:
+  env = {**cpu_env(), "TUNEDJAX_CACHE_DIR": str(tmp_path / "cache")}
+  start = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-m", "tunedjax.cli", "demo", "--quick", "--no-progress",
+                         "--out", str(tmp_path / out)], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
+  proc, seconds = _demo_quick(tmp_path, "out")
+  # Measured ~45 s on 2 quiet cores; the bound leaves room for a loaded CI machine.
+  assert seconds < 90, f"--quick took {seconds:.0f} s; it should stay under a minute"
+  out = proc.stdout
+  for line in ("time per epoch", "throughput", "median step", "loader", "layout", "precision",
+               "kernel cache", "tuning (kernels + loader)", "final accuracy", "conv bucket",
+               "report:", "plot:"):
+    assert line in out, f"{line!r} missing from:\n{out}"
+  report = json.loads((tmp_path / "out" / "report.json").read_text())
+  assert set(report["runs"]) == {"baseline", "tunedjax"}
+  for run in report["runs"].values():
+    assert RUN_FIELDS <= set(run)
+    assert run["steps"] == len(run["losses"]) > 0 and run["wall_s"] > 0
+    assert 0.0 <= run["accuracy"] <= 1.0
+  base, tuned = report["runs"]["baseline"], report["runs"]["tunedjax"]
+  assert base["loader"]["worker_count"] == 0 and base["kernels"] == {}
+  assert tuned["kernel_cache_misses"] > 0 and tuned["kernel_tuning_s"] > 0  # a cold cache
+  assert tuned["loader"]["trials"] and not tuned["loader"]["from_cache"]
+  assert any(k.endswith("(tuned)") for k in tuned["kernels"])
+  assert report["ratios"]["wall"] == pytest.approx(base["wall_s"] / tuned["wall_s"])
+  names = {k.name for k in autotune.kernels("conv")}
+  assert report["kernels"] and all(row["kernel"] in names for row in report["kernels"])
+  assert {"depthwise", "matmul_1x1"} <= {row["kernel"] for row in report["kernels"]}
+  assert report["warm_cache"] is False and report["machine"]["device"]
+  png = (tmp_path / "out" / "demo.png").read_bytes()
+  assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+  proc, _ = _demo_quick(tmp_path, "again")  # the same cache, now warm
+  again = json.loads((tmp_path / "again" / "report.json").read_text())
+  assert again["warm_cache"] and "The tuning cache was warm" in proc.stdout
+  warm = again["runs"]["tunedjax"]
+  assert warm["kernel_tuning_s"] == 0.0 and warm["kernel_cache_misses"] == 0
+  assert warm["kernel_cache_hits"] > 0 and warm["loader"]["from_cache"]
+  assert [r["kernel"] for r in again["kernels"]] == [r["kernel"] for r in report["kernels"]]
+  # Same seed, same batches, same initialisation: the baselines train alike.
+  assert again["runs"]["baseline"]["losses"] == base["losses"]
+
+
+def test_cli_demo_names_a_bad_data_folder(tmp_path, capsys):
+  from tunedjax import cli
+  assert cli.main(["demo", "--data", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 1
+  err = capsys.readouterr().err
+  assert "tunedjax demo: error:" in err and "nope" in err and "subfolder" in err
+  with pytest.raises(SystemExit):
+    cli._build_parser().parse_args(["demo", "--epochs", "0"])
