@@ -189,6 +189,19 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   assert len(seen) == result.batches + 1 and result.batches > 0  # + one untimed warm-up
 
 
+def test_a_slow_consumer_cannot_push_tuning_far_past_its_budget(cache_dir):
+  offset = [0.0]
+
+  def slow_step(batch):  # every step "takes" 1 s of the fake clock
+    offset[0] += 1.0
+  clock = lambda: time.perf_counter() + offset[0]
+  result = ip.tune_worker_count(np.arange(400.0), batch_size=4, max_workers=0,
+                                max_read_threads=16, read_threads=16, tuning_steps=100,
+                                budget_s=6, consumer=slow_step, cache=False, clock=clock)
+  # One trial at most: its first batch, then two timed ones, never its whole warm-up.
+  assert result.trials and result.seconds <= 6 + 3 + 0.5
+
+
 def test_the_consumers_first_call_is_not_charged_to_the_budget(cache_dir):
   offset = [0.0]
 

@@ -28,11 +28,18 @@ def loader_summary(result: TuningResult) -> dict[str, Any]:
 
 
 def jit_summary(jitted: Any) -> dict[str, Any]:
-  """What `tunedjax.jit` did to the training step's latest signature."""
+  """What `tunedjax.jit` did to the training step's latest signature.
+
+  Of the programs compiled for it, the latest outside kernel selection's
+  observe phase (which runs xla everywhere before tuning starts).
+  """
   report = jitted.report(memory=False)
-  last = report.last if len(report) else None
-  if last is None:
+  if not len(report):
     return {}
+  # The program the run ends with: not the observe phase's (all xla), even
+  # when that one was compiled last (the loader's tuning compiles ahead).
+  selected = [r for r in report if not any(k.endswith("(observe)") for k in r.kernels)]
+  last = selected[-1] if selected else report.last
   layout = last.layout
   return {
       "level": last.level,

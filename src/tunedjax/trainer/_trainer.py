@@ -73,7 +73,8 @@ class Trainer:
 
   ``autotune=True`` runs this trainer under ``set_config(None)``: kernel
   selection and layout in the compiled step (`tunedjax.jit`), a measured
-  worker count for a `tunedjax.input_pipeline.Loader`. ``precision`` adds the
+  worker count for a `tunedjax.input_pipeline.Loader` (measured before the
+  first step against the tuned step: kernels are tuned first). ``precision`` adds the
   mixed-precision pass and the loss scaling its policy needs (dynamic for
   float16: a step whose gradients overflow is skipped and counted). Batches
   are sharded over the devices of `mesh` (all local devices by default,
@@ -349,10 +350,13 @@ class Trainer:
       jax.block_until_ready(out)
 
     bar.message("Trainer: tuning the loader's worker count with the training step ...")
-    # The consumer compiles the step in the phase of the first step to come,
-    # never in a phase left over from an earlier run in this process (a
-    # program compiled in the apply phase would skip kernel tuning for good).
-    autotune.step(index=self.step)
+    # The loader is measured against the step it will feed: with kernel
+    # selection on, the consumer runs in the tune phase (its untimed first call
+    # tunes the kernels), never in a phase left over from an earlier run in
+    # this process (a program compiled in the apply phase would skip kernel
+    # tuning for good) nor in the observe phase (xla kernels: a slower step).
+    kernel = self.config.kernel
+    autotune.step(index=max(self.step, kernel.tuning_range[0] if kernel.enable else 0))
     result = loader.tune(consumer=consumer)
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
