@@ -319,3 +319,6 @@ def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_app
   kernels = history.tuning["kernels"]
   assert any(k.endswith("(tuned)") for k in kernels), kernels
   assert not any(k.endswith("(miss)") for k in kernels), kernels
+  # Tuned before step 0, so no step runs (or compiles) the observe phase's all-xla program.
+  reports = trainer._train_step.report(memory=False)
+  assert len(reports) == 1 and not any("(observe)" in k for r in reports for k in r.kernels)

@@ -1,9 +1,9 @@
-"""The demo's network: a small ResNet with a depthwise-separable and a 1x1 stage.
+"""The demo's network: a small residual CNN with depthwise-separable and 1x1 stages.
 
-Three stages, so that each kind of convolution the kernel tuner knows has its
-own shape buckets: a plain residual stage of 3x3 convolutions, a
-MobileNet-style stage (depthwise 3x3, then pointwise 1x1) and a bottleneck
-stage of 1x1 convolutions around a 3x3 one. Flax nnx, NHWC, BatchNorm.
+MobileNet-style blocks (depthwise 3x3, then pointwise 1x1, with residual
+connections) and a ResNet-50 bottleneck stage of 1x1 convolutions around a 3x3
+one, so that each kind of convolution the kernel tuner knows has its own
+shape buckets. Flax nnx, NHWC, BatchNorm.
 """
 
 from __future__ import annotations
@@ -29,17 +29,6 @@ class ConvBN(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     y = self.norm(self.conv(x))
     return nnx.relu(y) if self.relu else y
-
-
-class BasicBlock(nnx.Module):
-  """ResNet's two 3x3 convolutions with an identity shortcut."""
-
-  def __init__(self, channels: int, *, rngs: nnx.Rngs):
-    self.a = ConvBN(channels, channels, 3, rngs=rngs)
-    self.b = ConvBN(channels, channels, 3, rngs=rngs, relu=False)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return nnx.relu(x + self.b(self.a(x)))
 
 
 class SeparableBlock(nnx.Module):
@@ -68,13 +57,14 @@ class Bottleneck(nnx.Module):
 
 
 class DemoNet(nnx.Module):
-  """Stem, a depthwise-separable stage, a residual stage, a bottleneck stage, head.
+  """A 3x3 stem, two depthwise-separable stages, a bottleneck stage, a classifier.
 
-  At 32x32 input: a 3x3 stem, two MobileNet blocks at full resolution (depthwise
-  3x3 + pointwise 1x1, the second strided), a ResNet basic block of 3x3
-  convolutions at half resolution, another strided MobileNet block and a
-  ResNet-50 bottleneck of 1x1 convolutions at quarter resolution, global
-  average pooling and a linear classifier.
+  At 32x32 input: the stem, then MobileNet blocks (depthwise 3x3, pointwise
+  1x1, residual where the shapes allow) at full, half and quarter
+  resolution, the downsampling ones strided, then a ResNet-50 bottleneck (1x1
+  reduce, 3x3, 1x1 expand) at quarter resolution, global average pooling and
+  a linear classifier. Each kind of convolution the kernel tuner knows has
+  shape buckets here: 3x3, depthwise, 1x1, and their gradients.
 
   Args:
     num_classes: outputs of the classifier.
@@ -92,9 +82,9 @@ class DemoNet(nnx.Module):
     w = width
     self.stem = ConvBN(3, w, 3, rngs=rngs)
     self.separable = nnx.List([SeparableBlock(w, w, rngs=rngs),
-                               SeparableBlock(w, 2 * w, rngs=rngs, stride=2)])
-    self.residual = BasicBlock(2 * w, rngs=rngs)
-    self.down = SeparableBlock(2 * w, 4 * w, rngs=rngs, stride=2)
+                               SeparableBlock(w, 2 * w, rngs=rngs, stride=2),
+                               SeparableBlock(2 * w, 2 * w, rngs=rngs),
+                               SeparableBlock(2 * w, 4 * w, rngs=rngs, stride=2)])
     self.bottleneck = Bottleneck(4 * w, w, rngs=rngs)
     self.head = nnx.Linear(4 * w, num_classes, rngs=rngs)
 
@@ -102,8 +92,7 @@ class DemoNet(nnx.Module):
     h = self.stem(x)
     for block in self.separable:
       h = block(h)
-    h = self.bottleneck(self.down(self.residual(h)))
-    return self.head(h.mean(axis=(1, 2)))
+    return self.head(self.bottleneck(h).mean(axis=(1, 2)))
 
 
 def loss_fn(model: DemoNet, batch: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -49,11 +49,12 @@ class DemoOptions:
     learning_rate: AdamW's learning rate.
     seed: seed of the data, the initialisation and the shuffle.
     loader_budget_s: seconds the loader's worker tuning may take.
+    loader_steps: batches (training steps) each of its trials may read.
     data_dir: a folder with one subfolder of images per class, instead of the
       generated images.
   """
 
-  train_images: int = 4096
+  train_images: int = 3072
   eval_images: int = 512
   image_size: int = 32
   batch_size: int = 128
@@ -61,12 +62,13 @@ class DemoOptions:
   width: int = 32
   learning_rate: float = 3e-3
   seed: int = 0
-  loader_budget_s: float = 15.0
+  loader_budget_s: float = 8.0
+  loader_steps: int = 8
   data_dir: str | None = None
 
 
 QUICK = DemoOptions(train_images=768, eval_images=128, image_size=16, batch_size=64, epochs=1,
-                    width=8, loader_budget_s=4.0)
+                    width=8, loader_budget_s=4.0, loader_steps=6)
 
 
 @dataclasses.dataclass
@@ -120,7 +122,7 @@ def _loader(train: _data.EncodedImages, options: DemoOptions) -> Loader:
   return Loader(train, batch_size=options.batch_size,
                 transforms=_data.train_transforms(options.image_size), seed=options.seed,
                 worker_count=DEFAULT_WORKERS, read_threads=DEFAULT_READ_THREADS,
-                tuning_budget_s=options.loader_budget_s)
+                tuning_budget_s=options.loader_budget_s, tuning_steps=options.loader_steps)
 
 
 def train(name: str, train_data: _data.EncodedImages, eval_data: dict[str, np.ndarray],

@@ -206,6 +206,8 @@ class Trainer:
                          if checkpoint_dir is not None else None)
     self.history = History()
     self.stop_training = False
+    # Kernel selection's step index for steps before it (see `_tune_loader`).
+    self._first_kernel_step = 0
 
   # --- the pieces -------------------------------------------------------------
 
@@ -356,6 +358,11 @@ class Trainer:
     # this process (a program compiled in the apply phase would skip kernel
     # tuning for good) nor in the observe phase (xla kernels: a slower step).
     kernel = self.config.kernel
+    if kernel.enable and self.step < kernel.tuning_range[0]:
+      # The kernels are tuned now, so the steps before the tuning window need
+      # not run xla's kernels to "observe": that would cost a slow step and a
+      # compile of a program used once. They run the tuned program instead.
+      self._first_kernel_step = kernel.tuning_range[0]
     autotune.step(index=max(self.step, kernel.tuning_range[0] if kernel.enable else 0))
     result = loader.tune(consumer=consumer)
     if result is not None:
@@ -562,7 +569,7 @@ class _Loop:
     """Runs `batches` from global step `step`; returns the next step."""
     t, k = self.t, self.t.steps_per_execution
     for s in range(step, step + len(batches)):
-      autotune.step(index=s)
+      autotune.step(index=max(s, t._first_kernel_step))
     sizes = [_size(b) for b in batches]
     if len(batches) == k > 1 and len(set(sizes)) == 1:
       stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
