@@ -414,9 +414,11 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
       if len(runners) > 1:
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
+        # The screening call counts as a round toward a clear choice, so a
+        # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
         timings.update(_timing.time_interleaved(
             runners, rounds=options.rounds, warmup=0, budget_s=left,
-            stop=lambda t: clear_choice(t, options.margin)))
+            stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin)))
     except Exception as e:  # pylint: disable=broad-except
       logger.warning("autotune %s: timing failed (%s); keeping xla.", label,
                      _describe_error(e))
