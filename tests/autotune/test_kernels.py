@@ -144,6 +144,8 @@ def test_matmul_1x1_matches_lax(case):
 @given(conv_cases(kernel=(1, 3)))
 def test_im2col_matches_lax(case):
   assume(max(_rhs_spatial(case)) > 1)  # 1x1 is matmul_1x1's job
+  _, rhs_shape, kwargs = case
+  assume(rhs_shape[kwargs["dimension_numbers"].rhs_spec[1]] > 1)  # depthwise: not im2col's
   check_kernel("im2col", case)
 
 
@@ -294,6 +296,7 @@ NOT_APPLICABLE = [
     ("im2col", _spec((2, 8, 8, 4), (1, 1, 4, 4))),  # 1x1: matmul_1x1's job
     ("im2col", _spec((8, 64, 64, 3), (15, 15, 3, 8))),  # 225 taps
     ("im2col", _spec((4, 8, 8, 3), (3, 3, 3, 4), batch_group_count=2)),
+    ("im2col", _spec((2, 8, 8, 4), (3, 3, 1, 4), feature_group_count=4)),  # depthwise
     ("window_matmul", _spec((2, 8, 8, 4), (3, 3, 4, 4))),  # a small window
     ("window_matmul", _spec((2, 40, 40, 4), (10, 10, 4, 4))),  # 31x31 outputs
     ("window_matmul", _spec((2, 12, 12, 4), (10, 10, 2, 4), feature_group_count=2)),

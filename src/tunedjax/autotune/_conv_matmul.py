@@ -151,10 +151,18 @@ def applicable_1x1(spec: ConvSpec, platform: str) -> bool:
 
 
 def applicable_im2col(spec: ConvSpec, platform: str) -> bool:
-  """2 to 49 kernel taps, patches within 256 MiB; no batch groups."""
+  """2 to 49 kernel taps, patches within 256 MiB, over one channel per group;
+  no batch groups.
+
+  One input channel per group (a depthwise convolution) makes each group's
+  product a ``taps``-long dot: never faster than xla or ``depthwise``, so it is
+  not worth compiling and timing.
+  """
   del platform
   taps = layout.window_count(spec)
   if not _common(spec) or not 1 < taps <= IM2COL_MAX_TAPS:
+    return False
+  if layout.rhs_shape_channels_last(spec)[-2] == 1:  # in-channels per group
     return False
   out_cl = layout.out_shape_channels_last(spec)
   c = layout.lhs_shape_channels_last(spec)[-1]
