@@ -62,7 +62,7 @@ class DemoOptions:
   width: int = 32
   learning_rate: float = 3e-3
   seed: int = 0
-  loader_budget_s: float = 8.0
+  loader_budget_s: float = 12.0
   loader_steps: int = 8
   data_dir: str | None = None
 
