@@ -555,3 +555,16 @@ def test_invalid_tuning_ranges_always_raise(stop, extra):
   start = stop + extra  # start >= stop
   with pytest.raises(tj.ConfigError, match="kernel.tuning_range"):
     Config.from_dict({"kernel": {"tuning_range": [start, stop]}})
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16", "float32",
+                                  "p=f32,c=bf16,o=f32"])
+def test_policy_key_takes_the_names_get_policy_takes(name):
+  with tj.config_context({"mixed_precision": {"enable": True, "policy": name}}):
+    assert tj.get_config().mixed_precision.policy == name
+    assert str(tj.mixed_precision.get_policy(tj.get_config().mixed_precision.policy))
+
+
+def test_an_unknown_policy_name_is_a_clear_config_error():
+  with pytest.raises(tj.ConfigError, match=r"'mixed_precision.policy'.*mixed_bfloat17"):
+    tj.set_config({"mixed_precision": {"policy": "mixed_bfloat17"}})

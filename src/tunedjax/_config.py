@@ -131,14 +131,14 @@ def _check_text(key: str, value: Any) -> str:
 
 
 def _check_policy(key: str, value: Any) -> str:
-  """A policy string that `tunedjax.mixed_precision.Policy.parse` reads."""
+  """A policy name or string that `tunedjax.mixed_precision.get_policy` reads."""
   value = _check_text(key, value)
   if value == DEFAULT_POLICY:  # Valid; also read while this module loads.
     return value
   # Imported here: tunedjax.mixed_precision imports this module.
-  from tunedjax.mixed_precision._policy import Policy, PolicyError
+  from tunedjax.mixed_precision._policy import PolicyError, get_policy
   try:
-    Policy.parse(value)
+    get_policy(value)
   except PolicyError as e:
     raise ConfigError(f"Configuration key {key!r} is not a valid mixed-precision "
                       f"policy: {e}") from None
