@@ -32,6 +32,9 @@ PUBLIC = {
     "tunedjax.layout": {"LayoutReport", "Optimized", "explain", "optimize", "preferred"},
     "tunedjax.input_pipeline": {"Loader", "LoaderState", "StateError", "TransformError", "Trial",
                                 "TuningResult", "tune_worker_count"},
+    "tunedjax.demo": {"CLASSES", "DEFAULT", "DemoDataError", "DemoNet", "DemoOptions",
+                      "EncodedImages", "QUICK", "RunResult", "folder_dataset", "run_demo",
+                      "shapes_dataset"},
     "tunedjax.trainer": {"Callback", "Checkpointer", "History", "Progress", "TrainState",
                          "Trainer", "TrainerError"},
 }

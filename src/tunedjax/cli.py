@@ -330,7 +330,7 @@ def _add_demo_command(commands: Any) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
   import dataclasses  # pylint: disable=import-outside-toplevel
   from tunedjax import demo  # pylint: disable=import-outside-toplevel  # loads flax, grain
-  options = demo.QUICK if args.quick else demo.DemoOptions()
+  options = demo.QUICK if args.quick else demo.DEFAULT
   changes: dict[str, Any] = {"data_dir": args.data}
   if args.epochs is not None:
     changes["epochs"] = args.epochs

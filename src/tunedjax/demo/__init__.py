@@ -18,38 +18,33 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import os
-import pathlib
-import platform
-from typing import Any
+import dataclasses as _dataclasses
+import datetime as _datetime
+import os as _os
+import platform as _platform
+from typing import Any as _Any
 
-import jax
+import jax as _jax
 
-from tunedjax._version import __version__
-from tunedjax.autotune import device_fingerprint
+from tunedjax._version import __version__ as _tunedjax_version
+from tunedjax.autotune import device_fingerprint as _device_fingerprint
+from tunedjax.demo import _data
+from tunedjax.demo import _report
+from tunedjax.demo import _run
 from tunedjax.demo._data import CLASSES as CLASSES
 from tunedjax.demo._data import DemoDataError as DemoDataError
 from tunedjax.demo._data import EncodedImages as EncodedImages
-from tunedjax.demo._data import decoded
 from tunedjax.demo._data import folder_dataset as folder_dataset
 from tunedjax.demo._data import shapes_dataset as shapes_dataset
 from tunedjax.demo._model import DemoNet as DemoNet
-from tunedjax.demo._report import format_report
-from tunedjax.demo._report import plot
-from tunedjax.demo._report import ratios
-from tunedjax.demo._report import write_json
+from tunedjax.demo._run import DEFAULT as DEFAULT
 from tunedjax.demo._run import QUICK as QUICK
 from tunedjax.demo._run import DemoOptions as DemoOptions
 from tunedjax.demo._run import RunResult as RunResult
-from tunedjax.demo._run import kernel_table
-from tunedjax.demo._run import load_data
-from tunedjax.demo._run import out_dir
-from tunedjax.demo._run import train
 
 __all__ = [
     "CLASSES",
+    "DEFAULT",
     "QUICK",
     "DemoDataError",
     "DemoNet",
@@ -62,15 +57,15 @@ __all__ = [
 ]
 
 
-def _machine() -> dict[str, Any]:
-  fp = device_fingerprint()
-  return {"device": fp.describe(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-          "tunedjax": __version__, "python": platform.python_version(),
+def _machine() -> dict[str, _Any]:
+  fp = _device_fingerprint()
+  return {"device": fp.describe(), "cpu_count": _os.cpu_count(), "jax": _jax.__version__,
+          "tunedjax": _tunedjax_version, "python": _platform.python_version(),
           "fingerprint": fp.digest}
 
 
-def run_demo(options: DemoOptions = DemoOptions(), *, out: str | os.PathLike[str] = "tunedjax-demo",
-             progress: bool | str = True, echo: Any = print) -> dict[str, Any]:
+def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "tunedjax-demo",
+             progress: bool | str = True, echo: _Any = print) -> dict[str, _Any]:
   """Trains the baseline and the tuned run, prints the table, writes the report.
 
   Args:
@@ -82,9 +77,9 @@ def run_demo(options: DemoOptions = DemoOptions(), *, out: str | os.PathLike[str
   Returns:
     The report, as written to ``report.json``.
   """
-  folder = out_dir(out)
-  train_data, held_out = load_data(options)
-  eval_data = decoded(held_out, options.image_size)
+  folder = _run.out_dir(out)
+  train_data, held_out = _run.load_data(options)
+  eval_data = _data.decoded(held_out, options.image_size)
   description = (f"{len(train_data)} training images from {options.data_dir}"
                  if options.data_dir else
                  f"{len(train_data)} generated {options.image_size}x{options.image_size} "
@@ -93,33 +88,33 @@ def run_demo(options: DemoOptions = DemoOptions(), *, out: str | os.PathLike[str
                   f"{len(held_out)} held out")
   echo(f"tunedjax demo: {description}")
   echo("run 1/2: baseline (jax.jit, float32, grain's default loader) ...")
-  baseline, _ = train("baseline", train_data, eval_data, options, tuned=False, progress=progress)
-  echo(f"run 2/2: tunedjax (Trainer(autotune=True), i.e. set_config(None)) ...")
-  tuned, trainer = train("tunedjax", train_data, eval_data, options, tuned=True,
+  baseline, _ = _run.train("baseline", train_data, eval_data, options, tuned=False, progress=progress)
+  echo("run 2/2: tunedjax (Trainer(autotune=True), i.e. set_config(None)) ...")
+  tuned, trainer = _run.train("tunedjax", train_data, eval_data, options, tuned=True,
                          progress=progress)
   sample = {k: v[:options.batch_size] for k, v in eval_data.items()}
-  buckets = kernel_table(trainer, sample)
+  buckets = _run.kernel_table(trainer, sample)
   warm = tuned.kernel_cache_misses == 0 and (tuned.loader.get("from_cache")
                                              or not tuned.loader.get("trials"))
-  report: dict[str, Any] = {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  report: dict[str, _Any] = {
+      "date": _datetime.datetime.now(_datetime.timezone.utc).isoformat(timespec="seconds"),
       "machine": _machine(),
       "data": {"description": description, "classes": list(train_data.classes),
                "train_images": len(train_data), "held_out": len(held_out),
                "encoded_mb": train_data.encoded_bytes / 2**20},
-      "options": dataclasses.asdict(options),
-      "ratios": ratios(baseline, tuned),
+      "options": _dataclasses.asdict(options),
+      "ratios": _report.ratios(baseline, tuned),
       "warm_cache": bool(warm),
-      "runs": {"baseline": dataclasses.asdict(baseline), "tunedjax": dataclasses.asdict(tuned)},
-      "kernels": [dataclasses.asdict(b) for b in buckets],
+      "runs": {"baseline": _dataclasses.asdict(baseline), "tunedjax": _dataclasses.asdict(tuned)},
+      "kernels": [_dataclasses.asdict(b) for b in buckets],
   }
   json_path, png_path = folder / "report.json", folder / "demo.png"
-  write_json(json_path, report)
-  has_png = plot(png_path, baseline, tuned)
+  _report.write_json(json_path, report)
+  has_png = _report.plot(png_path, baseline, tuned)
   report["files"] = {"json": str(json_path), "png": str(png_path) if has_png else None}
-  write_json(json_path, report)
+  _report.write_json(json_path, report)
   echo("")
-  echo(format_report(report, baseline, tuned, buckets))
+  echo(_report.format_report(report, baseline, tuned, buckets))
   r = report["ratios"]
   echo(f"tunedjax ran {r['wall']:.2f}x faster end to end (tuning included), "
        f"{r['steady_throughput']:.2f}x in steady state.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -72,6 +71,7 @@ class DemoNet(nnx.Module):
     seed: initialisation seed.
 
   Example:
+    >>> import jax.numpy as jnp
     >>> model = DemoNet(8, width=8)
     >>> model(jnp.ones((2, 16, 16, 3))).shape
     (2, 8)

@@ -67,6 +67,7 @@ class DemoOptions:
   data_dir: str | None = None
 
 
+DEFAULT = DemoOptions()
 QUICK = DemoOptions(train_images=768, eval_images=128, image_size=16, batch_size=64, epochs=1,
                     width=8, loader_budget_s=4.0, loader_steps=6)
 
