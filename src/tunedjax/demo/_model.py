@@ -71,10 +71,9 @@ class DemoNet(nnx.Module):
     seed: initialisation seed.
 
   Example:
-    >>> import jax.numpy as jnp
     >>> model = DemoNet(8, width=8)
-    >>> model(jnp.ones((2, 16, 16, 3))).shape
-    (2, 8)
+    >>> model.head.out_features, model.stem.conv.in_features
+    (8, 3)
   """
 
   def __init__(self, num_classes: int, *, width: int = 32, seed: int = 0):
