@@ -14,10 +14,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
-# Smoke runs that take minutes (worker-process starts, kernel tuning) or most of a
-# minute (layout's ResNet-18, mixed precision's two models) run with
-# `make bench-smoke`, not in `make test`, which must stay under 15 minutes.
-LONG_SMOKE = {"input_pipeline", "jit_overhead", "kernels", "layout", "mixed_precision"}
+# Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
+# each (the others) run with `make bench-smoke`, not in `make test`, which must
+# stay under 15 minutes with the demo and the notebooks.
+LONG_SMOKE = {"input_pipeline", "jit_overhead", "kernels", "layout", "mixed_precision",
+              "rewrite_overhead", "trainer"}
 
 # Runs each block in a namespace of its own and names the block that failed.
 _DRIVER = """

@@ -68,8 +68,8 @@ class DemoOptions:
 
 
 DEFAULT = DemoOptions()
-QUICK = DemoOptions(train_images=768, eval_images=128, image_size=16, batch_size=64, epochs=1,
-                    width=8, loader_budget_s=4.0, loader_steps=6)
+QUICK = DemoOptions(train_images=512, eval_images=64, image_size=16, batch_size=64, epochs=1,
+                    width=8, loader_budget_s=2.0, loader_steps=4)
 
 
 @dataclasses.dataclass
