@@ -116,8 +116,13 @@ def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "
   echo("")
   echo(_report.format_report(report, baseline, tuned, buckets))
   r = report["ratios"]
-  echo(f"tunedjax ran {r['wall']:.2f}x faster end to end (tuning included), "
-       f"{r['steady_throughput']:.2f}x in steady state.")
+  if r["wall"] >= 1.0:
+    echo(f"tunedjax ran {r['wall']:.2f}x faster end to end (tuning included), "
+         f"{r['steady_throughput']:.2f}x in steady state.")
+  else:
+    echo(f"tunedjax took {1 / r['wall']:.2f}x the baseline's time end to end (tuning "
+         f"included; steady-state throughput {r['steady_throughput']:.2f}x): a run this small "
+         "cannot pay back its tuning and compiling. The full-size demo shows the gain.")
   if warm:
     echo("The tuning cache was warm: every kernel and the loader setting came from it.")
   else:
