@@ -109,7 +109,6 @@ def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "
       "kernels": [_dataclasses.asdict(b) for b in buckets],
   }
   json_path, png_path = folder / "report.json", folder / "demo.png"
-  _report.write_json(json_path, report)
   has_png = _report.plot(png_path, baseline, tuned)
   report["files"] = {"json": str(json_path), "png": str(png_path) if has_png else None}
   _report.write_json(json_path, report)
