@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 import _harness
+from tunedjax import _tuning
 from tunedjax.autotune import _cache, _phases, _select
 
 DN = ("NHWC", "HWIO", "NHWC")
@@ -188,7 +189,7 @@ def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: s
   before = _phases.stats().tuning_s
   selected = jax.jit(_select.select_kernels(
       fn, cache=cache_dir, rounds=tune_rounds, budget_s=budget_s,
-      on_trace=lambda c: counts.update(c.counts)))
+      on_report=lambda r: counts.update(r.counts())))
   start = time.perf_counter()
   jax.block_until_ready(selected(*args))  # traces: tunes every new bucket
   first_call_s = time.perf_counter() - start
@@ -205,7 +206,7 @@ def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: s
 def warm_rerun(problems: list[tuple[Callable[..., Any], tuple[Any, ...]]],
                cache_dir: str) -> tuple[float, int, int]:
   """Re-traces every problem against the written cache: (tuning s, hits, misses)."""
-  _select.forget_tuned()
+  _tuning.default_session().forget_measured()
   _phases.reset()
   cache = _cache.Cache(cache_dir)  # a fresh object: reads the file
   for fn, args in problems:

@@ -157,7 +157,7 @@ def test_module_entry_point_end_to_end(tmp_path):
 
 
 def _fill(cache_dir: pathlib.Path) -> None:
-  from tunedjax.autotune._cache import Cache
+  from tunedjax._tuning._cache import Cache
   cache = Cache(cache_dir)
   cache.put("test-cli", {"op": "conv", "lhs_shape": [8, 56, 56, 128]}, {"winner": "depthwise"})
   cache.put("test-cli", {"op": "conv", "lhs_shape": [8, 7, 7, 512]}, {"winner": "xla"})
@@ -165,7 +165,7 @@ def _fill(cache_dir: pathlib.Path) -> None:
 
 @pytest.fixture
 def cli_namespace():
-  from tunedjax.autotune import _cache
+  from tunedjax._tuning import _cache
   def check(value):
     if value.get("winner") not in ("xla", "depthwise"):
       raise ValueError(f"unknown kernel {value.get('winner')!r}")
@@ -214,7 +214,7 @@ def test_cache_import_of_a_bad_file_is_an_error(cache_dir, tmp_path, capsys):
 def test_cache_import_checks_every_tuner_namespace_in_a_fresh_process(tmp_path):
   """`tunedjax cache import` alone (no other tunedjax import first) validates
   conv, layout and dataloader entries with the tuners' own validators."""
-  from tunedjax.autotune._cache import Cache
+  from tunedjax._tuning._cache import Cache
   source = Cache(tmp_path / "source")
   good = {
       "conv": {"winner": "im2col", "timings": {"xla": [0.2], "im2col": [0.1]}},

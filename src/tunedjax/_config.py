@@ -27,7 +27,6 @@ LEVELS = ("O0", "O1", "O2")
 BUCKETS = ("exact", "pow2")
 LAYOUT_MODES = ("heuristic", "measure")
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
-HINT_OPS = ("conv",)
 DEFAULT_POLICY = "params=float32,compute=bfloat16,output=float32"
 
 _RANGE_EXPECTED = (
@@ -163,15 +162,22 @@ def _check_range(key: str, value: Any) -> tuple[int, int]:
   return tuple(value)
 
 
+def _op_families() -> tuple[str, ...]:
+  """The registered op families (hints are keyed by them); imported late, as they import this."""
+  from tunedjax.autotune import _registry  # pylint: disable=import-outside-toplevel
+  return tuple(f.name for f in _registry.op_families())
+
+
 def _check_hints(key: str, value: Any) -> FrozenDict:
   if not isinstance(value, Mapping):
     raise _type_error(key, value,
                       "a dict {op: kernel name}, e.g. {'conv': 'im2col'}")
+  families = _op_families() if value else ()
   for op, name in value.items():
-    if op not in HINT_OPS:
+    if op not in families:
       raise ConfigError(UNKNOWN_KEY.format(
-          key=f"{key}.{op}", suggestion=did_you_mean(str(op), HINT_OPS),
-          valid=format_choices(HINT_OPS)))
+          key=f"{key}.{op}", suggestion=did_you_mean(str(op), families),
+          valid=format_choices(families)))
     if not isinstance(name, str) or not name:
       raise _type_error(f"{key}.{op}", name, "a non-empty kernel name string")
   return value if isinstance(value, FrozenDict) else FrozenDict(value)

@@ -45,6 +45,18 @@ class RewriteError(TunedJaxError):
   """
 
 
+class AutotuneError(TunedJaxError):
+  """Kernel selection was asked for something it cannot do.
+
+  An unknown op family or kernel name, a kernel that does not fit its
+  family, tuning options out of range.
+  """
+
+
+class LayoutError(TunedJaxError):
+  """The layout pass was asked for something it cannot do (an unknown target or mode)."""
+
+
 UNKNOWN_KEY = (
     "Unknown configuration key {key!r}{suggestion}. Valid keys here: {valid}."
 )

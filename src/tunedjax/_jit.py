@@ -24,6 +24,7 @@ Levels (after MindSpore's ``jit_level``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -36,17 +37,15 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from tunedjax import _errors
-from tunedjax import layout as layout_lib
-from tunedjax import rewrite
+from tunedjax import _pipeline
+from tunedjax import _tuning
 from tunedjax._config import LEVELS
 from tunedjax._config import Config
 from tunedjax._config import get_config
 from tunedjax.autotune import _hints
-from tunedjax.autotune import _phases
-from tunedjax.autotune._select import kernel_pass
+from tunedjax.autotune import _select
+from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
-from tunedjax.mixed_precision._autocast import autocast_pass
-from tunedjax.rewrite._cleanup import cleanup_pass
 
 logger = logging.getLogger("tunedjax.jit")
 
@@ -55,6 +54,7 @@ R = TypeVar("R")
 
 XLA_CACHE_SUBDIR = "xla"
 PASS_NAMES = ("mixed_precision", "layout", "kernel_selection", "cleanup")
+PassReport = _pipeline.PassReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,40 +94,91 @@ class MemoryFigures:
 
 @dataclasses.dataclass(frozen=True)
 class SignatureReport:
-  """What `tunedjax.jit` did for one input signature.
+  """What `tunedjax.jit` did for one input signature: one typed report per pass.
 
   Attributes:
     signature: the traced input types and static values.
     level: ``"O0"``, ``"O1"`` or ``"O2"``.
-    passes: the passes that ran, in order.
-    policy: the mixed-precision policy, or None when that pass did not run.
-    casts: the autocast pass's counters (casts inserted, ops per dtype).
-    layout: the layout pass's `LayoutReport`, or None when it did not run.
-    kernels: ``{"conv <kernel> (<why>)": count}`` from kernel selection; why
-      is ``hit`` (from the cache), ``tuned``, ``hint``, ``observe``,
-      ``miss``, ``only xla``, ...
-    cache_hits: kernel buckets found in the tuning cache.
-    cache_misses: kernel buckets not found (tuned now, or xla in the apply phase).
-    tuning_s: seconds spent tuning kernels and measuring layouts in this trace.
-    cleanup: the cleanup pass's counters (casts and transposes folded).
+    reports: one report per pass that ran, in order: `AutocastReport`,
+      `LayoutReport`, `KernelReport`, `CleanupReport` (each has a ``name``
+      and the seconds it spent tuning, ``tuning_s``).
     trace_s: seconds to trace the function and run the passes (compiling
       not included).
     memory: the compiled program's `MemoryFigures` (filled by `report()`).
+
+  The properties below read the typed reports: `passes`, `policy`, `casts`,
+  `layout`, `kernel_report`, `kernels`, `cache_hits`, `cache_misses`,
+  `tuning_s`, `cleanup`.
   """
 
   signature: str
   level: str
-  passes: tuple[str, ...]
-  policy: str | None = None
-  casts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  layout: LayoutReport | None = None
-  kernels: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  cache_hits: int = 0
-  cache_misses: int = 0
-  tuning_s: float = 0.0
-  cleanup: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  reports: tuple[PassReport, ...] = ()
   trace_s: float = 0.0
   memory: MemoryFigures | None = None
+
+  def report(self, name: str) -> PassReport | None:
+    """The report of the pass called `name` (``"layout"``, ...), or None if it did not run."""
+    for r in self.reports:
+      if r.name == name:
+        return r
+    return None
+
+  @property
+  def passes(self) -> tuple[str, ...]:
+    """The passes that ran, in order."""
+    return tuple(r.name for r in self.reports)
+
+  @property
+  def policy(self) -> str | None:
+    """The mixed-precision policy, or None when that pass did not run."""
+    r = self.report("mixed_precision")
+    return None if r is None else r.policy
+
+  @property
+  def casts(self) -> Mapping[str, int]:
+    """The autocast pass's counters (casts inserted, ops per dtype)."""
+    r = self.report("mixed_precision")
+    return {} if r is None else dict(r.casts)
+
+  @property
+  def layout(self) -> LayoutReport | None:
+    """The layout pass's `LayoutReport`, or None when it did not run."""
+    return self.report("layout")
+
+  @property
+  def kernel_report(self) -> KernelReport | None:
+    """Kernel selection's `KernelReport`, or None when it did not run."""
+    return self.report("kernel_selection")
+
+  @property
+  def kernels(self) -> Mapping[str, int]:
+    """``{"<op> <kernel> (<why>)": count}`` for display (read `kernel_report` in code)."""
+    r = self.kernel_report
+    return {} if r is None else dict(r.counts())
+
+  @property
+  def cache_hits(self) -> int:
+    """Kernel buckets found in the tuning cache."""
+    r = self.kernel_report
+    return 0 if r is None else r.hits
+
+  @property
+  def cache_misses(self) -> int:
+    """Kernel buckets not found (tuned now, or the default in the apply phase)."""
+    r = self.kernel_report
+    return 0 if r is None else r.misses
+
+  @property
+  def tuning_s(self) -> float:
+    """Seconds spent tuning kernels and measuring layouts in this trace."""
+    return float(sum(r.tuning_s for r in self.reports))
+
+  @property
+  def cleanup(self) -> Mapping[str, int]:
+    """The cleanup pass's counters (casts and transposes folded)."""
+    r = self.report("cleanup")
+    return {} if r is None else dict(r.folded)
 
   @property
   def hit_rate(self) -> float:
@@ -139,16 +190,15 @@ class SignatureReport:
     lines = [f"signature {self.signature}  (level {self.level})",
              f"  passes: {', '.join(self.passes) or 'none'}; traced and rewritten in "
              f"{self.trace_s:.3f} s"]
-    if self.policy is not None:
-      lines.append(f"  mixed precision [{self.policy}]: {_counts(self.casts)}")
-    if self.layout is not None:
-      lines.append(f"  layout: {self.layout.decision} -> {self.layout.target} "
-                   f"({self.layout.reason}); {_counts(self.layout.counts)}")
-    if "kernel_selection" in self.passes:
-      lines.append(f"  kernels: {_counts(self.kernels)}; cache hits {self.cache_hits}, "
-                   f"misses {self.cache_misses}, tuning {self.tuning_s:.1f} s")
-    if self.cleanup:
-      lines.append(f"  cleanup: {_counts(self.cleanup)}")
+    for r in self.reports:
+      if isinstance(r, LayoutReport):
+        lines.append(f"  layout: {r.decision} -> {r.target} ({r.reason}); {_counts(r.counts)}")
+      elif isinstance(r, KernelReport):
+        lines.append(f"  kernels: {r}")
+      elif isinstance(r, _pipeline.CleanupReport) and not r.folded:
+        continue
+      else:
+        lines.append(f"  {r}")
     if self.memory is not None:
       lines.append(f"  memory: {self.memory}")
     return "\n".join(lines)
@@ -276,28 +326,9 @@ def _signature(dyn_args: Any, dyn_kwargs: Any, static: Mapping[Any, Any]) -> str
   return ", ".join(parts)
 
 
-class _Trace:
-  """What one trace's passes did, collected through their `on_trace` hooks."""
-
-  def __init__(self):
-    self.casts: dict[str, int] = {}
-    self.kernels: dict[str, int] = {}
-    self.cleanup: dict[str, int] = {}
-
-  def hook(self, target: dict[str, int]) -> Callable[[rewrite.Context], None]:
-    def on_trace(ctx: rewrite.Context) -> None:
-      target.clear()
-      target.update(ctx.counts)
-    return on_trace
-
-  def split_hook(self) -> Callable[[rewrite.Context], None]:
-    """For the merged kernel-selection and cleanup pass: conv counts go to kernels."""
-    def on_trace(ctx: rewrite.Context) -> None:
-      self.kernels.clear()
-      self.cleanup.clear()
-      for key, n in ctx.counts.items():
-        (self.kernels if key.startswith("conv ") else self.cleanup)[key] = n
-    return on_trace
+def _selecting(selection: Any) -> Any:
+  """`_select.selecting(selection)`, or nothing when kernel selection is off."""
+  return contextlib.nullcontext() if selection is None else _select.selecting(selection)
 
 
 class Jitted(Generic[P, R]):
@@ -311,7 +342,7 @@ class Jitted(Generic[P, R]):
   def __init__(self, fun: Callable[P, R], *, level: str | None,
                static_argnums: tuple[int, ...], static_argnames: tuple[str, ...],
                donate_argnums: tuple[int, ...], donate_argnames: tuple[str, ...],
-               platform: str | None):
+               platform: str | None, session: _tuning.TuningSession | None = None):
     self.__wrapped__ = fun
     self.level = level
     # As jax.jit does: a static name passed by position is static too, and back.
@@ -327,6 +358,7 @@ class Jitted(Generic[P, R]):
         donate_argnums=tuple(sorted(set(donate_argnums) | set(donate_positions.values()))),
         donate_argnames=donate_argnames)
     self._platform = platform
+    self._session = session
     self._lock = threading.Lock()
     self._compiled: dict[Hashable, Any] = {}
     self._last_state: tuple[Any, Any] | None = None  # (state, jitted): the fast path
@@ -359,7 +391,9 @@ class Jitted(Generic[P, R]):
       return level, (level,)
     if not config.kernel.enable:  # the phase and hints only matter to kernel selection
       return level, (level, config)
-    return level, (level, config, _phases.phase_key(config), _hints.active_hints(config))
+    session = self._session or _tuning.current_session()
+    return level, (level, config, session, session.phase_key(config),
+                   _hints.active_hints(config))
 
   def _jitted(self) -> Any:
     level, state = self._state()
@@ -403,6 +437,7 @@ class Jitted(Generic[P, R]):
 
   def _rewriting(self, level: str, config: Config, state: Hashable) -> Callable[..., Any]:
     fun, platform = self.__wrapped__, self._platform
+    session = state[2] if len(state) > 2 else (self._session or _tuning.current_session())
 
     def rewritten(*args: Any, **kwargs: Any) -> Any:
       start = time.perf_counter()
@@ -412,46 +447,22 @@ class Jitted(Generic[P, R]):
         full_args, full_kwargs = rebuild(*d_args, **d_kwargs)
         return fun(*full_args, **full_kwargs)
 
-      trace = _Trace()
-      passes: list[str] = []
+      stages = _pipeline.plan(config, platform)
       program: Callable[..., Any] = inner
-      optimized = None
-      if config.mixed_precision.enable:
-        program = rewrite.transform(program, autocast_pass(config.mixed_precision.policy),
-                                    platform=platform, on_trace=trace.hook(trace.casts))
-        passes.append("mixed_precision")
-      if config.layout.enable:
-        program = optimized = layout_lib.optimize(program, mode=config.layout.mode,
-                                                  platform=platform)
-        passes.append("layout")
-      if config.kernel.enable:
-        # Kernel selection and cleanup touch different primitives: one evaluation.
-        passes += ["kernel_selection", "cleanup"]
-        cleanup = cleanup_pass()
-        kernels = kernel_pass(post=cleanup)
-        program = rewrite.transform(
-            program, rewrite.Pass("kernel_selection+cleanup", {**kernels.rules, **cleanup.rules}),
-            platform=platform, on_trace=trace.split_hook())
-      elif passes:
-        program = rewrite.transform(program, cleanup_pass(), platform=platform,
-                                    on_trace=trace.hook(trace.cleanup))
-        passes.append("cleanup")
-      before = _phases.stats().tuning_s
-      out = program(*dyn_args, **dyn_kwargs)
-      layout_report = optimized.report() if optimized is not None else None
-      tuning_s = _phases.stats().tuning_s - before
-      if layout_report is not None and layout_report.seconds and not layout_report.cached:
-        tuning_s += sum(layout_report.seconds.values())
+      for stage in stages:
+        program = stage.apply(program, platform)
+      selection = None
+      kernel_stages = [s for s in stages if isinstance(s, _pipeline.KernelStage)]
+      if kernel_stages:
+        selection = kernel_stages[0].selection = _select.new_selection(
+            platform=platform, config=config, session=session)
+      with _tuning.using_session(session), _selecting(selection):
+        out = program(*dyn_args, **dyn_kwargs)
       signature = _signature(dyn_args, dyn_kwargs, static)
-      hits = sum(v for k, v in trace.kernels.items() if k.endswith("(hit)"))
-      misses = sum(v for k, v in trace.kernels.items()
-                   if k.endswith("(tuned)") or k.endswith("(miss)"))
       report = SignatureReport(
-          signature=signature, level=level, passes=tuple(passes),
-          policy=config.mixed_precision.policy if config.mixed_precision.enable else None,
-          casts=dict(trace.casts), layout=layout_report, kernels=dict(trace.kernels),
-          cache_hits=hits, cache_misses=misses, tuning_s=tuning_s,
-          cleanup=dict(trace.cleanup), trace_s=time.perf_counter() - start)
+          signature=signature, level=level,
+          reports=tuple(r for stage in stages for r in stage.reports()),
+          trace_s=time.perf_counter() - start)
       abstract = jax.tree_util.tree_map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type),
           (dyn_args, dyn_kwargs))
@@ -550,7 +561,8 @@ def jit(fun: Callable[P, R], *, level: str | None = None,
         static_argnames: str | Iterable[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
-        platform: str | None = None) -> Jitted[P, R]: ...
+        platform: str | None = None,
+        session: _tuning.TuningSession | None = None) -> Jitted[P, R]: ...
 
 
 @overload
@@ -559,7 +571,9 @@ def jit(fun: None = None, *, level: str | None = None,
         static_argnames: str | Iterable[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
-        platform: str | None = None) -> Callable[[Callable[P, R]], Jitted[P, R]]: ...
+        platform: str | None = None,
+        session: _tuning.TuningSession | None = None,
+        ) -> Callable[[Callable[P, R]], Jitted[P, R]]: ...
 
 
 def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
@@ -567,7 +581,8 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
         static_argnames: str | Iterable[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
-        platform: str | None = None) -> Any:
+        platform: str | None = None,
+        session: _tuning.TuningSession | None = None) -> Any:
   """Compiles `fun` like `jax.jit`, with the tuners' passes the config enables.
 
   Use it bare (``@tj.jit``) or with options (``@tj.jit(level="O2",
@@ -586,6 +601,9 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
     donate_argnums: as in `jax.jit`.
     donate_argnames: as in `jax.jit`.
     platform: the platform the passes tune for (default: JAX's default backend).
+    session: the `tunedjax.autotune.TuningSession` whose phase kernel
+      selection follows and whose statistics it records (default: the
+      session current at each call, normally the one `autotune.step` drives).
 
   Returns:
     A `Jitted` function (or, without `fun`, a decorator that makes one).
@@ -614,6 +632,9 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
     if not callable(f):
       raise TypeError(f"tunedjax.jit expects a function, got {f!r}.")
     _check_static_and_donated(f, **options)
-    return Jitted(f, level=level, platform=platform, **options)
+    if session is not None and not isinstance(session, _tuning.TuningSession):
+      raise TypeError(f"tunedjax.jit(session=...) must be a tunedjax.autotune.TuningSession "
+                      f"or None, got {session!r}.")
+    return Jitted(f, level=level, platform=platform, session=session, **options)
 
   return decorate if fun is None else decorate(fun)

@@ -28,10 +28,10 @@ import tunedjax
 from tunedjax._errors import TunedJaxError
 from tunedjax._jit import XLA_CACHE_SUBDIR
 from tunedjax._version import __version__
-from tunedjax.autotune import device_fingerprint
-from tunedjax.autotune._cache import Cache
-from tunedjax.autotune._cache import CacheEntry
-from tunedjax.autotune._cache import import_file
+from tunedjax._tuning import Cache
+from tunedjax._tuning import CacheEntry
+from tunedjax._tuning import device_fingerprint
+from tunedjax._tuning import import_file
 
 # Distributions whose versions a bug report needs; "not installed" if absent.
 PACKAGES = (

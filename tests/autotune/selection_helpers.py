@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tunedjax import _tuning
 from tunedjax.autotune import _registry
 
 # A correct alternative: the same convolution computed in canonical NCHW/OIHW
@@ -147,13 +148,13 @@ def isolated_selection(tmp_path: Any, **config: Any) -> contextlib.AbstractConte
   @contextlib.contextmanager
   def scope() -> Iterator[Any]:
     _phases.reset()
-    _select.forget_tuned()
+    _tuning.default_session().forget_measured()
     overlay = {"cache": {"dir": str(tmp_path / "cache")}, **config}
     try:
       with tj.config_context(overlay) as cfg:
         yield cfg
     finally:
       _phases.reset()
-      _select.forget_tuned()
+      _tuning.default_session().forget_measured()
 
   return scope()

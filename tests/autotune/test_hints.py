@@ -13,7 +13,10 @@ from jax import lax
 import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax._errors import TunedJaxError
-from tunedjax.autotune import _bucket, _cache, _hints, _phases, _registry, _select
+from tunedjax import _tuning
+from tunedjax._tuning import _cache
+from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.autotune import _bucket, _hints, _phases, _registry, _select
 from tunedjax.autotune._hints import HintWarning, hint
 
 
@@ -29,7 +32,7 @@ def _operands(rng):
 def _trace(f, *args, **kw):
   counts = {}
   out = jax.jit(_select.select_kernels(f, rounds=1, budget_s=3.0,
-                                       on_trace=lambda c: counts.update(c.counts), **kw))(*args)
+                                       on_report=lambda r: counts.update(r.counts()), **kw))(*args)
   return counts, out
 
 
@@ -48,7 +51,7 @@ def test_hint_pins_the_kernel_without_tuning(tmp_path, rng):
 def test_hint_beats_a_cached_winner(tmp_path, rng):
   x, w = _operands(rng)
   with h.isolated_selection(tmp_path), h.registered("t_transposed"):
-    spec = _registry.ConvSpec.from_arrays(x, w, padding="SAME", dimension_numbers=h.DN)
+    spec = ConvSpec.from_arrays(x, w, padding="SAME", dimension_numbers=h.DN)
     key = _bucket.bucket_key(spec, _registry.applicable_kernels(spec, "cpu"))
     _cache.default_cache().put("conv", key, {"winner": "t_transposed", "timings": {}})
     assert _trace(_conv, x, w)[0] == {"conv t_transposed (hit)": 1}
@@ -88,7 +91,7 @@ def test_unknown_kernel_or_op_lists_the_known_ones(tmp_path, rng):
   with pytest.raises(TunedJaxError, match=r"unknown conv kernel 'ff'.*Known conv kernels: 'xla'"):
     with hint(conv="ff"):
       pass
-  with pytest.raises(TunedJaxError, match=r"unknown op 'matmul'.*'conv'"):
+  with pytest.raises(TunedJaxError, match=r"unknown op family 'matmul'.*'conv'"):
     with hint(matmul="xla"):
       pass
   x, w = _operands(rng)
@@ -102,7 +105,7 @@ def test_jit_option_retraces_when_the_hint_changes(tmp_path, rng):
   traces = []
   with h.isolated_selection(tmp_path), h.registered("t_transposed"):
     f = _select.select_kernels(_conv, jit=True, rounds=1, budget_s=3.0,
-                               on_trace=lambda c: traces.append(dict(c.counts)))
+                               on_report=lambda r: traces.append(dict(r.counts())))
     with hint(conv="xla"):
       f(x, w)
       f(x, w)

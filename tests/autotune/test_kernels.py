@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 from tunedjax.autotune import _registry as reg
+from tunedjax.autotune._conv_spec import ConvSpec
 
 
 @contextlib.contextmanager
@@ -105,7 +106,7 @@ def check_kernel(name, case, *, platform="cpu", dtype=np.float64, rtol=1e-9,
     cot = jnp.asarray(rng.normal(size=jax.eval_shape(
         lambda l, r: lax.conv_general_dilated(l, r, **kwargs), lhs, rhs).shape),
         dtype)
-    spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+    spec = ConvSpec.from_arrays(lhs, rhs, **kwargs)
     assert kernel.applicable(spec, platform), spec
 
     def ref(lhs, rhs, cot):
@@ -155,7 +156,7 @@ def test_im2col_matches_lax(case):
                   groups="none"))
 def test_window_matmul_matches_lax(case):
   lhs_shape, rhs_shape, kwargs = case
-  spec = reg.ConvSpec.from_arrays(np.ones(lhs_shape), np.ones(rhs_shape), **kwargs)
+  spec = ConvSpec.from_arrays(np.ones(lhs_shape), np.ones(rhs_shape), **kwargs)
   assume(reg.get_kernel("conv", "window_matmul").applicable(spec, "cpu"))
   check_kernel("window_matmul", case)
 
@@ -177,7 +178,7 @@ def test_window_matmul_computes_weight_gradients(kernel, stride, rng):
   params = {k: v for k, v in wgrad[0].params.items() if k in (
       "window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
       "feature_group_count", "batch_group_count")}
-  spec = reg.ConvSpec.from_arrays(np.ones(l.shape, l.dtype), np.ones(r.shape, r.dtype), **params)
+  spec = ConvSpec.from_arrays(np.ones(l.shape, l.dtype), np.ones(r.shape, r.dtype), **params)
   kernel_fn = reg.get_kernel("conv", "window_matmul")
   assert kernel_fn.applicable(spec, "cpu")
   lhs, rhs = (jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in (l, r))
@@ -225,7 +226,7 @@ def _grad_conv_specs(lhs_shape, rhs_shape, **kwargs):
     return jnp.sum(lax.conv_general_dilated(x, w, **kwargs) ** 2)
   args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (lhs_shape, rhs_shape)]
   closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(*args)
-  return [reg.ConvSpec.from_equation(e) for e in closed.jaxpr.eqns
+  return [ConvSpec.from_equation(e) for e in closed.jaxpr.eqns
           if e.primitive.name == "conv_general_dilated"]
 
 
@@ -257,7 +258,7 @@ def _spec(lhs_shape, rhs_shape, dtype="float32", **kwargs):
   kwargs.setdefault("dimension_numbers", ("NHWC", "HWIO", "NHWC"))
   args = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
           for s in (lhs_shape, rhs_shape)]
-  return reg.ConvSpec.from_arrays(*args, **kwargs)
+  return ConvSpec.from_arrays(*args, **kwargs)
 
 
 # The benchmark buckets of issue 6 (batch 8) and the kernel meant for each.
@@ -330,7 +331,7 @@ def test_bfloat16_with_float32_accumulation(name, rng):
                 preferred_element_type=jnp.float32, **extra)
   lhs = jnp.asarray(rng.normal(size=lhs_shape), jnp.bfloat16)
   rhs = jnp.asarray(rng.normal(size=rhs_shape), jnp.bfloat16)
-  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  spec = ConvSpec.from_arrays(lhs, rhs, **kwargs)
   assert spec.out_dtype == "float32"
   kernel = reg.get_kernel("conv", name)
   assert kernel.applicable(spec, "cpu")
@@ -378,7 +379,7 @@ def test_kernels_compose_with_vmap_and_jit(name, lhs_shape, rhs_shape, extra,
                 dimension_numbers=("NHWC", "HWIO", "NHWC"), **extra)
   lhs = rng.normal(size=(3, *lhs_shape)).astype(np.float32)
   rhs = rng.normal(size=rhs_shape).astype(np.float32)
-  spec = reg.ConvSpec.from_arrays(lhs[0], rhs, **kwargs)
+  spec = ConvSpec.from_arrays(lhs[0], rhs, **kwargs)
   kernel = reg.get_kernel("conv", name)
   got = jax.jit(jax.vmap(lambda l: kernel.fn(l, rhs, spec)))(lhs)
   want = jax.vmap(lambda l: lax.conv_general_dilated(l, rhs, **kwargs))(lhs)

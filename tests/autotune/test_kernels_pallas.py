@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from jax import lax
 
 from tests.autotune.test_kernels import _spec, check_kernel, conv_cases
+from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune import _registry as reg
 from tunedjax.autotune._conv_pallas import conv_pallas
 
@@ -60,7 +61,7 @@ def test_pallas_bfloat16_accumulates_in_float32(rng):
                 preferred_element_type=jnp.float32)
   lhs = jnp.asarray(rng.normal(size=(2, 24, 5, 5)), jnp.bfloat16)
   rhs = jnp.asarray(rng.normal(size=(20, 24, 3, 3)), jnp.bfloat16)
-  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  spec = ConvSpec.from_arrays(lhs, rhs, **kwargs)
   assert reg.get_kernel("conv", "pallas").applicable(spec, "gpu")
   got = conv_pallas(lhs, rhs, spec, interpret=True)
   want = lax.conv_general_dilated(lhs.astype(jnp.float32),

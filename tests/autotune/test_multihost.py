@@ -30,12 +30,13 @@ _WORKER = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     import tunedjax as tj
     from tests.autotune import selection_helpers as h
-    from tunedjax.autotune import _phases, _select, _timing
+    from tunedjax import _tuning
+    from tunedjax.autotune import _phases, _select
 
     # Each process's own measurements disagree on purpose: process 0 would
     # pick t_transposed, process 1 would keep xla. Only process 0's counts.
     fast = "t_transposed" if pid == 0 else "xla"
-    _timing.time_interleaved = lambda runners, **kw: {
+    _tuning.time_interleaved = lambda runners, **kw: {
         n: [0.1 if n == fast else 1.0] * 2 for n in runners}
     tj.set_config({"cache": {"dir": cache_dir}})
     rng = np.random.default_rng(0)
@@ -45,7 +46,7 @@ _WORKER = textwrap.dedent("""
     with h.registered("t_transposed"):
       step = jax.jit(_select.select_kernels(
           h.mobilenet_step, rounds=1, budget_s=5.0,
-          on_trace=lambda c: counts.update(c.counts)))
+          on_report=lambda r: counts.update(r.counts())))
       loss, _ = step(params, x, y)
     s = _phases.stats()
     print(json.dumps({"counts": counts, "tuned": s.buckets_tuned, "loss": float(loss)}))

@@ -13,6 +13,7 @@ import pytest
 from jax import lax
 
 from tunedjax._errors import TunedJaxError
+from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune import _registry as reg
 
 
@@ -38,8 +39,8 @@ def test_convspec_from_arrays_matches_the_equation(rng):
       lambda l, r: lax.conv_general_dilated(l, r, **kwargs))(lhs, rhs)
   (eqn,) = [e for e in closed.jaxpr.eqns
             if e.primitive.name == "conv_general_dilated"]
-  spec = reg.ConvSpec.from_arrays(lhs, rhs, **kwargs)
-  assert spec == reg.ConvSpec.from_equation(eqn)
+  spec = ConvSpec.from_arrays(lhs, rhs, **kwargs)
+  assert spec == ConvSpec.from_equation(eqn)
   assert spec.out_shape == eqn.outvars[0].aval.shape
   assert spec.out_dtype == "float32"
   assert spec.dimension_numbers == ((0, 3, 1, 2), (3, 2, 0, 1), (0, 1, 2, 3))
@@ -54,44 +55,44 @@ def test_convspec_from_arrays_matches_the_equation(rng):
 
 def test_convspec_json_round_trip_and_hash(rng):
   lhs, rhs = _arrays(rng)
-  spec = reg.ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs())
-  back = reg.ConvSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+  spec = ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs())
+  back = ConvSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
   assert back == spec and hash(back) == hash(spec)
   assert {spec: 1}[back] == 1
-  other = reg.ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs(precision=None))
+  other = ConvSpec.from_arrays(lhs, rhs, **_conv_kwargs(precision=None))
   assert other != spec and other.precision is None
-  bf16 = reg.ConvSpec.from_arrays(
+  bf16 = ConvSpec.from_arrays(
       *(a.astype(jnp.bfloat16) for a in (lhs, rhs)),
       **_conv_kwargs(preferred_element_type=None))
   assert bf16.lhs_dtype == "bfloat16" and bf16.out_dtype == "bfloat16"
-  assert reg.ConvSpec.from_dict(bf16.to_dict()) == bf16
+  assert ConvSpec.from_dict(bf16.to_dict()) == bf16
 
 
 def test_convspec_from_dict_rejects_bad_dicts(rng):
-  d = reg.ConvSpec.from_arrays(*_arrays(rng), **_conv_kwargs()).to_dict()
+  d = ConvSpec.from_arrays(*_arrays(rng), **_conv_kwargs()).to_dict()
   with pytest.raises(TunedJaxError, match="exactly the keys"):
-    reg.ConvSpec.from_dict({**d, "evil": 1})
+    ConvSpec.from_dict({**d, "evil": 1})
   missing = dict(d)
   del missing["padding"]
   with pytest.raises(TunedJaxError, match="padding"):
-    reg.ConvSpec.from_dict(missing)
+    ConvSpec.from_dict(missing)
   with pytest.raises(TunedJaxError, match="Invalid ConvSpec"):
-    reg.ConvSpec.from_dict({**d, "lhs_dtype": "no_such_dtype"})
+    ConvSpec.from_dict({**d, "lhs_dtype": "no_such_dtype"})
   with pytest.raises(TunedJaxError, match="precision"):
-    reg.ConvSpec.from_dict({**d, "precision": "__import__('os')"})
+    ConvSpec.from_dict({**d, "precision": "__import__('os')"})
   for key, bad in [("lhs_shape", [2, "7", 6, 4]), ("lhs_shape", [2, True, 6, 4]),
                    ("padding", [1, 2]), ("feature_group_count", 0),
                    ("batch_group_count", 1.0), ("out_dtype", None),
                    ("dimension_numbers", [[0, 1, 2, 3], [0, 1, 2, 3]])]:
     with pytest.raises(TunedJaxError, match=key if key != "dimension_numbers"
                        else "dimension_numbers"):
-      reg.ConvSpec.from_dict({**d, key: bad})
+      ConvSpec.from_dict({**d, key: bad})
 
 
 def test_convspec_from_equation_rejects_other_primitives():
   closed = jax.make_jaxpr(jnp.sin)(1.0)
   with pytest.raises(TunedJaxError, match="'sin'"):
-    reg.ConvSpec.from_equation(closed.jaxpr.eqns[0])
+    ConvSpec.from_equation(closed.jaxpr.eqns[0])
 
 
 def test_builtin_kernels_in_order():
@@ -135,7 +136,7 @@ def test_unknown_op_and_name_errors():
 
 
 def test_applicable_kernels_platforms(rng):
-  spec = reg.ConvSpec.from_arrays(
+  spec = ConvSpec.from_arrays(
       np.ones((1, 8, 8, 4), np.float32), np.ones((3, 3, 4, 4), np.float32),
       dimension_numbers=("NHWC", "HWIO", "NHWC"))
   cpu = [k.name for k in reg.applicable_kernels(spec, "cpu")]

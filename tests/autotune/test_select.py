@@ -20,8 +20,10 @@ from jax import lax
 
 from tests.autotune import selection_helpers as h
 from tunedjax import rewrite
-from tunedjax.autotune import _bucket, _cache, _phases, _registry, _select, _timing, _tuner
-from tunedjax.autotune._registry import ConvSpec
+from tunedjax import _tuning
+from tunedjax._tuning import _cache, _timing
+from tunedjax.autotune import _bucket, _conv_family, _phases, _registry, _select, _tuner
+from tunedjax.autotune._conv_spec import ConvSpec
 
 FAST = dict(rounds=2, budget_s=5.0)
 
@@ -78,9 +80,9 @@ def test_bucket_key_changes_with_a_kernel_source_hash():
 
 def test_pow2_bucket_rounds_batch_and_spatial_only():
   spec = _spec(lhs=(3, 9, 12, 4))
-  lhs, rhs = _bucket.bucket_shapes(spec, "pow2")
+  lhs, rhs = _conv_family.bucket_shapes(spec, "pow2")
   assert lhs == (4, 16, 16, 4) and rhs == (3, 3, 4, 6)
-  assert _bucket.bucket_shapes(spec, "exact") == ((3, 9, 12, 4), (3, 3, 4, 6))
+  assert _conv_family.bucket_shapes(spec, "exact") == ((3, 9, 12, 4), (3, 3, 4, 6))
   assert (_bucket.bucket_key(_spec(lhs=(3, 10, 10, 4)), [], bucket="pow2")
           == _bucket.bucket_key(_spec(lhs=(4, 16, 15, 4)), [], bucket="pow2"))
 
@@ -92,7 +94,7 @@ def test_pow2_shapes_are_the_next_powers_of_two(n, hgt, wid, bgc):
   spec = types.SimpleNamespace(lhs_shape=(2 * n, hgt, wid, 6), rhs_shape=(3, 3, 6, 4),
                                dimension_numbers=((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)),
                                batch_group_count=bgc)
-  lhs, rhs = _bucket.bucket_shapes(spec, "pow2")
+  lhs, rhs = _conv_family.bucket_shapes(spec, "pow2")
   assert rhs == spec.rhs_shape and lhs[3] == 6
   dims = (1, 2) if bgc > 1 else (0, 1, 2)
   for d in range(4):
@@ -123,7 +125,7 @@ def test_wrong_candidates_never_win(monkeypatch):
   # before timing: the fake timer makes every candidate it sees 10x faster.
   def fake_timer(runners, **kw):
     return {n: [1.0 if n == "xla" else 0.1] * 2 for n in runners}
-  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
   with h.registered("t_wrong", "t_zeros", "t_transposed"):
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_wrong", "t_zeros", "t_transposed"),
                                 options=_tuner.TuneOptions(rounds=2))
@@ -142,7 +144,7 @@ def test_a_candidate_must_beat_xla_by_the_margin(monkeypatch, ratio, expected):
     base = [1.0, 2.0, 1.5]
     return {n: ([b * ratio for b in base] if n != "xla" else base) for n in runners}
 
-  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
   with h.registered("t_transposed"):
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
                                 options=_tuner.TuneOptions(margin=0.1))
@@ -158,7 +160,7 @@ def test_a_much_slower_candidate_is_screened_after_one_call(monkeypatch):
     calls.append((sorted(runners), rounds))
     return {n: [10.0 if n == "t_transposed" else 1.0] * rounds for n in runners}
 
-  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
   with h.registered("t_transposed"):
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
                                 options=_tuner.TuneOptions(rounds=3))
@@ -182,14 +184,14 @@ def test_tune_result_round_trips_and_validates():
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed", "t_boom"),
                                 options=_tuner.TuneOptions(rounds=2))
     value = json.loads(json.dumps(result.to_value()))
-    _tuner.validate_value(value)
+    _tuner.validate_value(value, "conv")
     assert _tuner.TuneResult.from_value(value) == result
     assert value["measured_at"] and value["tuning_s"] > 0
     assert set(value["timings"]) == {"xla", "t_transposed"}
   for bad in ({**value, "winner": "os.system"}, {**value, "timings": {"xla": "fast"}},
               {**value, "tuning_s": -1}, {**value, "errors": {"x": 3}}, [1, 2]):
     with pytest.raises((TypeError, ValueError)):
-      _tuner.validate_value(bad)
+      _tuner.validate_value(bad, "conv")
 
 
 def test_cache_entry_with_unknown_kernel_reads_as_miss(tmp_path):
@@ -209,7 +211,7 @@ def test_selection_pass_matches_plain_conv_forward_and_gradient(tmp_path, rng):
   counts = {}
   with h.isolated_selection(tmp_path), h.registered("t_transposed", "t_boom", "t_wrong"):
     f = jax.jit(_select.select_kernels(jax.value_and_grad(loss, argnums=(0, 1)),
-                                       on_trace=lambda c: counts.update(c.counts), **FAST))
+                                       on_report=lambda r: counts.update(r.counts()), **FAST))
     got = f(x, w)
     stats = _phases.stats()
   want = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
@@ -227,7 +229,7 @@ def test_mobilenet_train_step_through_the_pass_matches(tmp_path, rng):
   with h.isolated_selection(tmp_path), h.registered("t_transposed"):
     counts = {}
     tuned = jax.jit(_select.select_kernels(h.mobilenet_step, rounds=1, budget_s=2.0,
-                                           on_trace=lambda c: counts.update(c.counts)))
+                                           on_report=lambda r: counts.update(r.counts())))
     got_tuned = tuned(params, x, y)
     assert sum(counts.values()) >= 8  # 3 forward convs + their gradients
     # Every convolution forced onto another kernel: the kernels' own maths.
@@ -244,9 +246,9 @@ def test_second_trace_hits_the_cache(tmp_path, rng):
   with h.isolated_selection(tmp_path), h.registered("t_transposed"):
     jax.jit(_select.select_kernels(_conv, **FAST))(x, w)
     first = _phases.stats()
-    _select.forget_tuned()  # read it back from the file this time
+    _tuning.default_session().forget_measured()  # read it back from the file this time
     counts = {}
-    jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(x, w)
+    jax.jit(_select.select_kernels(_conv, on_report=lambda r: counts.update(r.counts())))(x, w)
     second = _phases.stats()
     entries = _cache.default_cache().entries("conv")
   assert (first.hits, first.misses) == (0, 1)
@@ -274,7 +276,7 @@ def test_only_xla_applicable_needs_no_lookup(tmp_path, rng):
     counts = {}
     names = [k.name for k in _registry.applicable_kernels(spec, "cpu")]
     with _registry_only_xla():
-      jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(x, w)
+      jax.jit(_select.select_kernels(_conv, on_report=lambda r: counts.update(r.counts())))(x, w)
     assert counts == {"conv xla (only xla)": 1} and _phases.stats().misses == 0
   assert names[0] == "xla"
 
@@ -354,10 +356,10 @@ def test_a_kernel_failing_at_trace_time_falls_back_to_xla(tmp_path, rng, caplog)
     from tunedjax.autotune._hints import hint
     counts = {}
     with hint(conv="t_boom"), caplog.at_level(logging.WARNING, logger="tunedjax.autotune"):
-      out = jax.jit(_select.select_kernels(_conv, on_trace=lambda c: counts.update(c.counts)))(
+      out = jax.jit(_select.select_kernels(_conv, on_report=lambda r: counts.update(r.counts())))(
           x, w)
   np.testing.assert_allclose(out, _conv(x, w), rtol=1e-6)
-  assert "conv t_boom failed at trace, xla used" in counts
+  assert "conv t_boom (failed at trace)" in counts
   assert any("could not be applied" in r.getMessage() for r in caplog.records)
 
 
@@ -374,7 +376,7 @@ def test_timing_stops_early_only_when_the_choice_is_clear(monkeypatch, ratio, ro
         break
     return times
 
-  monkeypatch.setattr(_timing, "time_interleaved", fake_timer)
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
   with h.registered("t_transposed"):
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
                                 options=_tuner.TuneOptions(rounds=5))

@@ -10,8 +10,9 @@ import pytest
 from jax import lax
 
 import tunedjax as tj
+from tunedjax import _tuning
 from tunedjax import layout, rewrite
-from tunedjax.autotune import _cache
+from tunedjax._tuning import _cache
 from tunedjax.layout import _measure
 
 
@@ -28,10 +29,10 @@ def args(rng):
 
 @pytest.fixture
 def tmp_cache(tmp_path):
-  _measure.clear_memory()
+  _tuning.default_session().forget_measured()
   with tj.config_context({"cache": {"dir": str(tmp_path)}}):
     yield _cache.default_cache()
-  _measure.clear_memory()
+  _tuning.default_session().forget_measured()
 
 
 def test_report_after_a_call(args):
@@ -72,7 +73,7 @@ def test_measure_mode_decides_caches_and_keeps_the_function(args, tmp_cache):
   again(*args)
   assert again.report().cached and again.report().decision == report.decision
   # after a restart (memory cleared): read from the persistent cache
-  _measure.clear_memory()
+  _tuning.default_session().forget_measured()
   entries = tmp_cache.entries("layout")
   assert len(entries) == 1 and entries[0].key["target"] == "NHWC"
   third = jax.jit(layout.optimize(net, mode="measure"))

@@ -1,15 +1,18 @@
-"""Per-shape kernel selection and its persistent, device-keyed cache.
+"""Per-shape kernel selection for op families, and its persistent, device-keyed cache.
 
-Each convolution can run on one of several registered kernels (``xla``,
-``matmul_1x1``, ``im2col``, ``window_matmul``, ``fft``, ``depthwise``, ``pallas``, or one you
-register). The selection pass times the applicable kernels once per shape
-bucket, checks each against the reference on the tuning inputs, and keeps the
-winner in the tuning `Cache`: one JSON file per device fingerprint, shared by
-every tuner, reused across restarts and, through ``tunedjax cache
-export|import``, across a cluster.
-A `hint` pins a kernel and beats the tuner; `step` and `stats` drive and report
-the observe/tune/apply phases of ``kernel.tuning_range``; `explain` says which
-kernel each convolution bucket of a function gets, and the speedup measured.
+An **op family** (`OpFamily`) is a kind of operation with several
+implementations: convolutions are built in (kernels ``xla``, ``matmul_1x1``,
+``im2col``, ``window_matmul``, ``fft``, ``depthwise``, ``pallas``), and
+`register_op_family` adds others, whose sites are found in the jaxpr (a
+primitive) or call `dispatch`. The selector times a site's applicable kernels
+once per shape bucket, checks each against the family's reference on the
+tuning inputs, and keeps the winner in the tuning `Cache`: one JSON file per
+device fingerprint, shared by every tuner, reused across restarts and,
+through ``tunedjax cache export|import``, across a cluster.
+A `hint` pins a kernel per family and beats the tuner; a `TuningSession`
+holds the observe/tune/apply phases of ``kernel.tuning_range`` (`step` and
+`stats` drive and report the default one); `explain` says which kernel each
+bucket of a function gets, and the speedup measured.
 
 Example:
   >>> import tempfile
@@ -30,32 +33,32 @@ Example:
 
 from __future__ import annotations
 
-from tunedjax.autotune._cache import Cache as Cache
-from tunedjax.autotune._cache import CacheEntry as CacheEntry
+from tunedjax._tuning import Cache as Cache
+from tunedjax._tuning import CacheEntry as CacheEntry
+from tunedjax._tuning import DeviceFingerprint as DeviceFingerprint
+from tunedjax._tuning import Stats as Stats
+from tunedjax._tuning import TuningSession as TuningSession
+from tunedjax._tuning import default_session as default_session
+from tunedjax._tuning import device_fingerprint as device_fingerprint
+from tunedjax.autotune._conv_spec import ConvSpec as ConvSpec
 from tunedjax.autotune._explain import BucketChoice as BucketChoice
 from tunedjax.autotune._explain import explain as explain
-from tunedjax.autotune._fingerprint import DeviceFingerprint as DeviceFingerprint
-from tunedjax.autotune._fingerprint import device_fingerprint as device_fingerprint
 from tunedjax.autotune._hints import HintWarning as HintWarning
-from tunedjax.autotune._hints import active_hints as active_hints
 from tunedjax.autotune._hints import hint as hint
-from tunedjax.autotune._phases import Stats as Stats
-from tunedjax.autotune._phases import StepStats as StepStats
-from tunedjax.autotune._phases import current_phase as current_phase
-from tunedjax.autotune._phases import phase_key as phase_key
-from tunedjax.autotune._phases import reset as reset_stats
 from tunedjax.autotune._phases import stats as stats
 from tunedjax.autotune._phases import step as step
-from tunedjax.autotune._registry import ConvSpec as ConvSpec
 from tunedjax.autotune._registry import Kernel as Kernel
-from tunedjax.autotune._registry import get_kernel as get_kernel
+from tunedjax.autotune._registry import OpFamily as OpFamily
 from tunedjax.autotune._registry import kernels as kernels
+from tunedjax.autotune._registry import op_families as op_families
 from tunedjax.autotune._registry import register_kernel as register_kernel
+from tunedjax.autotune._registry import register_op_family as register_op_family
 from tunedjax.autotune._registry import unregister_kernel as unregister_kernel
-from tunedjax.autotune._select import kernel_pass as kernel_pass
+from tunedjax.autotune._registry import unregister_op_family as unregister_op_family
+from tunedjax.autotune._report import KernelChoice as KernelChoice
+from tunedjax.autotune._report import KernelReport as KernelReport
+from tunedjax.autotune._select import dispatch as dispatch
 from tunedjax.autotune._select import select_kernels as select_kernels
-from tunedjax.autotune._tuner import TuneOptions as TuneOptions
-from tunedjax.autotune._tuner import TuneResult as TuneResult
 
 __all__ = [
     "BucketChoice",
@@ -65,23 +68,23 @@ __all__ = [
     "DeviceFingerprint",
     "HintWarning",
     "Kernel",
+    "KernelChoice",
+    "KernelReport",
+    "OpFamily",
     "Stats",
-    "StepStats",
-    "TuneOptions",
-    "TuneResult",
-    "active_hints",
-    "current_phase",
+    "TuningSession",
+    "default_session",
     "device_fingerprint",
+    "dispatch",
     "explain",
-    "get_kernel",
     "hint",
-    "kernel_pass",
     "kernels",
-    "phase_key",
+    "op_families",
     "register_kernel",
-    "reset_stats",
+    "register_op_family",
     "select_kernels",
     "stats",
     "step",
     "unregister_kernel",
+    "unregister_op_family",
 ]

@@ -22,7 +22,7 @@ equation's output dtype.
 Example:
   >>> import numpy as np
   >>> from jax import lax
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x = np.random.default_rng(0).normal(size=(2, 8, 8, 4)).astype(np.float32)
   >>> w = np.random.default_rng(1).normal(size=(3, 3, 1, 4)).astype(np.float32)
   >>> kw = dict(window_strides=(2, 2), padding="SAME", feature_group_count=4,
@@ -46,7 +46,7 @@ from jax import lax
 from tunedjax.autotune import _conv_layout as layout
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 MAX_TAPS = 81
 

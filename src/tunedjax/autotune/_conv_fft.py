@@ -13,7 +13,7 @@ taps. It computes in float32 (float64 for float64 inputs).
 Example:
   >>> import numpy as np
   >>> from jax import lax
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x = np.random.default_rng(0).normal(size=(1, 2, 12, 12)).astype(np.float32)
   >>> w = np.random.default_rng(1).normal(size=(3, 2, 5, 5)).astype(np.float32)
   >>> spec = ConvSpec.from_arrays(x, w, padding="SAME")
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from tunedjax.autotune import _conv_layout as layout
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 FFT_MIN_TAPS = 25
 

@@ -6,7 +6,7 @@ equation's operands into it; XLA folds these transposes into neighbours.
 
 Example:
   >>> import numpy as np
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x = np.ones((2, 3, 5, 7), np.float32)                  # NCHW
   >>> spec = ConvSpec.from_arrays(x, np.ones((4, 3, 1, 1), np.float32))
   >>> lhs_to_channels_last(x, spec).shape
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 
 def maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:

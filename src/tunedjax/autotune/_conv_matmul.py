@@ -22,7 +22,7 @@ which XLA:CPU runs as a slow direct convolution: a 3x3 weight gradient at
 Example:
   >>> import numpy as np
   >>> from jax import lax
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x = np.random.default_rng(0).normal(size=(2, 6, 6, 4)).astype(np.float32)
   >>> w = np.random.default_rng(1).normal(size=(3, 3, 4, 5)).astype(np.float32)
   >>> spec = ConvSpec.from_arrays(x, w, padding="SAME",
@@ -46,7 +46,7 @@ from jax import lax
 from tunedjax.autotune import _conv_layout as layout
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 IM2COL_MAX_TAPS = 49
 IM2COL_MAX_BYTES = 256 * 2**20

@@ -24,7 +24,7 @@ convolutions are equations of their own, tuned separately).
 Example:
   >>> import numpy as np
   >>> from jax import lax
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x = np.random.default_rng(0).normal(size=(1, 5, 5, 3)).astype(np.float32)
   >>> w = np.random.default_rng(1).normal(size=(3, 3, 3, 4)).astype(np.float32)
   >>> kw = dict(window_strides=(1, 1), padding="SAME",
@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from tunedjax.autotune import _conv_layout as layout
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 BLOCK_M = 64
 MAX_TAPS = 49

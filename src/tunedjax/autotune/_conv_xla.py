@@ -2,7 +2,7 @@
 
 Example:
   >>> import numpy as np
-  >>> from tunedjax.autotune._registry import ConvSpec
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
   >>> x, w = np.ones((1, 4, 4, 2), np.float32), np.ones((3, 3, 2, 5), np.float32)
   >>> spec = ConvSpec.from_arrays(x, w, dimension_numbers=("NHWC", "HWIO", "NHWC"))
   >>> conv_xla(x, w, spec).shape
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from jax import lax
 
 if TYPE_CHECKING:
-  from tunedjax.autotune._registry import ConvSpec
+  from tunedjax.autotune._conv_spec import ConvSpec
 
 
 def conv_xla(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:

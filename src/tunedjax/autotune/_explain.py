@@ -1,4 +1,4 @@
-"""`explain`: which kernel each convolution bucket of a program gets, and why.
+"""`explain`: which kernel each bucket of a program gets, for every op family, and why.
 
 Reads the tuning cache only: it never tunes, so it answers "what would run,
 and how much faster did it measure" for a function traced once.
@@ -6,7 +6,6 @@ and how much faster did it measure" for a function traced once.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import statistics
 from collections.abc import Callable
@@ -14,30 +13,31 @@ from typing import Any
 
 import jax
 
+from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax.autotune import _registry
 from tunedjax.autotune import _select
 from tunedjax.autotune._bucket import bucket_key
-from tunedjax.autotune._bucket import describe
 from tunedjax.rewrite import iter_equations
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketChoice:
-  """One shape bucket of a program's convolutions and what the cache holds for it.
+  """One shape bucket of a program's kernel sites and what the cache holds for it.
 
   Attributes:
     bucket: the bucket's name (``"conv 128x32x32x32 * 3x3x1x32 float32 s1x1 fg32"``).
-    count: how many convolutions of the program fall in it (forward and
-      gradient convolutions are counted apart: they are different shapes).
+    count: how many sites of the program fall in it (forward and gradient
+      convolutions are counted apart: they are different shapes).
     candidates: the kernels that can run it.
-    kernel: the cached winner; ``"xla"`` when only xla applies; None when the
-      bucket is not in the cache (not tuned yet).
-    xla_ms: xla's median time when tuned, in milliseconds.
+    kernel: the cached winner; the default (``"xla"``) when only it applies;
+      None when the bucket is not in the cache (not tuned yet).
+    xla_ms: the default kernel's median time when tuned, in milliseconds.
     kernel_ms: the winner's median time when tuned, in milliseconds.
     speedup: xla's time over the winner's (the median of per-round ratios).
     tuning_s: seconds tuning this bucket took.
     reason: the tuner's one-line reason.
+    op: the op family (``"conv"``, ``"attention"``).
   """
 
   bucket: str
@@ -49,6 +49,7 @@ class BucketChoice:
   speedup: float | None = None
   tuning_s: float = 0.0
   reason: str = ""
+  op: str = "conv"
 
 
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
@@ -76,39 +77,46 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     >>> rows[0].count, rows[0].kernel  # not tuned yet
     (1, None)
   """
-  platform = _registry.canonical_platform(platform or jax.default_backend())
+  selection = _select.new_selection(platform=platform, cache=cache, explain_only=True,
+                                    session=_tuning.TuningSession("explain"))
+  with _select.selecting(selection):  # call-site families report their buckets here
+    closed = jax.make_jaxpr(f)(*args, **kwargs)
+  by_primitive = {fam.primitive: fam for fam in _registry.op_families() if fam.primitive}
   bucket = get_config().kernel.bucket
-  store = _select._resolve_cache(cache)  # pylint: disable=protected-access
-  closed = jax.make_jaxpr(f)(*args, **kwargs)
-  counts: dict[str, int] = collections.Counter()
-  found: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+  found: dict[str, list[Any]] = {}
   for eqn in iter_equations(closed):
-    if eqn.primitive.name != _select.PRIMITIVE:
+    family = by_primitive.get(eqn.primitive.name)
+    if family is None:
       continue
-    spec = _registry.ConvSpec.from_equation(eqn)
-    candidates = _registry.applicable_kernels(spec, platform)
-    key = bucket_key(spec, candidates, bucket=bucket, op=_select.OP)
-    name = describe(key)
-    counts[name] += 1
-    found.setdefault(name, (key, candidates))
+    spec = family.from_equation(eqn)
+    candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
+    key = bucket_key(spec, candidates, bucket=bucket, family=family)
+    entry = found.setdefault(family.label(key), [key, candidates, 0])
+    entry[2] += 1
+  for label, entry in selection.buckets.items():
+    found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
+  store = selection.cache
   rows = []
-  for name, (key, candidates) in found.items():
+  for name, (key, candidates, count) in found.items():
+    op = key["op"]
+    default = _registry.op_family(op).default
     names = tuple(k.name for k in candidates)
-    if names == ("xla",):
-      rows.append(BucketChoice(name, counts[name], names, "xla", reason="only xla applies"))
+    if names == (default,):
+      rows.append(BucketChoice(name, count, names, default, reason=f"only {default} applies",
+                               op=op))
       continue
-    value = _select._lookup(store, key)  # pylint: disable=protected-access
+    value = _tuning.current_session().lookup(store, op, key)
     if value is None:
-      rows.append(BucketChoice(name, counts[name], names, None, reason="not in the cache"))
+      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op))
       continue
     winner, timings = value["winner"], value.get("timings", {})
-    xla = timings.get("xla") or ()
+    base = timings.get(default) or ()
     won = timings.get(winner) or ()
     ratio = value.get("ratios", {}).get(winner)
     rows.append(BucketChoice(
-        name, counts[name], names, winner,
-        xla_ms=1e3 * statistics.median(xla) if xla else None,
+        name, count, names, winner,
+        xla_ms=1e3 * statistics.median(base) if base else None,
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
-        tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", "")))
+        tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op))
   return rows

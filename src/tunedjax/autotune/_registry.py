@@ -1,26 +1,29 @@
-"""The kernel registry: alternative implementations of one operation.
+"""The registry of op families and their kernels.
 
-A *kernel* is a function that computes what one `conv_general_dilated`
-equation computes, in another way (a matmul, an FFT, shift-and-add, ...). Each
-kernel says which equations it handles (`applicable`), and carries a hash of
-its module's source so that timings measured with old code are not reused.
-`ConvSpec` describes one equation: shapes, dtypes and every parameter; it is
-hashable and round-trips through JSON, which is what a cache key needs.
+An **op family** (`OpFamily`) is a kind of operation whose implementation is
+chosen per shape bucket: a name (``"conv"``), a spec type that describes one
+site (`ConvSpec`), the bucket key a choice is cached under, random operands
+for measuring, a reference kernel with its tolerance, and how its sites are
+found (a jaxpr primitive, or calls to `dispatch`). A **kernel** (`Kernel`) is
+one implementation of a family: ``fn(*operands, spec)`` plus
+``applicable(spec, platform)``, and a hash of its module's source so that
+timings measured with old code are not reused.
 
-The built-in "conv" kernels (``xla`` first, the default) are registered when
-this module is imported.
+Convolutions are the built-in family (registered when this module is
+imported, kernels ``xla`` first, the default). `register_op_family` and
+`register_kernel` add others.
 
 Example:
   >>> import numpy as np
-  >>> from tunedjax.autotune import _registry as reg
-  >>> spec = reg.ConvSpec.from_arrays(
+  >>> from tunedjax.autotune._conv_spec import ConvSpec
+  >>> spec = ConvSpec.from_arrays(
   ...     np.ones((1, 8, 8, 4), np.float32), np.ones((1, 1, 4, 6), np.float32),
   ...     window_strides=(1, 1), padding="VALID",
   ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  >>> spec.out_shape
-  (1, 8, 8, 6)
-  >>> [k.name for k in reg.applicable_kernels(spec, "cpu")]
+  >>> [k.name for k in applicable_kernels(spec, "cpu")]
   ['xla', 'matmul_1x1']
+  >>> [f.name for f in op_families()]
+  ['conv']
 """
 
 from __future__ import annotations
@@ -33,302 +36,102 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from jax import lax
 
-from tunedjax._errors import TunedJaxError, did_you_mean, format_choices
+from tunedjax._errors import AutotuneError, did_you_mean, format_choices
+from tunedjax import _tuning
+from tunedjax._tuning import canonical_platform
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
-
-_PRECISION_TYPES = {"Precision": lax.Precision}
-if hasattr(lax, "DotAlgorithmPreset"):
-  _PRECISION_TYPES["DotAlgorithmPreset"] = lax.DotAlgorithmPreset
-
-
-def _dtype_name(dtype: Any) -> str:
-  return np.dtype(dtype).name
+# max |candidate - reference| / max |reference| allowed, by output dtype.
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+# GPUs and TPUs run float32 convolutions and matmuls in TF32/bf16 passes by default.
+_TOLERANCE_ACCELERATOR = {"float32": 5e-3}
 
 
-def _precision_repr(precision: Any) -> str | None:
-  """The string stored in a ConvSpec for an equation's precision param."""
-  if precision is None:
-    return None
-  if isinstance(precision, tuple) and all(p is None for p in precision):
-    return None
-  return repr(precision)
+def default_tolerance(dtype: Any, platform: str = "cpu") -> float:
+  """The largest relative difference from the reference a candidate may show.
 
-
-def _parse_one_precision(text: str) -> Any:
-  text = text.strip()
-  if text == "None":
-    return None
-  kind, _, member = text.partition(".")
-  enum = _PRECISION_TYPES.get(kind)
-  if enum is None or member not in enum.__members__:
-    raise TunedJaxError(
-        f"ConvSpec.precision {text!r} is not a precision tunedjax can rebuild; "
-        "expected None, 'Precision.DEFAULT', 'Precision.HIGH', "
-        "'Precision.HIGHEST' or a pair of them."
-    )
-  return enum[member]
-
-
-def _parse_precision(text: str | None) -> Any:
-  """Inverts `_precision_repr`: None, one precision, or a pair of them."""
-  if text is None:
-    return None
-  stripped = text.strip()
-  if stripped.startswith("(") and stripped.endswith(")"):
-    parts = [p for p in stripped[1:-1].split(",") if p.strip()]
-    return tuple(_parse_one_precision(p) for p in parts)
-  return _parse_one_precision(stripped)
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-  return tuple(int(v) for v in values)
+  Example:
+    >>> default_tolerance("float32"), default_tolerance("bfloat16")
+    (0.0001, 0.03)
+  """
+  name = np.dtype(dtype).name
+  if platform != "cpu" and name in _TOLERANCE_ACCELERATOR:
+    return _TOLERANCE_ACCELERATOR[name]
+  return _TOLERANCE.get(name, 1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvSpec:
-  """Everything that defines one `conv_general_dilated` equation.
+class OpFamily:
+  """A kind of operation whose kernel is chosen per shape bucket.
 
-  Hashable (a dict key), and JSON-able through `to_dict` / `from_dict`. Dtypes
-  are NumPy dtype names ("float32", "bfloat16"); `dimension_numbers` holds the
-  three index tuples of `lax.ConvDimensionNumbers` (lhs, rhs, out); `precision`
-  is the repr of the equation's precision param (None when default).
-
-  Example:
-    >>> import numpy as np
-    >>> spec = ConvSpec.from_arrays(
-    ...     np.ones((2, 3, 9, 9), np.float32), np.ones((5, 3, 3, 3), np.float32),
-    ...     window_strides=(2, 2), padding="SAME")
-    >>> spec.out_shape, spec.padding
-    ((2, 5, 5, 5), ((1, 1), (1, 1)))
-    >>> ConvSpec.from_dict(spec.to_dict()) == spec
-    True
+  Attributes:
+    name: the family's name: its cache namespace, its ``kernel.hints`` key
+      and the ``op`` of its kernels (``"conv"``, ``"attention"``).
+    spec_type: the type of a site's spec (hashable; for `applicable` and keys).
+    key: ``key(spec, bucket) -> dict``: what a timing of this spec depends on,
+      as plain JSON (``bucket`` is the config's ``kernel.bucket``: ``"exact"``
+      or ``"pow2"``). The selector adds the family, a version and the
+      candidates' source hashes.
+    operands: ``operands(spec, rng) -> tuple of NumPy arrays``: random (never
+      all-zero) operands of the spec's shapes, for checking and timing.
+    default: the reference kernel's name: always a candidate, the choice in
+      the observe phase and wherever nothing beats it.
+    tolerance: ``tolerance(dtype, platform) -> float``: the largest relative
+      error against the reference a candidate may show.
+    primitive: a jaxpr primitive whose equations are this family's sites
+      (found by the kernel-selection pass), or None for a family whose sites
+      call `dispatch`.
+    from_equation: ``from_equation(eqn) -> spec`` for `primitive`'s equations.
+    describe: ``describe(key) -> str``: a short bucket name for logs and reports.
   """
 
-  lhs_shape: tuple[int, ...]
-  rhs_shape: tuple[int, ...]
-  lhs_dtype: str
-  rhs_dtype: str
-  out_dtype: str
-  window_strides: tuple[int, ...]
-  padding: tuple[tuple[int, int], ...]
-  lhs_dilation: tuple[int, ...]
-  rhs_dilation: tuple[int, ...]
-  dimension_numbers: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-  feature_group_count: int
-  batch_group_count: int
-  preferred_element_type: str | None
-  precision: str | None
+  name: str
+  spec_type: type
+  key: Callable[[Any, str], Mapping[str, Any]]
+  operands: Callable[[Any, np.random.Generator], tuple[Any, ...]]
+  default: str = "xla"
+  tolerance: Callable[[Any, str], float] = default_tolerance
+  primitive: str | None = None
+  from_equation: Callable[[Any], Any] | None = None
+  describe: Callable[[Mapping[str, Any]], str] | None = None
 
   def __post_init__(self):
-    # Normalise lists (from JSON) to tuples so equal specs hash equally.
-    set_ = object.__setattr__
-    set_(self, "lhs_shape", _ints(self.lhs_shape))
-    set_(self, "rhs_shape", _ints(self.rhs_shape))
-    set_(self, "window_strides", _ints(self.window_strides))
-    set_(self, "padding", tuple((int(lo), int(hi)) for lo, hi in self.padding))
-    set_(self, "lhs_dilation", _ints(self.lhs_dilation))
-    set_(self, "rhs_dilation", _ints(self.rhs_dilation))
-    set_(self, "dimension_numbers",
-         tuple(_ints(d) for d in self.dimension_numbers))
-    set_(self, "feature_group_count", int(self.feature_group_count))
-    set_(self, "batch_group_count", int(self.batch_group_count))
-    for name in ("lhs_dtype", "rhs_dtype", "out_dtype"):
-      set_(self, name, _dtype_name(getattr(self, name)))
-    if self.preferred_element_type is not None:
-      set_(self, "preferred_element_type",
-           _dtype_name(self.preferred_element_type))
-    if len(self.dimension_numbers) != 3:
-      raise TunedJaxError(
-          "ConvSpec.dimension_numbers must be (lhs_spec, rhs_spec, out_spec), "
-          f"got {self.dimension_numbers!r}."
-      )
+    if not isinstance(self.name, str) or not self.name.isidentifier():
+      raise AutotuneError(f"OpFamily.name must be an identifier such as 'conv', got "
+                          f"{self.name!r}.")
+    if not isinstance(self.spec_type, type):
+      raise AutotuneError(f"OpFamily({self.name!r}).spec_type must be a type, got "
+                          f"{self.spec_type!r}.")
+    for field in ("key", "operands", "tolerance"):
+      if not callable(getattr(self, field)):
+        raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
+                            f"{getattr(self, field)!r}.")
+    if (self.primitive is None) != (self.from_equation is None):
+      raise AutotuneError(f"OpFamily({self.name!r}): give primitive and from_equation "
+                          "together (sites found in the jaxpr), or neither (sites call "
+                          "autotune.dispatch).")
 
-  @classmethod
-  def from_equation(cls, eqn: Any) -> ConvSpec:
-    """Reads the spec of a jaxpr `conv_general_dilated` equation.
-
-    Args:
-      eqn: a `jax.extend.core.JaxprEqn` whose primitive is
-        `conv_general_dilated`.
-
-    Returns:
-      The equation's ConvSpec.
-    """
-    name = getattr(eqn.primitive, "name", eqn.primitive)
-    if name != "conv_general_dilated":
-      raise TunedJaxError(
-          f"ConvSpec.from_equation expects a conv_general_dilated equation, "
-          f"got primitive {name!r}."
-      )
-    p = eqn.params
-    lhs, rhs = (v.aval for v in eqn.invars)
-    pet = p.get("preferred_element_type")
-    return cls(
-        lhs_shape=lhs.shape,
-        rhs_shape=rhs.shape,
-        lhs_dtype=_dtype_name(lhs.dtype),
-        rhs_dtype=_dtype_name(rhs.dtype),
-        out_dtype=_dtype_name(eqn.outvars[0].aval.dtype),
-        window_strides=p["window_strides"],
-        padding=p["padding"],
-        lhs_dilation=p["lhs_dilation"],
-        rhs_dilation=p["rhs_dilation"],
-        dimension_numbers=tuple(p["dimension_numbers"]),
-        feature_group_count=p["feature_group_count"],
-        batch_group_count=p["batch_group_count"],
-        preferred_element_type=None if pet is None else _dtype_name(pet),
-        precision=_precision_repr(p.get("precision")),
-    )
-
-  @classmethod
-  def from_arrays(cls, lhs: Any, rhs: Any, **conv_kwargs: Any) -> ConvSpec:
-    """The spec of `lax.conv_general_dilated(lhs, rhs, **conv_kwargs)`.
-
-    Args:
-      lhs: the input (an array or anything with `.shape` and `.dtype`).
-      rhs: the kernel, likewise.
-      **conv_kwargs: the keyword arguments of `lax.conv_general_dilated`
-        (`window_strides` defaults to all ones, `padding` to "VALID").
-
-    Returns:
-      The ConvSpec of that call (padding strings resolved, dimension numbers
-      normalised), as the equation in a jaxpr would have it.
-    """
-    nspatial = len(lhs.shape) - 2
-    conv_kwargs.setdefault("window_strides", (1,) * nspatial)
-    conv_kwargs.setdefault("padding", "VALID")
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (lhs, rhs)]
-    closed = jax.make_jaxpr(
-        lambda l, r: lax.conv_general_dilated(l, r, **conv_kwargs))(*args)
-    eqns = [e for e in closed.jaxpr.eqns
-            if e.primitive.name == "conv_general_dilated"]
-    return cls.from_equation(eqns[0])
-
-  def params(self) -> dict[str, Any]:
-    """The keyword params of the equation, for `conv_general_dilated_p.bind`."""
-    pet = self.preferred_element_type
-    return dict(
-        window_strides=self.window_strides,
-        padding=self.padding,
-        lhs_dilation=self.lhs_dilation,
-        rhs_dilation=self.rhs_dilation,
-        dimension_numbers=lax.ConvDimensionNumbers(*self.dimension_numbers),
-        feature_group_count=self.feature_group_count,
-        batch_group_count=self.batch_group_count,
-        precision=_parse_precision(self.precision),
-        preferred_element_type=None if pet is None else np.dtype(
-            jax.numpy.dtype(pet)),
-        out_sharding=None,
-    )
-
-  @property
-  def out_shape(self) -> tuple[int, ...]:
-    """The shape of the equation's output."""
-    return _out_aval(self).shape
-
-  @property
-  def num_spatial(self) -> int:
-    """The number of spatial dimensions (2 for images)."""
-    return len(self.lhs_shape) - 2
-
-  def to_dict(self) -> dict[str, Any]:
-    """A JSON-able dict (lists and strings only) that `from_dict` reads back."""
-    d = dataclasses.asdict(self)
-    return {k: _listify(v) for k, v in d.items()}
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> ConvSpec:
-    """Rebuilds a spec from `to_dict`'s output; rejects unknown or missing keys.
-
-    Args:
-      d: a dict as written by `to_dict` (possibly after a JSON round-trip).
-
-    Returns:
-      The ConvSpec.
-    """
-    names = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(d, dict) or set(d) != set(names):
-      got = sorted(d) if isinstance(d, dict) else type(d).__name__
-      raise TunedJaxError(
-          f"A ConvSpec dict must have exactly the keys {format_choices(names)}; "
-          f"got {got!r}.")
-    problem = _check_types(d)
-    if problem is None:
-      try:
-        spec = cls(**d)
-        _parse_precision(spec.precision)
-        return spec
-      except (TypeError, ValueError, TunedJaxError) as e:
-        problem = str(e)
-    raise TunedJaxError(f"Invalid ConvSpec dict {d!r}: {problem}")
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_ints(v: Any, depth: int = 1) -> bool:
-  if not isinstance(v, (list, tuple)):
-    return False
-  if depth == 1:
-    return all(_is_int(x) for x in v)
-  return all(_is_ints(x, depth - 1) for x in v)
-
-
-def _check_types(d: dict[str, Any]) -> str | None:
-  """Says what is wrong with the field types of a ConvSpec dict, or None."""
-  for key in ("lhs_shape", "rhs_shape", "window_strides", "lhs_dilation",
-              "rhs_dilation"):
-    if not _is_ints(d[key]):
-      return f"{key} must be a list of integers, got {d[key]!r}"
-  for key in ("padding", "dimension_numbers"):
-    if not _is_ints(d[key], depth=2):
-      return f"{key} must be a list of lists of integers, got {d[key]!r}"
-  for key in ("feature_group_count", "batch_group_count"):
-    if not _is_int(d[key]) or d[key] < 1:
-      return f"{key} must be a positive integer, got {d[key]!r}"
-  for key in ("lhs_dtype", "rhs_dtype", "out_dtype", "preferred_element_type",
-              "precision"):
-    optional = key in ("preferred_element_type", "precision")
-    if not (isinstance(d[key], str) or (optional and d[key] is None)):
-      return f"{key} must be a string{' or None' if optional else ''}, " \
-             f"got {d[key]!r}"
-  return None
-
-
-def _listify(value: Any) -> Any:
-  if isinstance(value, (tuple, list)):
-    return [_listify(v) for v in value]
-  return value
-
-
-@functools.lru_cache(maxsize=4096)
-def _out_aval(spec: ConvSpec) -> jax.ShapeDtypeStruct:
-  args = (jax.ShapeDtypeStruct(spec.lhs_shape, jax.numpy.dtype(spec.lhs_dtype)),
-          jax.ShapeDtypeStruct(spec.rhs_shape, jax.numpy.dtype(spec.rhs_dtype)))
-  params = spec.params()
-  return jax.eval_shape(
-      lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), *args)
+  def label(self, key: Mapping[str, Any]) -> str:
+    """The bucket's short name (`describe`, or the family and the key's values)."""
+    if self.describe is not None:
+      return self.describe(key)
+    skip = {"version", "op", "bucket", "candidates"}
+    return f"{self.name} " + " ".join(str(v) for k, v in key.items() if k not in skip)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One registered implementation of an operation.
+  """One registered implementation of an op family.
 
   Attributes:
-    op: the operation, e.g. "conv".
+    op: the op family's name, e.g. "conv".
     name: the kernel's name, unique within `op`, e.g. "im2col".
-    fn: `fn(lhs, rhs, spec) -> out`, with the equation's output shape and
-      dtype, differentiable.
+    fn: ``fn(*operands, spec) -> out`` (for "conv": ``fn(lhs, rhs, spec)``),
+      with the reference's output shape and dtype, differentiable.
     applicable: `applicable(spec, platform) -> bool`, platform being "cpu",
       "gpu" or "tpu".
     source_hash: 16 hex digits of the sha256 of the kernel's module source, so
@@ -338,11 +141,12 @@ class Kernel:
   op: str
   name: str
   fn: Callable[..., Any]
-  applicable: Callable[[ConvSpec, str], bool]
+  applicable: Callable[[Any, str], bool]
   source_hash: str
 
 
 _LOCK = threading.Lock()
+_FAMILIES: dict[str, OpFamily] = {}
 _REGISTRY: dict[str, dict[str, Kernel]] = {}
 
 
@@ -386,12 +190,87 @@ def source_hash(fn: Callable[..., Any]) -> str:
   return h.hexdigest()[:16]
 
 
+def register_op_family(family: OpFamily, *, replace: bool = False) -> OpFamily:
+  """Registers an op family, so its kernels can be registered, tuned and hinted.
+
+  Args:
+    family: the `OpFamily`.
+    replace: replace a family of the same name (its kernels are kept).
+
+  Returns:
+    The family.
+
+  Raises:
+    AutotuneError: a family of that name exists and `replace` is False.
+
+  Example:
+    >>> op_family("conv").primitive
+    'conv_general_dilated'
+  """
+  if not isinstance(family, OpFamily):
+    raise AutotuneError(f"register_op_family expects an autotune.OpFamily, got {family!r}.")
+  with _LOCK:
+    if family.name in _FAMILIES and not replace:
+      raise AutotuneError(f"An op family named {family.name!r} is already registered; "
+                          "pick another name or pass replace=True.")
+    _FAMILIES[family.name] = family
+    _REGISTRY.setdefault(family.name, {})
+  from tunedjax.autotune import _tuner  # pylint: disable=import-outside-toplevel
+  _tuning.register_validator(family.name, functools.partial(_tuner.validate_value,
+                                                            op=family.name))
+  return family
+
+
+def unregister_op_family(name: str) -> None:
+  """Removes an op family and its kernels (for tests and plug-ins); raises if unknown."""
+  op_family(name)
+  with _LOCK:
+    del _FAMILIES[name]
+    _REGISTRY.pop(name, None)
+
+
+def op_family(name: str) -> OpFamily:
+  """The registered family `name`; the error lists the known ones.
+
+  Raises:
+    AutotuneError: an unknown name.
+  """
+  with _LOCK:
+    family = _FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None:
+      raise AutotuneError(
+          f"Unknown op family {name!r}{did_you_mean(str(name), _FAMILIES)}. Known op "
+          f"families: {format_choices(_FAMILIES)}.")
+    return family
+
+
+def op_families() -> tuple[OpFamily, ...]:
+  """Every registered op family, in registration order ("conv" first)."""
+  with _LOCK:
+    return tuple(_FAMILIES.values())
+
+
+def family_of(spec: Any) -> OpFamily:
+  """The family whose `spec_type` `spec` is an instance of.
+
+  Raises:
+    AutotuneError: no registered family has that spec type.
+  """
+  for family in op_families():
+    if isinstance(spec, family.spec_type):
+      return family
+  raise AutotuneError(
+      f"No op family has specs of type {type(spec).__name__}; registered families and "
+      f"their spec types: "
+      f"{', '.join(f'{f.name}: {f.spec_type.__name__}' for f in op_families())}.")
+
+
 def register_kernel(
     op: str,
     name: str,
     fn: Callable[..., Any],
     *,
-    applicable: Callable[[ConvSpec, str], bool],
+    applicable: Callable[[Any, str], bool],
     replace: bool = False,
 ) -> Kernel:
   """Registers `fn` as kernel `name` of operation `op`.
@@ -418,11 +297,12 @@ def register_kernel(
     >>> reg.unregister_kernel("conv", "my_xla")
   """
   if not isinstance(op, str) or not op or not isinstance(name, str) or not name:
-    raise TunedJaxError(
+    raise AutotuneError(
         f"register_kernel needs non-empty string op and name, got op={op!r}, "
         f"name={name!r}.")
+  op_family(op)  # an unknown family: the error lists the known ones
   if not callable(fn) or not callable(applicable):
-    raise TunedJaxError(
+    raise AutotuneError(
         f"register_kernel({op!r}, {name!r}): fn and applicable must be "
         f"callable, got fn={fn!r}, applicable={applicable!r}.")
   kernel = Kernel(op=op, name=name, fn=fn, applicable=applicable,
@@ -430,7 +310,7 @@ def register_kernel(
   with _LOCK:
     table = _REGISTRY.setdefault(op, {})
     if name in table and not replace:
-      raise TunedJaxError(
+      raise AutotuneError(
           f"A kernel named {name!r} is already registered for op {op!r}; "
           "pick another name or pass replace=True.")
     table[name] = kernel
@@ -445,11 +325,11 @@ def unregister_kernel(op: str, name: str) -> None:
 
 
 def _table(op: str) -> dict[str, Kernel]:
-  table = _REGISTRY.get(op)
+  table = _REGISTRY.get(op) if isinstance(op, str) else None
   if table is None:
-    raise TunedJaxError(
-        f"Unknown kernel op {op!r}{did_you_mean(str(op), _REGISTRY)}. Known "
-        f"ops: {format_choices(sorted(_REGISTRY))}.")
+    raise AutotuneError(
+        f"Unknown op family {op!r}{did_you_mean(str(op), _REGISTRY)}. Known op "
+        f"families: {format_choices(_REGISTRY)}.")
   return table
 
 
@@ -485,47 +365,32 @@ def get_kernel(op: str, name: str) -> Kernel:
     table = _table(op)
     kernel = table.get(name)
     if kernel is None:
-      raise TunedJaxError(
+      raise AutotuneError(
           f"Unknown {op!r} kernel {name!r}{did_you_mean(str(name), table)}. "
           f"Known kernels: {format_choices(table)}.")
     return kernel
 
 
-def canonical_platform(platform: str) -> str:
-  """Maps a JAX platform name to "cpu", "gpu" or "tpu" ("cuda" -> "gpu")."""
-  platform = _PLATFORM_ALIASES.get(platform, platform)
-  if platform not in PLATFORMS:
-    raise TunedJaxError(
-        f"Unknown platform {platform!r}{did_you_mean(str(platform), PLATFORMS)}; "
-        f"expected {format_choices(PLATFORMS)}.")
-  return platform
-
-
-def applicable_kernels(spec: ConvSpec, platform: str) -> tuple[Kernel, ...]:
-  """The "conv" kernels that handle `spec` on `platform`, "xla" first.
+def applicable_kernels(spec: Any, platform: str, op: str | None = None,
+                       ) -> tuple[Kernel, ...]:
+  """The kernels of `spec`'s family that handle `spec` on `platform`, the default first.
 
   Args:
-    spec: the convolution.
+    spec: a site's spec (a `ConvSpec`, ...).
     platform: "cpu", "gpu" or "tpu" ("cuda" and "rocm" mean "gpu").
+    op: the family (default: the one whose spec type `spec` has).
 
   Returns:
     A tuple of Kernels, in registration order.
   """
   platform = canonical_platform(platform)
-  return tuple(k for k in kernels("conv") if k.applicable(spec, platform))
-
-
-_BUILTIN_MODULES = (
-    "_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_pallas",
-)
+  family = family_of(spec) if op is None else op_family(op)
+  return tuple(k for k in kernels(family.name) if k.applicable(spec, platform))
 
 
 def _register_builtins() -> None:
-  """Imports the `_conv_*` modules and registers their KERNELS, in order."""
-  for module_name in _BUILTIN_MODULES:
-    module = importlib.import_module(f"tunedjax.autotune.{module_name}")
-    for name, fn, applicable in module.KERNELS:
-      register_kernel("conv", name, fn, applicable=applicable, replace=True)
+  """Registers the built-in families (convolutions) and their kernels."""
+  importlib.import_module("tunedjax.autotune._conv_family").register()
 
 
 _register_builtins()

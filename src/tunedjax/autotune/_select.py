@@ -1,149 +1,170 @@
-"""The kernel-selection pass: each convolution runs on its bucket's best kernel.
+"""The selector: each kernel site of every op family runs on its bucket's best kernel.
 
-`kernel_pass` is a `tunedjax.rewrite.Pass` with one rule, for
-`conv_general_dilated`. A function that contains `jax.grad` has its backward
-convolutions (input and weight gradients) as equations of their own, so each
-is a bucket of its own and gets its own kernel. For every convolution the
-rule decides, in this order:
+A *site* is one place a program uses an op family: an equation of the
+family's primitive (a `conv_general_dilated`, found by `kernel_pass`), or a
+call of `dispatch` (a call-site function such as `tunedjax.attention` asks at
+trace time). A function that contains `jax.grad` has its backward
+convolutions as equations of their own, so each is a bucket of its own. For
+every site `decide` chooses, in this order:
 
-1. a user's hint (`hint`, or ``kernel.hints`` in the config) that applies;
-2. ``xla`` in the observe phase (see `step`), or when nothing else applies;
+1. a user's hint (`hint`, or ``kernel.hints`` keyed by family) that applies;
+2. the family's default (``xla``) in the observe phase (see
+   `TuningSession`), or when nothing else applies;
 3. the cached winner of its bucket (a hit);
-4. on a miss: in the tune phase (or without a step counter) tune the bucket
-   now, store the result and use its winner; in the apply phase use ``xla``.
+4. on a miss: in the tune phase (or before any step) tune the bucket now,
+   store the result and use its winner; in the apply phase use the default.
 
 In a multi-process job, steps 3 and 4 happen on process 0 only and the
-others receive its choice. `select_kernels` applies the pass to a function.
+others receive its choice. What is decided is counted in the active
+`Selection`'s tally (a typed `KernelReport`) and in its `TuningSession`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
-import json
 import logging
-import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
+from tunedjax import _tuning
 from tunedjax._config import get_config
-from tunedjax.autotune import _cache as cache_lib
-from tunedjax.autotune import _hints, _multihost, _phases, _registry, _tuner
-from tunedjax.autotune._bucket import NAMESPACE, bucket_key, describe
+from tunedjax.autotune import _hints, _multihost, _registry, _report, _tuner
+from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _engine
 
 logger = logging.getLogger("tunedjax.autotune")
 
-OP = "conv"
-PRIMITIVE = "conv_general_dilated"
-CacheLike = Any  # Cache | str | os.PathLike | None
-
-# Winners tuned in this process, by (cache file, key): a readonly cache still
-# remembers what this process measured.
-_TUNED: dict[tuple[str, str], dict[str, Any]] = {}
-_TUNED_LOCK = threading.Lock()
+CacheLike = _tuning.CacheLike
 
 
-def _resolve_cache(cache: CacheLike) -> cache_lib.Cache:
-  if cache is None:
-    return cache_lib.default_cache()
-  if isinstance(cache, cache_lib.Cache):
-    return cache
-  if isinstance(cache, (str, os.PathLike)):
-    return cache_lib.Cache(cache)
-  raise TypeError(f"cache must be None, an autotune.Cache or a folder path, got "
-                  f"{cache!r} (type {type(cache).__name__}).")
+@dataclasses.dataclass
+class Selection:
+  """What kernel selection needs while one program is traced.
+
+  `tunedjax.jit` (and `select_kernels`) make one current with `selecting`
+  around each trace; sites found then are decided with its platform,
+  config, session, cache and tuning options, and counted in its tally.
+
+  Attributes:
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+    config: the active `tunedjax.Config`.
+    session: the `TuningSession` whose phase is read and stats recorded.
+    cache: the tuning cache (a `Cache`, or None for memory only).
+    options: how a bucket is tuned on a miss.
+    tally: the choices made so far.
+    explain_only: look up the cache only (never tune, never record stats),
+      for `explain`; `buckets` collects what was seen.
+  """
+
+  platform: str
+  config: Any
+  session: _tuning.TuningSession
+  cache: Any
+  options: _tuner.TuneOptions = _tuner.TuneOptions()
+  tally: _report.Tally = dataclasses.field(default_factory=_report.Tally)
+  explain_only: bool = False
+  buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _lookup(cache: cache_lib.Cache, key: dict[str, Any]) -> dict[str, Any] | None:
-  memo = (str(cache.path), json.dumps(key, sort_keys=True))
-  with _TUNED_LOCK:
-    found = _TUNED.get(memo)
-  if found is not None:
-    return found
-  return cache.get(NAMESPACE, key)
+_ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
+    "tunedjax_kernel_selection", default=None)
 
 
-def _store(cache: cache_lib.Cache, key: dict[str, Any], value: dict[str, Any]) -> None:
-  memo = (str(cache.path), json.dumps(key, sort_keys=True))
-  with _TUNED_LOCK:
-    _TUNED[memo] = value
+def new_selection(*, platform: str | None = None, config: Any = None,
+                  session: _tuning.TuningSession | None = None, cache: CacheLike = None,
+                  options: _tuner.TuneOptions = _tuner.TuneOptions(),
+                  explain_only: bool = False) -> Selection:
+  """A `Selection` with defaults filled in (JAX's backend, the config, the current session)."""
+  return Selection(platform=_tuning.canonical_platform(platform),
+                   config=get_config() if config is None else config,
+                   session=_tuning.current_session() if session is None else session,
+                   cache=_tuning.resolve_cache(cache), options=options,
+                   explain_only=explain_only)
+
+
+@contextlib.contextmanager
+def selecting(selection: Selection) -> Iterator[Selection]:
+  """Makes `selection` the one sites are decided with inside the block."""
+  token = _ACTIVE.set(selection)
   try:
-    cache.put(NAMESPACE, key, value)
-  except OSError as e:  # an unwritable folder must not stop training
-    logger.warning("autotune: could not write the tuning cache %s (%s); the "
-                   "result is kept for this process only.", cache.path, e)
+    yield selection
+  finally:
+    _ACTIVE.reset(token)
 
 
-def forget_tuned() -> None:
-  """Forgets the winners this process tuned (the cache files are kept)."""
-  with _TUNED_LOCK:
-    _TUNED.clear()
+def active_selection() -> Selection | None:
+  """The `Selection` of the program being traced, or None outside kernel selection."""
+  return _ACTIVE.get()
 
 
-def decide(spec: _registry.ConvSpec, platform: str, *, cache: CacheLike = None,
-           options: _tuner.TuneOptions = _tuner.TuneOptions(),
-           config: Any = None) -> tuple[str, str]:
-  """Chooses the kernel for one convolution.
+def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple[str, str]:
+  """Chooses the kernel for one site and counts the choice.
 
   Args:
-    spec: the convolution.
-    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
-    cache: the tuning cache (None: the config's default cache).
-    options: how to tune a bucket on a miss.
-    config: the active `Config` (default `get_config()`).
+    family: the site's `OpFamily`.
+    spec: the site's spec.
+    selection: the platform, config, session, cache and options to decide with.
 
   Returns:
-    ``(kernel name, why)``, why being one of ``"hint"``, ``"only xla"``,
-    ``"observe"``, ``"hit"``, ``"tuned"``, ``"miss"`` (apply phase: xla),
-    ``"not applicable"`` (a cached winner that cannot run this member of
-    a pow2 bucket: xla).
+    ``(kernel name, why)``; why is one of `_report.REASONS`.
   """
-  config = get_config() if config is None else config
-  platform = _registry.canonical_platform(platform)
-  candidates = _registry.applicable_kernels(spec, platform)
+  config, session, default = selection.config, selection.session, family.default
+  candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
   names = [k.name for k in candidates]
-  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, op=OP)
-  label = describe(key)
-  hinted = _hints.hinted_kernel(OP, spec, candidates, _hints.active_hints(config), label)
+  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, family=family)
+  label = family.label(key)
+  if selection.explain_only:
+    found = selection.buckets.setdefault(label, [key, candidates, 0])
+    found[2] += 1
+    return default, _report.OBSERVE
+  hinted = _hints.hinted_kernel(family.name, candidates, _hints.active_hints(config), label,
+                                session=session)
   if hinted is not None:
-    return hinted, "hint"
-  if names == [_tuner.DEFAULT]:
-    return _tuner.DEFAULT, "only xla"
-  phase = _phases.current_phase(config)
-  if phase == _phases.OBSERVE:
-    return _tuner.DEFAULT, "observe"
+    return hinted, _report.HINT
+  if names == [default]:
+    return default, _report.ONLY_DEFAULT
+  phase = session.phase(config)
+  if phase == _tuning.OBSERVE:
+    return default, _report.OBSERVE
   why = {}
 
   def leader_decides() -> str:
-    store = _resolve_cache(cache)
-    value = _lookup(store, key)
+    value = session.lookup(selection.cache, family.name, key)
     if value is not None:
-      _phases.record(hit=True, config=config)
-      why["why"] = "hit"
+      session.record(hit=True, config=config)
+      why["why"] = _report.HIT
       return value["winner"]
-    if phase == _phases.APPLY:
-      _phases.record(hit=False, config=config)
-      why["why"] = "miss"
-      return _tuner.DEFAULT
-    result = _tuner.tune_bucket(spec, candidates, platform=platform, options=options,
-                                label=label)
-    _store(store, key, result.to_value())
-    _phases.record(hit=False, tuning_s=result.tuning_s, tuned=True, config=config)
-    why["why"] = "tuned"
+    if phase == _tuning.APPLY:
+      session.record(hit=False, config=config)
+      why["why"] = _report.MISS
+      return default
+    result = _tuner.tune_bucket(spec, candidates, platform=selection.platform,
+                                options=selection.options, label=label, family=family)
+    session.store(selection.cache, family.name, key, result.to_value())
+    session.record(hit=False, tuning_s=result.tuning_s, tuned=True, config=config)
+    selection.tally.add_tuning(result.tuning_s)
+    why["why"] = _report.TUNED
     return result.winner
 
-  all_names = sorted(k.name for k in _registry.kernels(OP))
+  all_names = sorted(k.name for k in _registry.kernels(family.name))
   name = _multihost.agree(leader_decides, all_names)
-  reason = why.get("why", "received")
   if name not in names:
-    return _tuner.DEFAULT, "not applicable"
-  return name, reason
+    return default, _report.NOT_APPLICABLE
+  return name, why.get("why", _report.RECEIVED)
 
 
-def _run_kernel(ctx: _engine.Context, fn: Callable[..., Any], invals: list[Any],
+def _count(selection: Selection, op: str, name: str, why: str) -> None:
+  if not selection.explain_only:
+    selection.tally.add(op, name, why)
+
+
+def _run_kernel(ctx: _engine.Context | None, fn: Callable[..., Any], invals: list[Any],
                 post: _engine.Pass | None) -> Any:
   """Calls the kernel `fn` on `invals`, its equations through `post` if given.
 
@@ -152,7 +173,7 @@ def _run_kernel(ctx: _engine.Context, fn: Callable[..., Any], invals: list[Any],
   to the program's (a kernel that transposes into its layout folds with a
   transpose the layout pass put before it). `post`'s counts join `ctx`'s.
   """
-  if post is None:
+  if post is None or ctx is None:
     return fn(*invals)
   closed, flat, _ = _engine.trace(fn, *invals)
   sub = _engine.Context(post, platform=ctx.platform, config=ctx.config)
@@ -163,18 +184,47 @@ def _run_kernel(ctx: _engine.Context, fn: Callable[..., Any], invals: list[Any],
   return out
 
 
+def _apply(family: _registry.OpFamily, spec: Any, selection: Selection, operands: list[Any],
+           want: Any, run_default: Callable[[], Any], ctx: _engine.Context | None = None,
+           post: _engine.Pass | None = None) -> Any:
+  """Decides a site and runs its kernel; the default on any failure (never worse)."""
+  name, why = decide(family, spec, selection)
+  if name == family.default:
+    _count(selection, family.name, name, why)
+    return run_default()
+  try:
+    kernel = _registry.get_kernel(family.name, name).fn
+    out = _run_kernel(ctx, lambda *a: kernel(*a, spec), list(operands), post)
+    got = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), out)
+    if got != want:
+      raise TypeError(f"it returned {got} for {want}")
+  except Exception as e:  # pylint: disable=broad-except  # never worse than the default
+    logger.warning("autotune: %s kernel %r could not be applied (%s: %s); using %s.",
+                   family.name, name, type(e).__name__, e, family.default)
+    _count(selection, family.name, name, _report.FAILED)
+    return run_default()
+  _count(selection, family.name, name, why)
+  return out
+
+
 def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
                 budget_s: float = _tuner.DEFAULT_BUDGET_S,
                 margin: float = _tuner.DEFAULT_MARGIN, seed: int = 0,
                 post: _engine.Pass | None = None) -> _engine.Pass:
-  """The kernel-selection `Pass`, for `tunedjax.rewrite.transform` or `tunedjax.jit`.
+  """The kernel-selection `Pass`: a rule for every op family found in the jaxpr.
+
+  Each registered family with a ``primitive`` gets a rule for it. A rule
+  decides with the `Selection` made current by `tunedjax.jit` or
+  `select_kernels`; used on its own (through `tunedjax.rewrite.transform`)
+  it decides with this pass's cache and options and the current session.
 
   Args:
-    cache: the tuning cache: an `autotune.Cache`, a folder, or None for the
-      config's (``cache.dir``, ``$TUNEDJAX_CACHE_DIR``, ``~/.cache/tunedjax``).
+    cache: the tuning cache: an `autotune.Cache`, a folder, None for the
+      config's (``cache.dir``, ``$TUNEDJAX_CACHE_DIR``, ``~/.cache/tunedjax``),
+      or False for none.
     rounds: timed rounds per candidate when tuning a bucket.
     budget_s: seconds tuning one bucket may take.
-    margin: how much faster than ``xla`` a kernel must be to be chosen
+    margin: how much faster than the default a kernel must be to be chosen
       (0.10: more than 10%).
     seed: seed of the random tuning inputs.
     post: a pass the chosen kernel's own equations go through (`tunedjax.jit`
@@ -183,14 +233,11 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
       kernel makes against those around it).
 
   Returns:
-    A `Pass` named ``"kernel_selection"``. Its rule counts, per trace,
-    ``"conv <kernel> (<why>)"`` in the engine's `Context.counts`.
+    A `Pass` named ``"kernel_selection"``.
 
   Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, tempfile
     >>> from tunedjax import rewrite
-    >>> from tunedjax.autotune._select import kernel_pass
-    >>> import tempfile
     >>> f = lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")
     >>> x, w = jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 1, 1))
     >>> p = kernel_pass(cache=tempfile.mkdtemp(), rounds=1, budget_s=1.0)
@@ -199,27 +246,68 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
   """
   options = _tuner.TuneOptions(rounds=rounds, budget_s=budget_s, margin=margin, seed=seed)
 
-  def conv_rule(ctx: _engine.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-    spec = _registry.ConvSpec.from_equation(eqn)
-    name, why = decide(spec, ctx.platform, cache=cache, options=options, config=ctx.config)
-    ctx.count(f"conv {name} ({why})")
-    if name == _tuner.DEFAULT:
-      return ctx.default(eqn, invals)
-    want = eqn.outvars[0].aval
-    try:
-      kernel = _registry.get_kernel(OP, name).fn
-      out = _run_kernel(ctx, lambda lhs, rhs: kernel(lhs, rhs, spec), list(invals), post)
-      got = jax.typeof(out)
-      if got.shape != want.shape or got.dtype != want.dtype:
-        raise TypeError(f"it returned {got.str_short()} for {want.str_short()}")
-    except Exception as e:  # pylint: disable=broad-except  # never worse than xla
-      logger.warning("autotune: kernel %r could not be applied to %s (%s: %s); "
-                     "using xla.", name, spec.lhs_shape, type(e).__name__, e)
-      ctx.count(f"conv {name} failed at trace, xla used")
-      return ctx.default(eqn, invals)
-    return [out]
+  def rule_for(family: _registry.OpFamily) -> Callable[..., list[Any]]:
+    def rule(ctx: _engine.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+      selection = active_selection() or new_selection(
+          platform=ctx.platform, config=ctx.config, cache=cache, options=options)
+      spec = family.from_equation(eqn)
+      want = [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+      out = _apply(family, spec, selection, list(invals),
+                   want[0] if len(want) == 1 else tuple(want),
+                   lambda: ctx.default(eqn, invals), ctx=ctx, post=post)
+      if isinstance(out, list):  # the default's outputs
+        return out
+      return list(out) if isinstance(out, tuple) else [out]
+    return rule
 
-  return _engine.Pass("kernel_selection", {PRIMITIVE: conv_rule})
+  rules = {f.primitive: rule_for(f) for f in _registry.op_families() if f.primitive}
+  return _engine.Pass("kernel_selection", rules)
+
+
+def dispatch(op: str, spec: Any, *operands: Any) -> Any:
+  """Runs the kernel kernel selection chose for `spec`'s bucket; the default outside it.
+
+  The call-site entry of an op family without a jaxpr primitive: a function
+  such as `tunedjax.attention` builds its spec from its operands' shapes and
+  calls this while it is traced. Under `tunedjax.jit` (or `select_kernels`)
+  with kernel selection on, the site is decided like a convolution (hint,
+  phase, cache, tuner) and counted in the report; elsewhere, and whenever
+  the chosen kernel fails, the family's default kernel runs.
+
+  Args:
+    op: the op family's name.
+    spec: the site's spec (an instance of the family's `spec_type`).
+    *operands: the kernel's array operands.
+
+  Returns:
+    What the kernel returns.
+
+  Raises:
+    AutotuneError: an unknown family, or a spec of the wrong type.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from tunedjax.autotune._conv_spec import ConvSpec
+    >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.ones((3, 2, 1, 1))
+    >>> spec = ConvSpec.from_arrays(x, w)
+    >>> dispatch("conv", spec, x, w).shape  # outside kernel selection: xla
+    (1, 3, 4, 4)
+  """
+  family = _registry.op_family(op)
+  if not isinstance(spec, family.spec_type):
+    from tunedjax._errors import AutotuneError  # pylint: disable=import-outside-toplevel
+    raise AutotuneError(f"dispatch({op!r}, spec, ...): spec must be a "
+                        f"{family.spec_type.__name__}, got {type(spec).__name__}.")
+  default = _registry.get_kernel(op, family.default).fn
+
+  def run_default() -> Any:
+    return default(*operands, spec)
+
+  selection = active_selection()
+  if selection is None:
+    return run_default()
+  want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), jax.eval_shape(run_default))
+  return _apply(family, spec, selection, list(operands), want, run_default)
 
 
 def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,
@@ -227,28 +315,30 @@ def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,
                    rounds: int = _tuner.DEFAULT_ROUNDS,
                    budget_s: float = _tuner.DEFAULT_BUDGET_S,
                    margin: float = _tuner.DEFAULT_MARGIN,
-                   on_trace: Callable[[_engine.Context], None] | None = None,
+                   session: _tuning.TuningSession | None = None,
+                   on_report: Callable[[_report.KernelReport], None] | None = None,
                    ) -> Callable[..., Any]:
-  """Runs `f` with each convolution on the fastest kernel for its shape.
+  """Runs `f` with each kernel site on the fastest kernel for its shape.
 
-  The choice is made when the returned function is traced (see `kernel_pass`
-  for the order: hint, phase, cache, tuner). Without ``jit`` the result is a
-  plain function that composes with `jax.jit`, `jax.grad` and `jax.vmap`;
-  note that `jax.jit` then keeps the kernels of its first trace. With
-  ``jit=True`` the result is jitted and traced again when the phase leaves
-  observe, when the hints change or when the config changes.
+  The choice is made when the returned function is traced (see the module
+  docstring for the order: hint, phase, cache, tuner). Without ``jit`` the
+  result is a plain function that composes with `jax.jit`, `jax.grad` and
+  `jax.vmap`; note that `jax.jit` then keeps the kernels of its first trace.
+  With ``jit=True`` the result is jitted and traced again when the phase
+  leaves observe, when the hints change or when the config changes.
 
   Args:
     f: the function; it may contain `jax.grad` (the backward convolutions
-      are selected too).
-    cache: an `autotune.Cache`, a folder, or None for the config's cache.
+      are selected too) and call-site functions (`dispatch`).
+    cache: an `autotune.Cache`, a folder, None for the config's cache, or
+      False for none.
     platform: the platform kernels must run on (default: JAX's default backend).
     jit: return a jitted function that re-traces when the selection would change.
     rounds: timed rounds per candidate when tuning.
     budget_s: seconds tuning one bucket may take.
-    margin: the fraction by which a kernel must beat ``xla`` to be chosen.
-    on_trace: called with the rewrite `Context` after each trace (its
-      ``counts`` say which kernel each convolution got and why).
+    margin: the fraction by which a kernel must beat the default to be chosen.
+    session: the `TuningSession` whose phase is read (default: the current one).
+    on_report: called with each trace's `KernelReport`.
 
   Returns:
     A function with `f`'s signature and results.
@@ -262,23 +352,36 @@ def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,
     ...   float(jax.jit(select_kernels(conv))(x, w))
     1024.0
   """
-  pass_ = kernel_pass(cache=cache, rounds=rounds, budget_s=budget_s, margin=margin)
-  transformed = _engine.transform(f, pass_, platform=platform, on_trace=on_trace)
+  options = _tuner.TuneOptions(rounds=rounds, budget_s=budget_s, margin=margin)
+  transformed = _engine.transform(f, kernel_pass(cache=cache, rounds=rounds, budget_s=budget_s,
+                                                 margin=margin), platform=platform)
+
+  @functools.wraps(f)
+  def selected(*args: Any, **kwargs: Any) -> Any:
+    selection = new_selection(platform=platform, cache=cache, options=options,
+                              session=session)
+    with selecting(selection):
+      out = transformed(*args, **kwargs)
+    if on_report is not None:
+      on_report(selection.tally.report())
+    return out
+
   if not jit:
-    return transformed
+    return selected
   jitted: dict[Any, Callable[..., Any]] = {}
   lock = threading.Lock()
 
   @functools.wraps(f)
   def run(*args: Any, **kwargs: Any) -> Any:
     config = get_config()
-    state = (_phases.phase_key(config), _hints.active_hints(config), config)
+    current = session or _tuning.current_session()
+    state = (current, current.phase_key(config), _hints.active_hints(config), config)
     with lock:
       fn = jitted.get(state)
       if fn is None:
         # A new function object per state: jax.jit caches traces by function.
         fn = jitted[state] = jax.jit(functools.wraps(f)(
-            lambda *a, **k: transformed(*a, **k)))
+            lambda *a, **k: selected(*a, **k)))
     return fn(*args, **kwargs)
 
   return run

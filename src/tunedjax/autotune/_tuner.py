@@ -1,8 +1,9 @@
 """Tuning one bucket: check every candidate kernel, time the survivors, pick one.
 
-For a convolution the tuner draws random inputs of the bucket's shapes (never
-zeros: a kernel that ignores its input must not pass), computes the reference
-with the ``xla`` kernel, and runs every other applicable candidate inside
+For a site of any op family the tuner draws random operands of the bucket's
+shapes (`OpFamily.operands`; never zeros: a kernel that ignores its input
+must not pass), computes the reference with the family's default kernel
+(``xla``), and runs every other applicable candidate inside
 try/except. A candidate that raises (XLA:CPU's YNNPACK failure in an im2col
 backward is a real example) is logged and skipped; one whose result differs
 from the reference beyond its dtype's tolerance is dropped. The survivors are
@@ -30,11 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from tunedjax._errors import TunedJaxError
-from tunedjax.autotune import _cache
+from tunedjax import _tuning
+from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _registry
-from tunedjax.autotune import _timing
-from tunedjax.autotune._bucket import NAMESPACE
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -50,10 +49,6 @@ SCREEN_FACTOR = 4.0
 CLEAR_FACTOR = 1.5
 MIN_ROUNDS = 2
 
-# max |candidate - reference| / max |reference| allowed, by output dtype.
-_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
-# GPUs and TPUs run float32 convolutions in TF32/bf16 passes by default.
-_TOLERANCE_ACCELERATOR = {"float32": 5e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +75,11 @@ class TuneOptions:
 
   def __post_init__(self):
     if not (isinstance(self.rounds, int) and self.rounds >= 1):
-      raise TunedJaxError(f"TuneOptions.rounds must be an integer >= 1, got {self.rounds!r}.")
+      raise AutotuneError(f"TuneOptions.rounds must be an integer >= 1, got {self.rounds!r}.")
     if not (isinstance(self.budget_s, (int, float)) and self.budget_s > 0):
-      raise TunedJaxError(f"TuneOptions.budget_s must be a number > 0, got {self.budget_s!r}.")
+      raise AutotuneError(f"TuneOptions.budget_s must be a number > 0, got {self.budget_s!r}.")
     if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 10):
-      raise TunedJaxError(
+      raise AutotuneError(
           f"TuneOptions.margin must be a fraction >= 0 such as 0.1, got {self.margin!r}.")
 
 
@@ -160,8 +155,8 @@ def _is_number(x: Any) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def validate_value(value: Any) -> None:
-  """Checks a ``"conv"`` cache value before it is used; raises on a bad one.
+def validate_value(value: Any, op: str) -> None:
+  """Checks a cache value of op family `op` before it is used; raises on a bad one.
 
   The winner must name a registered kernel and every field must have its
   type, so a tampered or stale file can never select unknown code.
@@ -170,19 +165,19 @@ def validate_value(value: Any) -> None:
     ValueError, TypeError: what is wrong with the value.
 
   Example:
-    >>> validate_value({"winner": "no_such_kernel", "timings": {}})
+    >>> validate_value({"winner": "no_such_kernel", "timings": {}}, "conv")
     Traceback (most recent call last):
     ...
     ValueError: cache entry names unknown conv kernel 'no_such_kernel'...
   """
   if not isinstance(value, Mapping):
-    raise TypeError(f"a conv cache value must be a dict, got {type(value).__name__}.")
+    raise TypeError(f"a {op} cache value must be a dict, got {type(value).__name__}.")
   winner = value.get("winner")
   if not isinstance(winner, str):
     raise TypeError(f"cache entry 'winner' must be a string, got {winner!r}.")
-  known = _known_names(NAMESPACE)
+  known = _known_names(op)
   if winner not in known:
-    raise ValueError(f"cache entry names unknown conv kernel {winner!r}; known: "
+    raise ValueError(f"cache entry names unknown {op} kernel {winner!r}; known: "
                      f"{sorted(known)}.")
   for field, check, what in (
       ("timings", lambda v: isinstance(v, list) and all(_is_number(t) and t >= 0 for t in v),
@@ -209,42 +204,6 @@ def validate_value(value: Any) -> None:
     raise TypeError("cache entry 'reason' must be a string.")
 
 
-def tolerance(dtype: Any, platform: str = "cpu") -> float:
-  """The largest relative difference from ``xla`` a candidate may show.
-
-  Example:
-    >>> tolerance("float32"), tolerance("bfloat16")
-    (0.0001, 0.03)
-  """
-  name = np.dtype(dtype).name
-  if platform != "cpu" and name in _TOLERANCE_ACCELERATOR:
-    return _TOLERANCE_ACCELERATOR[name]
-  return _TOLERANCE.get(name, 1e-3)
-
-
-def random_input(shape: Sequence[int], dtype: Any, rng: np.random.Generator) -> np.ndarray:
-  """Random (non-zero) test data of `shape` and `dtype` as a NumPy array."""
-  dtype = np.dtype(dtype)
-  if np.issubdtype(dtype, np.integer):
-    return rng.integers(-3, 4, size=tuple(shape)).astype(dtype)
-  if np.issubdtype(dtype, np.complexfloating):
-    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-  return rng.standard_normal(tuple(shape)).astype(dtype)
-
-
-def relative_error(out: Any, ref: Any) -> float:
-  """max |out - ref| / max |ref| in float64 (inf for a shape mismatch or NaN)."""
-  out = np.asarray(out, dtype=np.float64)
-  ref = np.asarray(ref, dtype=np.float64)
-  if out.shape != ref.shape:
-    return math.inf
-  scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-  err = float(np.max(np.abs(out - ref))) if ref.size else 0.0
-  if not math.isfinite(err):
-    return math.inf
-  return err / scale if scale > 0 else err
-
-
 def _describe_error(e: BaseException) -> str:
   text = f"{type(e).__name__}: {e}"
   first = text.splitlines()[0] if text else type(e).__name__
@@ -255,7 +214,8 @@ def _ratio(times: Sequence[float], base: Sequence[float]) -> float:
   return float(statistics.median(t / b for t, b in zip(times, base) if b > 0))
 
 
-def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_MARGIN) -> bool:
+def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_MARGIN,
+                 *, default: str = DEFAULT) -> bool:
   """Whether more timed rounds could not change which candidate wins.
 
   True after at least `MIN_ROUNDS` rounds when, in every round so far,
@@ -270,12 +230,12 @@ def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_M
     >>> clear_choice({"xla": [1.0, 1.0], "im2col": [0.85, 0.95]})
     False
   """
-  base = times.get(DEFAULT, ())
+  base = times.get(default, ())
   if len(base) < MIN_ROUNDS or any(b <= 0 for b in base):
     return False
   ratios = {}
   for name, ts in times.items():
-    if name != DEFAULT:
+    if name != default:
       if len(ts) < len(base):
         return False
       ratios[name] = [t / b for t, b in zip(ts, base)]
@@ -289,8 +249,8 @@ def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_M
   return all(min(r) > threshold * CLEAR_FACTOR for r in ratios.values())
 
 
-def _compile_all(kernels: Mapping[str, Any], spec: Any, lhs: jax.Array,
-                 rhs: jax.Array) -> dict[str, Any]:
+def _compile_all(kernels: Mapping[str, Any], spec: Any,
+                 operands: Sequence[jax.Array]) -> dict[str, Any]:
   """Every kernel compiled for these inputs, side by side in threads.
 
   XLA compiles without holding the GIL, so a bucket's candidates compile in
@@ -300,7 +260,7 @@ def _compile_all(kernels: Mapping[str, Any], spec: Any, lhs: jax.Array,
 
   def compile_one(kernel: Any) -> Any:
     try:
-      return jax.jit(lambda a, b: kernel.fn(a, b, spec)).lower(lhs, rhs).compile()
+      return jax.jit(lambda *a: kernel.fn(*a, spec)).lower(*operands).compile()
     except Exception as e:  # pylint: disable=broad-except  # reported when it runs
       return e
 
@@ -309,37 +269,40 @@ def _compile_all(kernels: Mapping[str, Any], spec: Any, lhs: jax.Array,
     return dict(zip(kernels, pool.map(compile_one, kernels.values())))
 
 
-def _runner(executable: Any, lhs: jax.Array, rhs: jax.Array) -> Callable[[], Any]:
+def _runner(executable: Any, operands: Sequence[jax.Array]) -> Callable[[], Any]:
   """A zero-argument call of a compiled kernel; raises what compiling raised."""
   if isinstance(executable, BaseException):
     raise executable
-  return lambda: executable(lhs, rhs)
+  return lambda: executable(*operands)
 
 
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
-                options: TuneOptions = TuneOptions(), label: str = "") -> TuneResult:
-  """Measures `candidates` on one convolution and picks the fastest correct one.
+                options: TuneOptions = TuneOptions(), label: str = "",
+                family: _registry.OpFamily | None = None) -> TuneResult:
+  """Measures `candidates` on one site and picks the fastest correct one.
 
   Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
-  while an enclosing function is being traced) on random inputs of `spec`'s
-  shapes and dtypes.
+  while an enclosing function is being traced) on random operands of
+  `spec`'s shapes and dtypes (the family's `OpFamily.operands`).
 
   Args:
-    spec: the `ConvSpec` to tune.
-    candidates: the applicable `Kernel`s; must include ``xla``.
+    spec: the site's spec (a `ConvSpec`, ...).
+    candidates: the applicable `Kernel`s; must include the family's default.
     platform: the platform the inputs live on.
     options: rounds, budget, margin and seed.
     label: a bucket name for the log lines.
+    family: the `OpFamily` (default: the one whose spec type `spec` has).
 
   Returns:
-    A `TuneResult`; its winner is ``xla`` unless a candidate matched the
-    reference and beat it by more than ``options.margin``.
+    A `TuneResult`; its winner is the default (``xla``) unless a candidate
+    matched the reference and beat it by more than ``options.margin``.
 
   Example:
     >>> import jax, jax.numpy as jnp, types
     >>> from jax import lax
-    >>> spec = types.SimpleNamespace(lhs_shape=(1, 6, 6, 2), rhs_shape=(3, 3, 2, 2),
-    ...     lhs_dtype=jnp.float32, rhs_dtype=jnp.float32)
+    >>> from tunedjax.autotune._conv_spec import ConvSpec
+    >>> spec = ConvSpec.from_arrays(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 2)),
+    ...     padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     >>> conv = lambda l, r, s: lax.conv_general_dilated(
     ...     l, r, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     >>> xla = types.SimpleNamespace(name="xla", fn=conv)
@@ -349,11 +312,13 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     ('xla', ['wrong'])
   """
   start = time.perf_counter()
+  family = _registry.family_of(spec) if family is None else family
+  default = family.default
   by_name = {k.name: k for k in candidates}
-  if DEFAULT not in by_name:
-    raise TunedJaxError(
-        f"tune_bucket needs the {DEFAULT!r} kernel among the candidates (the "
-        f"default, always a candidate); got {sorted(by_name)}.")
+  if default not in by_name:
+    raise AutotuneError(
+        f"tune_bucket needs the {default!r} kernel among the candidates (the "
+        f"{family.name} family's default, always a candidate); got {sorted(by_name)}.")
   rng = np.random.default_rng(options.seed)
   try:
     device = jax.devices(platform)[0]
@@ -364,34 +329,33 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   skipped: list[str] = []
   runners: dict[str, Any] = {}
   with jax.ensure_compile_time_eval():
-    lhs = jax.device_put(random_input(spec.lhs_shape, spec.lhs_dtype, rng), device)
-    rhs = jax.device_put(random_input(spec.rhs_shape, spec.rhs_dtype, rng), device)
+    operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
 
-    compiled = _compile_all(by_name, spec, lhs, rhs)
-    ref_run = _runner(compiled[DEFAULT], lhs, rhs)  # xla failing to compile: an error
+    compiled = _compile_all(by_name, spec, operands)
+    ref_run = _runner(compiled[default], operands)  # the default failing to compile: an error
     ref = np.asarray(jax.block_until_ready(ref_run()))
-    runners[DEFAULT] = ref_run
-    tol = tolerance(ref.dtype, platform)
+    runners[default] = ref_run
+    tol = family.tolerance(ref.dtype, platform)
     for name in by_name:
-      if name == DEFAULT:
+      if name == default:
         continue
       if time.perf_counter() - start > options.budget_s:
         skipped.append(name)
         continue
       try:
-        run = _runner(compiled[name], lhs, rhs)
+        run = _runner(compiled[name], operands)
         out = jax.block_until_ready(run())
       except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
         errors[name] = _describe_error(e)
         logger.warning("autotune %s: candidate %r failed and is skipped: %s",
                        label, name, errors[name])
         continue
-      err = relative_error(out, ref)
+      err = _tuning.relative_error(out, ref)
       if np.dtype(out.dtype) != ref.dtype:
         err = math.inf
       if not err <= tol:
         rejected[name] = err if math.isfinite(err) else 1e300
-        logger.warning("autotune %s: candidate %r disagrees with xla (relative "
+        logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
                        "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
                        label, name, err, tol, out.dtype, list(out.shape), ref.dtype,
                        list(ref.shape))
@@ -401,14 +365,14 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   label, options.budget_s, ", ".join(skipped))
     if len(runners) == 1:
-      return _finish(DEFAULT, "no other candidate passed the checks", {}, {}, errors,
+      return _finish(default, "no other candidate passed the checks", {}, {}, errors,
                      rejected, skipped, start, label)
     try:
       # One compiled call each first: a candidate many times slower than xla
       # (an FFT on a small kernel) is dropped before it costs `rounds` calls.
-      screen = _timing.time_interleaved(runners, rounds=1, warmup=0)
-      slow = {n: _ratio(t, screen[DEFAULT]) for n, t in screen.items()
-              if n != DEFAULT and _ratio(t, screen[DEFAULT]) > SCREEN_FACTOR}
+      screen = _tuning.time_interleaved(runners, rounds=1, warmup=0)
+      slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
+              if n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
       for name in slow:
         del runners[name]
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
@@ -416,30 +380,31 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
         # The screening call counts as a round toward a clear choice, so a
         # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
-        timings.update(_timing.time_interleaved(
+        timings.update(_tuning.time_interleaved(
             runners, rounds=options.rounds, warmup=0, budget_s=left,
-            stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin)))
+            stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin,
+                                          default=default)))
     except Exception as e:  # pylint: disable=broad-except
-      logger.warning("autotune %s: timing failed (%s); keeping xla.", label,
-                     _describe_error(e))
-      return _finish(DEFAULT, f"timing failed: {_describe_error(e)}", {}, {}, errors,
+      logger.warning("autotune %s: timing failed (%s); keeping %s.", label,
+                     _describe_error(e), default)
+      return _finish(default, f"timing failed: {_describe_error(e)}", {}, {}, errors,
                      rejected, skipped, start, label)
-  if DEFAULT not in timings:  # every candidate was screened out
+  if default not in timings:  # every candidate was screened out
     ratios = dict(slow)
-    return _finish(DEFAULT, f"every other candidate took over {SCREEN_FACTOR:g}x xla's "
+    return _finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x {default}'s "
                    "time in a first call", timings, ratios, errors, rejected, skipped,
                    start, label)
-  base = timings[DEFAULT]
+  base = timings[default]
   ratios = {name: _ratio(t, base) for name, t in timings.items() if name not in slow}
   ratios.update(slow)
-  best = min((n for n in ratios if n != DEFAULT), key=lambda n: ratios[n])
+  best = min((n for n in ratios if n != default), key=lambda n: ratios[n])
   if ratios[best] * (1.0 + options.margin) < 1.0:
     winner = best
-    reason = (f"{best} took {ratios[best]:.2f}x xla's time (needs < "
+    reason = (f"{best} took {ratios[best]:.2f}x {default}'s time (needs < "
               f"{1 / (1 + options.margin):.2f}x)")
   else:
-    winner = DEFAULT
-    reason = (f"best other candidate {best} took {ratios[best]:.2f}x xla's time, "
+    winner = default
+    reason = (f"best other candidate {best} took {ratios[best]:.2f}x {default}'s time, "
               f"not below {1 / (1 + options.margin):.2f}x")
   return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label)
 
@@ -457,5 +422,3 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 
-
-_cache.register_validator(NAMESPACE, validate_value)

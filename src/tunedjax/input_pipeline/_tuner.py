@@ -30,7 +30,7 @@ from tunedjax._config import get_config
 from tunedjax._errors import ConfigError
 from tunedjax._errors import did_you_mean
 from tunedjax._errors import format_choices
-from tunedjax.autotune import _cache as _cache_mod
+from tunedjax import _tuning
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
 
@@ -362,15 +362,7 @@ def host_fingerprint() -> dict[str, Any]:
     >>> sorted(host_fingerprint())
     ['cpu', 'cpus', 'machine', 'usable_cpus']
   """
-  cpu = platform.processor() or ""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
+  cpu = _tuning.host_cpu().model or ""
   try:
     usable = len(os.sched_getaffinity(0))
   except (AttributeError, OSError):
@@ -402,7 +394,7 @@ def _validate(value: dict[str, Any]) -> None:
     raise TypeError(f"batches_per_s must be a number, got {value.get('batches_per_s')!r}")
 
 
-_cache_mod.register_validator(NAMESPACE, _validate)
+_tuning.register_validator(NAMESPACE, _validate)
 
 
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
@@ -508,7 +500,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     consumer: called on each timed batch (its result is waited for).
     consumer_s: seconds per step to simulate when there is no consumer.
     margin: relative gain that counts as better than noise.
-    cache: True for the default tuning cache, False for none, or a `Cache`.
+    cache: True or None for the default tuning cache, False for none, a
+      `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads"); the others
       stay at their start value.
     clock: the timer.
@@ -538,7 +531,7 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   source = _dataset.as_source(source)
   transforms = _dataset.check_transforms(transforms)
 
-  store = _resolve_cache(cache)
+  store = _tuning.resolve_cache(cache)
   key = {"host": host_fingerprint(),
          "pipeline": pipeline_fingerprint(source, batch_size=batch_size, transforms=transforms,
                                           shuffle=shuffle, drop_remainder=drop_remainder),
@@ -594,9 +587,3 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   return result
 
 
-def _resolve_cache(cache: Any) -> Any:
-  if cache is False or cache is None:
-    return None
-  if cache is True:
-    return _cache_mod.default_cache()
-  return cache

@@ -1,9 +1,9 @@
 """Measure mode: time the original and the re-laid function, keep the faster.
 
 A decision is remembered per (jaxpr fingerprint, input signature, target,
-device): in this process, and in the persistent tuning cache
-(`tunedjax.autotune._cache.default_cache`, namespace ``"layout"``), so a
-restarted program does not measure again. Keys are stored in full (the jaxpr
+device): in the current `TuningSession` (so a readonly cache still serves
+what this run measured), and in the persistent tuning cache (namespace
+``"layout"``), so a restarted program does not measure again. Keys are stored in full (the jaxpr
 digest, the signature, the target, the jax version); the device is the cache
 file's own key.
 
@@ -17,24 +17,17 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from tunedjax.autotune import _cache
-from tunedjax.autotune import _timing
-from tunedjax.autotune._fingerprint import device_fingerprint
+from tunedjax import _tuning
 from tunedjax.layout._prefer import LAYOUTS
 
 NAMESPACE = "layout"
 CHOICES = ("relaid", "original")
-
-_DECISIONS: dict[tuple[str, ...], dict[str, Any]] = {}
-_LOCK = threading.Lock()
 
 
 def validate(value: dict[str, Any]) -> None:
@@ -53,7 +46,7 @@ def validate(value: dict[str, Any]) -> None:
     raise TypeError(f"layout decision 'seconds' must map names to numbers, got {seconds!r}")
 
 
-_cache.register_validator(NAMESPACE, validate)
+_tuning.register_validator(NAMESPACE, validate)
 
 
 def cache_key(closed: Any, target: str) -> dict[str, Any]:
@@ -68,49 +61,24 @@ def cache_key(closed: Any, target: str) -> dict[str, Any]:
   }
 
 
-def _memo_key(key: dict[str, Any]) -> tuple[str, ...]:
-  return (key["jaxpr_sha256"], ",".join(key["signature"]), key["target"], key["jax"],
-          device_fingerprint().digest)
-
-
-def clear_memory() -> None:
-  """Forgets the decisions made in this process (the persistent cache is kept)."""
-  with _LOCK:
-    _DECISIONS.clear()
-
-
-def random_inputs(avals: Sequence[Any], seed: int = 0) -> list[np.ndarray]:
-  """Random inputs for timing: normal floats, zero integers (safe as indices)."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for aval in avals:
-    dtype = np.dtype(aval.dtype)
-    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
-      out.append(rng.standard_normal(aval.shape).astype(dtype))
-    elif np.issubdtype(dtype, np.complexfloating):
-      out.append((rng.standard_normal(aval.shape) + 0j).astype(dtype))
-    else:
-      out.append(np.zeros(aval.shape, dtype))
-  return out
+def _default_cache() -> Any:
+  try:
+    return _tuning.default_cache()
+  except Exception as e:  # a broken cache never stops the program  # pylint: disable=broad-except
+    warnings.warn(f"tunedjax.layout: tuning cache not usable ({e}); measuring again.",
+                  stacklevel=3)
+    return None
 
 
 def lookup(closed: Any, target: str) -> dict[str, Any] | None:
-  """A remembered decision: in-process first, then the persistent cache."""
-  key = cache_key(closed, target)
-  with _LOCK:
-    hit = _DECISIONS.get(_memo_key(key))
-  if hit is not None:
-    return hit
+  """A remembered decision: the current session's first, then the persistent cache."""
   try:
-    hit = _cache.default_cache().get(NAMESPACE, key)
+    return _tuning.current_session().lookup(_default_cache(), NAMESPACE,
+                                            cache_key(closed, target))
   except Exception as e:  # a broken cache never stops the program  # pylint: disable=broad-except
     warnings.warn(f"tunedjax.layout: tuning cache not readable ({e}); measuring again.",
                   stacklevel=2)
-    hit = None
-  if hit is not None:
-    with _LOCK:
-      _DECISIONS[_memo_key(key)] = hit
-  return hit
+    return None
 
 
 def measure(closed: Any, target: str, original: Callable[..., Any],
@@ -130,22 +98,16 @@ def measure(closed: Any, target: str, original: Callable[..., Any],
     The decision: ``{"choice": "relaid"|"original", "target": ...,
     "seconds": {"original": median, "relaid": median}}``.
   """
-  args = random_inputs(closed.in_avals)
+  args = _tuning.random_inputs(closed.in_avals)
   with jax.ensure_compile_time_eval():  # run for real even inside a jit trace
     args = [jax.device_put(a) for a in args]
     fns = {"original": jax.jit(original), "relaid": jax.jit(relaid)}
-    times = _timing.time_interleaved(
+    times = _tuning.time_interleaved(
         {name: (lambda fn=fn: fn(*args)) for name, fn in fns.items()},
         rounds=rounds, warmup=1, budget_s=budget_s)
-  seconds = {name: _timing.median(ts) for name, ts in times.items()}
+  seconds = {name: _tuning.median(ts) for name, ts in times.items()}
   choice = "relaid" if seconds["relaid"] < seconds["original"] else "original"
   value = {"choice": choice, "target": target, "seconds": seconds}
-  key = cache_key(closed, target)
-  with _LOCK:
-    _DECISIONS[_memo_key(key)] = value
-  try:
-    _cache.default_cache().put(NAMESPACE, key, value)
-  except Exception as e:  # pylint: disable=broad-except
-    warnings.warn(f"tunedjax.layout: could not store the decision in the tuning cache ({e}).",
-                  stacklevel=2)
+  _tuning.current_session().store(_default_cache(), NAMESPACE, cache_key(closed, target),
+                                  value)
   return value

@@ -31,33 +31,11 @@ from typing import Any
 import numpy as np
 
 from tunedjax import _errors
+from tunedjax._tuning import PLATFORMS as PLATFORMS
+from tunedjax._tuning import canonical_platform as canonical_platform
 
 LAYOUTS = ("NHWC", "NCHW")
-PLATFORMS = ("cpu", "gpu", "tpu")
 _HALF = frozenset({"float16", "bfloat16", "int8", "uint8", "float8_e4m3fn", "float8_e5m2"})
-_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
-
-
-def canonical_platform(platform: str) -> str:
-  """Maps a platform name (``"cpu"``, ``"gpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) to cpu/gpu/tpu.
-
-  Args:
-    platform: a JAX platform or backend name, in any case.
-
-  Returns:
-    One of ``"cpu"``, ``"gpu"``, ``"tpu"``.
-
-  Example:
-    >>> canonical_platform("CUDA")
-    'gpu'
-  """
-  name = str(platform).lower()
-  name = _PLATFORM_ALIASES.get(name, name)
-  if name not in PLATFORMS:
-    raise _errors.ConfigError(
-        f"Unknown platform {platform!r}{_errors.did_you_mean(name, PLATFORMS)}. "
-        f"Valid platforms: {_errors.format_choices(PLATFORMS + tuple(_PLATFORM_ALIASES))}.")
-  return name
 
 
 def preferred(dtype: Any, platform: str) -> str:

@@ -57,6 +57,14 @@ class LayoutReport:
   transposes_after: int | None = None
   seconds: Mapping[str, float] | None = None
   cached: bool = False
+  name = "layout"
+
+  @property
+  def tuning_s(self) -> float:
+    """Seconds measure mode spent timing in this trace (0 for a cached or heuristic decision)."""
+    if self.cached or not self.seconds:
+      return 0.0
+    return float(sum(self.seconds.values()))
 
   def summary(self) -> str:
     """One line: the decision, why, and how many convolutions were re-laid."""

@@ -38,7 +38,8 @@ def jit_summary(jitted: Any) -> dict[str, Any]:
     return {}
   # The program the run ends with: not the observe phase's (all xla), even
   # when that one was compiled last (the loader's tuning compiles ahead).
-  selected = [r for r in report if not any(k.endswith("(observe)") for k in r.kernels)]
+  selected = [r for r in report
+              if r.kernel_report is None or not r.kernel_report.observed]
   last = selected[-1] if selected else report.last
   layout = last.layout
   return {

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tunedjax import autotune
+from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
 from tunedjax._jit import jit as tj_jit
@@ -197,17 +197,18 @@ class Trainer:
     allreduce = self._allreduce(allreduce_dtype)
     step = _step.packed(_step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips,
                                               allreduce=allreduce), self._out_names)
-    self._train_step = tj_jit(step, donate_argnums=0)
-    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0)
+    # This trainer's kernel-tuning phase, step counter and statistics.
+    self.session = _tuning.TuningSession(f"Trainer-{id(self):x}")
+    self._train_step = tj_jit(step, donate_argnums=0, session=self.session)
+    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
+                               session=self.session)
                         if self.steps_per_execution > 1 else None)
-    self._eval_step = tj_jit(_step.make_eval_step(self.adapter))
+    self._eval_step = tj_jit(_step.make_eval_step(self.adapter), session=self.session)
     self._predictors: dict[Any, Any] = {}
     self.checkpointer = (Checkpointer(checkpoint_dir, max_to_keep=max_checkpoints)
                          if checkpoint_dir is not None else None)
     self.history = History()
     self.stop_training = False
-    # Kernel selection's step index for steps before it (see `_tune_loader`).
-    self._first_kernel_step = 0
 
   # --- the pieces -------------------------------------------------------------
 
@@ -353,17 +354,13 @@ class Trainer:
 
     bar.message("Trainer: tuning the loader's worker count with the training step ...")
     # The loader is measured against the step it will feed: with kernel
-    # selection on, the consumer runs in the tune phase (its untimed first call
-    # tunes the kernels), never in a phase left over from an earlier run in
-    # this process (a program compiled in the apply phase would skip kernel
-    # tuning for good) nor in the observe phase (xla kernels: a slower step).
-    kernel = self.config.kernel
-    if kernel.enable and self.step < kernel.tuning_range[0]:
-      # The kernels are tuned now, so the steps before the tuning window need
-      # not run xla's kernels to "observe": that would cost a slow step and a
-      # compile of a program used once. They run the tuned program instead.
-      self._first_kernel_step = kernel.tuning_range[0]
-    autotune.step(index=max(self.step, kernel.tuning_range[0] if kernel.enable else 0))
+    # selection on, the consumer's untimed first call tunes the kernels, so
+    # the observe phase ends now (xla kernels would be a slower step to
+    # measure against), and the steps before the tuning window run the tuned
+    # program instead of compiling an all-xla one used once.
+    self.session.step(index=self.step)
+    if self.config.kernel.enable:
+      self.session.end_observe()
     result = loader.tune(consumer=consumer)
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
@@ -437,7 +434,7 @@ class Trainer:
     """
     key = fn
     if key not in self._predictors:
-      self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn))
+      self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn), session=self.session)
     predict = self._predictors[key]
     if is_arrays(x_or_data) or isinstance(x_or_data, (np.ndarray, jax.Array)):
       size = _size(x_or_data)
@@ -569,7 +566,7 @@ class _Loop:
     """Runs `batches` from global step `step`; returns the next step."""
     t, k = self.t, self.t.steps_per_execution
     for s in range(step, step + len(batches)):
-      autotune.step(index=max(s, t._first_kernel_step))
+      t.session.step(index=s)
     sizes = [_size(b) for b in batches]
     if len(batches) == k > 1 and len(set(sizes)) == 1:
       stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
@@ -621,7 +618,7 @@ class _Loop:
     self.bar.update(info[-1][0] + 1, loss=t.history.losses[-1],
                     samples_per_s=(t.history.throughput(last=50)
                                    if self.bar.mode != "off" else None),
-                    phase=autotune.current_phase() if t.config.kernel.enable else None,
+                    phase=t.session.phase(t.config) if t.config.kernel.enable else None,
                     n=len(info))
 
   def _evaluate(self, step: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Tuning phases (observe / tune / apply), the step counter and `stats`."""
+"""Tuning sessions: phases (observe / tune / apply), the step counter, `stats`, no global state."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 from tests.autotune import selection_helpers as h
+from tunedjax import _tuning
 from tunedjax.autotune import _phases, _select
 
 FAST = dict(rounds=1, budget_s=3.0)
@@ -28,14 +29,14 @@ def _operands(rng, size=6):
 def _trace(x, w):
   """Traces `_conv` through the pass once; returns {'kernel (why)': n}."""
   counts = {}
-  jax.jit(_select.select_kernels(_conv, **FAST, on_trace=lambda c: counts.update(c.counts)))(x, w)
+  jax.jit(_select.select_kernels(_conv, **FAST, on_report=lambda r: counts.update(r.counts())))(x, w)
   return counts
 
 
 def test_phase_of_follows_the_tuning_range():
-  assert [_phases.phase_of(s, (2, 4)) for s in (0, 1, 2, 3, 4, 9)] == [
+  assert [_tuning.phase_of(s, (2, 4)) for s in (0, 1, 2, 3, 4, 9)] == [
       "observe", "observe", "tune", "tune", "apply", "apply"]
-  assert _phases.phase_of(None, (2, 4)) == "tune"  # no step counter: tune at once
+  assert _tuning.phase_of(None, (2, 4)) == "tune"  # no step counter: tune at once
 
 
 def test_observe_tune_apply(tmp_path, rng):
@@ -43,15 +44,15 @@ def test_observe_tune_apply(tmp_path, rng):
   x2, w2 = _operands(rng, size=7)
   with h.isolated_selection(tmp_path, kernel={"tuning_range": [1, 3]}), \
       h.registered("t_transposed"):
-    assert _phases.step() == 0 and _phases.current_phase() == "observe"
+    assert _phases.step() == 0 and _tuning.default_session().phase() == "observe"
     assert _trace(x, w) == {"conv xla (observe)": 1}
     assert _phases.stats().buckets_tuned == 0
-    assert _phases.step() == 1 and _phases.current_phase() == "tune"
+    assert _phases.step() == 1 and _tuning.default_session().phase() == "tune"
     tuned = _trace(x, w)
     assert list(tuned)[0].endswith("(tuned)")
     assert _phases.step() == 2
     assert list(_trace(x, w))[0].endswith("(hit)")
-    assert _phases.step() == 3 and _phases.current_phase() == "apply"
+    assert _phases.step() == 3 and _tuning.default_session().phase() == "apply"
     # A bucket tuned in the window is applied; a new one falls back to xla untuned.
     assert list(_trace(x, w)) == [list(tuned)[0].replace("(tuned)", "(hit)")]
     assert _trace(x2, w2) == {"conv xla (miss)": 1}
@@ -68,7 +69,7 @@ def test_without_a_step_counter_buckets_are_tuned_on_first_trace(tmp_path, rng):
   x, w = _operands(rng)
   with h.isolated_selection(tmp_path, kernel={"tuning_range": [5, 10]}), \
       h.registered("t_transposed"):
-    assert _phases.current_step() is None
+    assert _tuning.default_session().current_step() is None
     assert list(_trace(x, w))[0].endswith("(tuned)")
     stats = _phases.stats()
   assert stats.step is None and stats.phase == "tune"
@@ -99,7 +100,7 @@ def test_jit_option_retraces_when_leaving_observe(tmp_path, rng):
   with h.isolated_selection(tmp_path, kernel={"tuning_range": [1, 2]}), \
       h.registered("t_transposed"):
     f = _select.select_kernels(_conv, jit=True, **FAST,
-                               on_trace=lambda c: traces.append(dict(c.counts)))
+                               on_report=lambda r: traces.append(dict(r.counts())))
     want = _conv(x, w)
     for _ in range(4):
       _phases.step()
@@ -112,10 +113,10 @@ def test_jit_option_retraces_when_leaving_observe(tmp_path, rng):
 
 def test_stats_and_reset():
   _phases.reset()
-  _phases.record(hit=True)
-  _phases.record(hit=False, tuning_s=0.5, tuned=True)
+  _tuning.default_session().record(hit=True)
+  _tuning.default_session().record(hit=False, tuning_s=0.5, tuned=True)
   s = _phases.stats()
   assert (s.hits, s.misses, s.buckets_tuned, s.hit_rate) == (1, 1, 1, 0.5)
   assert s.tuning_s == pytest.approx(0.5)
   _phases.reset()
-  assert _phases.stats().per_step == () and _phases.current_step() is None
+  assert _phases.stats().per_step == () and _tuning.default_session().current_step() is None

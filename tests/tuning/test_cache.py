@@ -15,12 +15,12 @@ import pytest
 import tunedjax as tj
 from tunedjax._errors import CacheWarning
 from tunedjax._errors import TunedJaxError
-from tunedjax.autotune import _cache
-from tunedjax.autotune._cache import Cache
-from tunedjax.autotune._cache import default_cache
-from tunedjax.autotune._cache import import_file
-from tunedjax.autotune._cache import register_validator
-from tunedjax.autotune._fingerprint import device_fingerprint
+from tunedjax._tuning import _cache
+from tunedjax._tuning._cache import Cache
+from tunedjax._tuning._cache import default_cache
+from tunedjax._tuning._cache import import_file
+from tunedjax._tuning._cache import register_validator
+from tunedjax._tuning._fingerprint import device_fingerprint
 
 KEY = {"op": "conv", "lhs_shape": [8, 56, 56, 64], "dtype": "float32"}
 VALUE = {"winner": "im2col", "timings": {"xla": [1.0, 1.1], "im2col": [0.5, 0.6]}}
@@ -187,8 +187,8 @@ def test_import_refuses_a_foreign_file(tmp_path):
 
 _WRITER = textwrap.dedent("""
     import json, sys
-    from tunedjax.autotune._cache import Cache
-    from tunedjax.autotune._fingerprint import DeviceFingerprint
+    from tunedjax._tuning._cache import Cache
+    from tunedjax._tuning._fingerprint import DeviceFingerprint
     fp = DeviceFingerprint.from_dict(json.loads(sys.argv[2]))
     cache = Cache(sys.argv[1], fingerprint=fp)
     worker = int(sys.argv[3])
@@ -213,8 +213,8 @@ def test_eight_concurrent_writers_lose_nothing(tmp_path):
 
 _KILLED_WRITER = textwrap.dedent("""
     import json, os, sys
-    from tunedjax.autotune._cache import Cache
-    from tunedjax.autotune._fingerprint import DeviceFingerprint
+    from tunedjax._tuning._cache import Cache
+    from tunedjax._tuning._fingerprint import DeviceFingerprint
     fp = DeviceFingerprint.from_dict(json.loads(sys.argv[2]))
     def stall(fd):  # the new contents are half on disk: wait here to be killed
       print("writing", flush=True)

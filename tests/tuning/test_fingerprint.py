@@ -13,7 +13,7 @@ import pytest
 from tunedjax import autotune
 from tunedjax._errors import TunedJaxError
 from tunedjax._version import __version__
-from tunedjax.autotune import _fingerprint
+from tunedjax._tuning import _fingerprint
 from tunedjax.autotune import DeviceFingerprint
 from tunedjax.autotune import device_fingerprint
 
@@ -203,9 +203,9 @@ def test_parse_cpuinfo_empty():
 
 @pytest.fixture
 def fresh_cpu_cache():
-  _fingerprint._host_cpu.cache_clear()
+  _fingerprint.host_cpu.cache_clear()
   yield
-  _fingerprint._host_cpu.cache_clear()
+  _fingerprint.host_cpu.cache_clear()
 
 
 def test_host_cpu_falls_back_without_proc_cpuinfo(
@@ -213,7 +213,7 @@ def test_host_cpu_falls_back_without_proc_cpuinfo(
 ):
   del fresh_cpu_cache
   monkeypatch.setattr(_fingerprint, "_CPUINFO_PATH", str(tmp_path / "none"))
-  info = _fingerprint._host_cpu()
+  info = _fingerprint.host_cpu()
   assert info.model  # platform.processor() or platform.machine()
   assert info.features == ()
 

@@ -83,7 +83,7 @@ def parse_cpuinfo(text: str) -> CpuInfo:
 
 
 @functools.cache
-def _host_cpu() -> CpuInfo:
+def host_cpu() -> CpuInfo:
   """Parses ``/proc/cpuinfo`` once per process; falls back to `platform`."""
   try:
     with open(_CPUINFO_PATH, encoding="utf-8", errors="replace") as f:
@@ -230,7 +230,7 @@ def device_fingerprint(backend: str | None = None) -> DeviceFingerprint:
   """
   devices = _devices(backend)
   first = devices[0]
-  cpu = _host_cpu()
+  cpu = host_cpu()
   capability = getattr(first, "compute_capability", None)
   return DeviceFingerprint(
       platform=first.platform,

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tunedjax.autotune import _timing
+from tunedjax._tuning import _timing
 from tunedjax.autotune import _tuner
 
 

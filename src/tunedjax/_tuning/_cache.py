@@ -52,8 +52,8 @@ from typing import Any, NamedTuple
 from tunedjax._config import get_config
 from tunedjax._errors import CacheWarning
 from tunedjax._errors import TunedJaxError
-from tunedjax.autotune._fingerprint import DeviceFingerprint
-from tunedjax.autotune._fingerprint import device_fingerprint
+from tunedjax._tuning._fingerprint import DeviceFingerprint
+from tunedjax._tuning._fingerprint import device_fingerprint
 
 log = logging.getLogger("tunedjax.autotune.cache")
 
@@ -441,3 +441,39 @@ def default_cache() -> Cache:
       cache = _DEFAULTS[memo_key] = Cache(config.resolved_dir, readonly=config.readonly,
                                           fingerprint=fingerprint)
   return cache
+
+
+CacheLike = Any  # Cache | str | os.PathLike | None | False
+
+
+def resolve_cache(cache: CacheLike) -> Cache | None:
+  """The one meaning of a tuner's ``cache=`` argument, for every tuner.
+
+  Args:
+    cache: None (or True) for the config's default cache (`default_cache`);
+      False for no persistent cache (measurements kept in memory only); a
+      `Cache`; or a folder path.
+
+  Returns:
+    A `Cache`, or None for no persistent cache.
+
+  Raises:
+    TypeError: anything else (the message names the value).
+
+  Example:
+    >>> resolve_cache(False) is None
+    True
+    >>> isinstance(resolve_cache("/tmp/tj-doc-cache"), Cache)
+    True
+  """
+  if cache is None or cache is True:
+    return default_cache()
+  if cache is False:
+    return None
+  if isinstance(cache, Cache):
+    return cache
+  if isinstance(cache, (str, os.PathLike)):
+    return Cache(cache)
+  raise TypeError(f"cache must be None or True (the default cache), False (none), a "
+                  f"tunedjax.autotune.Cache or a folder path, got {cache!r} "
+                  f"(type {type(cache).__name__}).")

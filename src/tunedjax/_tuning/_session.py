@@ -1,0 +1,377 @@
+"""Tuning sessions: the phase, the step counter, the statistics and what was measured.
+
+As in Paddle's kernel auto-tuning, a step counter splits a run into three
+phases by the config's ``kernel.tuning_range = [start, stop)``:
+
+* **observe** (steps before ``start``): every kernel site uses its family's
+  default (``xla``); the first steps compile and warm up without tuning;
+* **tune** (``start <= step < stop``): a site whose bucket is not in the
+  cache is tuned and the winner stored;
+* **apply** (``step >= stop``): cached winners are used; a miss uses the default.
+
+A session with no step yet tunes at once. The state lives in a
+`TuningSession` owned by whoever drives steps: each `tunedjax.Trainer` has
+its own, `tunedjax.jit(..., session=...)` takes one, and the module-level
+`tunedjax.autotune.step` drives `default_session()` for users of `tj.jit`
+alone. While a program is traced, `using_session` makes a session current,
+so the tuners (`current_session()`) read its phase and record into it.
+
+A session also remembers what its tuners measured (`lookup`/`store`: an
+in-process memo over the persistent `Cache`, so a readonly or unwritable
+cache still serves what this run measured) and which warnings it gave.
+
+Example:
+  >>> import tunedjax as tj
+  >>> s = TuningSession()
+  >>> with tj.config_context({"kernel": {"tuning_range": [1, 3]}}):
+  ...   [(s.step(), s.phase()) for _ in range(4)]
+  [(0, 'observe'), (1, 'tune'), (2, 'tune'), (3, 'apply')]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
+
+from tunedjax._config import get_config
+
+logger = logging.getLogger("tunedjax.autotune")
+
+OBSERVE, TUNE, APPLY = "observe", "tune", "apply"
+PHASES = (OBSERVE, TUNE, APPLY)
+_MAX_STEPS_KEPT = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+  """Cache lookups made while tracing during one step.
+
+  Attributes:
+    step: the step index (None: before the first `TuningSession.step`).
+    phase: ``"observe"``, ``"tune"`` or ``"apply"``.
+    hits: lookups answered by the cache.
+    misses: lookups the cache could not answer (tuned, or the default when applying).
+    tuning_s: seconds spent tuning in this step.
+  """
+
+  step: int | None
+  phase: str
+  hits: int = 0
+  misses: int = 0
+  tuning_s: float = 0.0
+
+  @property
+  def hit_rate(self) -> float:
+    """hits / (hits + misses); 0.0 without lookups."""
+    total = self.hits + self.misses
+    return self.hits / total if total else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """What kernel selection did in one session (from `TuningSession.stats`).
+
+  Attributes:
+    step: the current step (None before the first step).
+    phase: the current phase.
+    hits: cache hits in total.
+    misses: cache misses in total.
+    tuning_s: seconds spent tuning in total.
+    buckets_tuned: how many buckets were tuned.
+    per_step: a `StepStats` for every step that looked anything up.
+  """
+
+  step: int | None
+  phase: str
+  hits: int
+  misses: int
+  tuning_s: float
+  buckets_tuned: int
+  per_step: tuple[StepStats, ...]
+
+  @property
+  def hit_rate(self) -> float:
+    """hits / (hits + misses); 0.0 without lookups."""
+    total = self.hits + self.misses
+    return self.hits / total if total else 0.0
+
+  def window(self) -> tuple[StepStats, ...]:
+    """The `per_step` entries whose step lies in the tuning window."""
+    return tuple(s for s in self.per_step if s.phase == TUNE)
+
+
+def phase_of(step_index: int | None, tuning_range: tuple[int, int]) -> str:
+  """The phase of `step_index` for ``tuning_range = (start, stop)``.
+
+  Example:
+    >>> [phase_of(s, (1, 3)) for s in (None, 0, 1, 2, 3)]
+    ['tune', 'observe', 'tune', 'tune', 'apply']
+  """
+  if step_index is None:
+    return TUNE
+  start, stop = tuning_range
+  if step_index < start:
+    return OBSERVE
+  return TUNE if step_index < stop else APPLY
+
+
+def _memo_key(cache: Any, namespace: str, key: Mapping[str, Any]) -> tuple[str, str, str]:
+  where = str(getattr(cache, "path", None) or id(cache))
+  return (where, namespace, json.dumps(key, sort_keys=True, default=str))
+
+
+class TuningSession:
+  """The tuning state of one run: phase, step counter, statistics, measurements.
+
+  Thread-safe. Create one per training run (the `Trainer` does); pass it to
+  `tunedjax.jit(..., session=...)`, and call `step` at the start of every
+  training step.
+
+  Args:
+    name: a label for logs and ``repr``.
+
+  Example:
+    >>> s = TuningSession("run-a")
+    >>> s.step(), s.step(), s.step(index=10), s.current_step()
+    (0, 1, 10, 10)
+    >>> s.reset(); s.current_step() is None
+    True
+  """
+
+  def __init__(self, name: str = "session"):
+    self.name = str(name)
+    self._lock = threading.RLock()
+    self._step: int | None = None
+    self._per_step: dict[int | None, list[Any]] = {}
+    self._buckets_tuned = 0
+    self._measured: dict[tuple[str, str, str], dict[str, Any]] = {}
+    self._warned: set[Hashable] = set()
+    self._observe_done = False
+
+  def __repr__(self) -> str:
+    return f"TuningSession({self.name!r}, step={self.current_step()})"
+
+  # -- steps and phases ---------------------------------------------------------
+
+  def step(self, index: int | None = None) -> int:
+    """Starts the next step and returns its index (0 on the first call).
+
+    Logs the step that just ended at INFO when it lay in the tuning window.
+
+    Args:
+      index: the index of the step starting now, for a run that resumes at a
+        later step (default: one more than the last, or 0).
+    """
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)
+                              or index < 0):
+      raise ValueError(f"step(index=...) must be an int >= 0, got {index!r}.")
+    tuning_range = get_config().kernel.tuning_range
+    with self._lock:
+      ended = self._step
+      row = self._per_step.get(ended)
+      self._step = index if index is not None else (0 if ended is None else ended + 1)
+      new = self._step
+    if row is not None and row[0] == TUNE:
+      total = row[1] + row[2]
+      logger.info("autotune %s step %s: %d lookups, %d hits, %d misses, cache hit rate "
+                  "%.1f%%, %.2fs tuning", self.name, ended, total, row[1], row[2],
+                  100.0 * row[1] / total if total else 0.0, row[3])
+    if phase_of(new, tuning_range) != phase_of(ended, tuning_range):
+      logger.info("autotune %s: step %d enters the %s phase (tuning_range %s)", self.name,
+                  new, phase_of(new, tuning_range), list(tuning_range))
+    return new
+
+  def current_step(self) -> int | None:
+    """The current step index, or None before the first `step`."""
+    with self._lock:
+      return self._step
+
+  def phase(self, config: Any = None) -> str:
+    """The phase now: ``"observe"``, ``"tune"`` or ``"apply"``."""
+    config = get_config() if config is None else config
+    with self._lock:
+      step, skip_observe = self._step, self._observe_done
+    phase = phase_of(step, config.kernel.tuning_range)
+    return TUNE if phase == OBSERVE and skip_observe else phase
+
+  def end_observe(self) -> None:
+    """Ends the observe phase early: steps before the tuning window tune (or apply) too.
+
+    The Trainer calls this when it tunes the kernels before step 0 (with the
+    loader's tuning), so the steps before ``tuning_range`` run the tuned
+    program instead of compiling an all-default one to observe.
+
+    Example:
+      >>> import tunedjax as tj
+      >>> s = TuningSession()
+      >>> with tj.config_context({"kernel": {"tuning_range": [2, 4]}}):
+      ...   _ = s.step(); before = s.phase(); s.end_observe(); after = s.phase()
+      >>> before, after
+      ('observe', 'tune')
+    """
+    with self._lock:
+      self._observe_done = True
+
+  def phase_key(self, config: Any = None) -> str:
+    """What a traced program depends on: ``"observe"`` (all defaults) or ``"select"``.
+
+    Tune and apply make the same choices for buckets tuned in the window, so
+    a program traced in the tune phase need not be traced again to apply.
+    """
+    return "observe" if self.phase(config) == OBSERVE else "select"
+
+  # -- statistics ---------------------------------------------------------------
+
+  def record(self, *, hit: bool | None = None, tuning_s: float = 0.0, tuned: bool = False,
+             config: Any = None) -> None:
+    """Counts one cache lookup (and the tuning it caused) in the current step.
+
+    Args:
+      hit: True for a hit, False for a miss, None for no lookup.
+      tuning_s: seconds spent tuning for it.
+      tuned: whether a bucket was tuned.
+      config: the config (for the phase); default `get_config()`.
+    """
+    config = get_config() if config is None else config
+    with self._lock:
+      row = self._per_step.get(self._step)
+      if row is None:
+        row = self._per_step[self._step] = [
+            phase_of(self._step, config.kernel.tuning_range), 0, 0, 0.0]
+        while len(self._per_step) > _MAX_STEPS_KEPT:
+          del self._per_step[next(iter(self._per_step))]
+      if hit is True:
+        row[1] += 1
+      elif hit is False:
+        row[2] += 1
+      row[3] += tuning_s
+      self._buckets_tuned += int(tuned)
+
+  def stats(self, config: Any = None) -> Stats:
+    """Cache hits, misses, hit rate and tuning seconds so far.
+
+    Example:
+      >>> s = TuningSession()
+      >>> st = s.stats()
+      >>> st.hits, st.misses, st.hit_rate, st.tuning_s, st.phase
+      (0, 0, 0.0, 0.0, 'tune')
+    """
+    config = get_config() if config is None else config
+    with self._lock:
+      rows = [StepStats(k, row[0], row[1], row[2], row[3])
+              for k, row in self._per_step.items()]
+      current, tuned = self._step, self._buckets_tuned
+    return Stats(step=current, phase=phase_of(current, config.kernel.tuning_range),
+                 hits=sum(r.hits for r in rows), misses=sum(r.misses for r in rows),
+                 tuning_s=float(sum(r.tuning_s for r in rows)), buckets_tuned=tuned,
+                 per_step=tuple(rows))
+
+  def reset(self) -> None:
+    """Forgets the step counter, the statistics and the measurements (caches are kept)."""
+    with self._lock:
+      self._step = None
+      self._per_step.clear()
+      self._buckets_tuned = 0
+      self._measured.clear()
+      self._warned.clear()
+      self._observe_done = False
+
+  # -- what this session measured ----------------------------------------------
+
+  def lookup(self, cache: Any, namespace: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A measured value: what this session stored first, then the persistent cache.
+
+    Args:
+      cache: a `Cache`, or None for this session's memory only.
+      namespace: the tuner's namespace (``"conv"``, ``"layout"``, ...).
+      key: the full key (JSON).
+
+    Returns:
+      The value, or None on a miss.
+    """
+    with self._lock:
+      found = self._measured.get(_memo_key(cache, namespace, key))
+    if found is not None or cache is None:
+      return found
+    found = cache.get(namespace, key)
+    if found is not None:
+      with self._lock:
+        self._measured[_memo_key(cache, namespace, key)] = found
+    return found
+
+  def store(self, cache: Any, namespace: str, key: Mapping[str, Any],
+            value: Mapping[str, Any]) -> None:
+    """Remembers `value` in this session and writes it to `cache` (if any).
+
+    A cache that cannot be written (a read-only or full disk) gets a warning
+    from the cache itself; the value is still kept for this session.
+    """
+    with self._lock:
+      self._measured[_memo_key(cache, namespace, key)] = dict(value)
+    if cache is None:
+      return
+    try:
+      cache.put(namespace, key, value)
+    except OSError as e:  # an unwritable folder must not stop training
+      logger.warning("tunedjax: could not write the tuning cache %s (%s); the result "
+                     "is kept for this run only.", getattr(cache, "path", cache), e)
+
+  def forget_measured(self) -> None:
+    """Forgets what this session measured (the cache files are kept)."""
+    with self._lock:
+      self._measured.clear()
+
+  def first_time(self, what: Hashable) -> bool:
+    """True the first time `what` is asked about in this session (warn-once keys)."""
+    with self._lock:
+      if what in self._warned:
+        return False
+      self._warned.add(what)
+      return True
+
+
+_DEFAULT = TuningSession("default")
+_CURRENT: contextvars.ContextVar[TuningSession | None] = contextvars.ContextVar(
+    "tunedjax_tuning_session", default=None)
+
+
+def default_session() -> TuningSession:
+  """The session that `tunedjax.autotune.step` drives, for `tj.jit` used alone."""
+  return _DEFAULT
+
+
+def current_session() -> TuningSession:
+  """The session a trace reads and records into: the innermost `using_session`, or the default."""
+  session = _CURRENT.get()
+  return _DEFAULT if session is None else session
+
+
+@contextlib.contextmanager
+def using_session(session: TuningSession | None) -> Iterator[TuningSession]:
+  """Makes `session` current inside the block (None: leave the current one).
+
+  Example:
+    >>> s = TuningSession("mine")
+    >>> with using_session(s):
+    ...   current_session() is s
+    True
+    >>> current_session() is default_session()
+    True
+  """
+  if session is None:
+    yield current_session()
+    return
+  if not isinstance(session, TuningSession):
+    raise TypeError(f"session must be a tunedjax.autotune.TuningSession or None, got "
+                    f"{session!r} (type {type(session).__name__}).")
+  token = _CURRENT.set(session)
+  try:
+    yield session
+  finally:
+    _CURRENT.reset(token)
