@@ -401,4 +401,4 @@ def test_the_kernel_phase_retraces_only_when_kernel_selection_is_on():
         f(jnp.ones(2))
     assert len(f.report(memory=False)) == 3  # one program per phase of selection
   finally:
-    tj.autotune.reset_stats()
+    tj.autotune.default_session().reset()

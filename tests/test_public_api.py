@@ -11,17 +11,18 @@ import pytest
 import tunedjax as tj
 
 PUBLIC = {
-    "tunedjax": {"CacheWarning", "Config", "ConfigError", "JitReport", "Jitted", "RewriteError",
+    "tunedjax": {"AutotuneError", "CacheWarning", "Config", "LayoutError", "ConfigError", "JitReport", "Jitted", "RewriteError",
                  "TunedJaxError", "__version__", "autotune", "config_context", "get_config",
                  "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
                  "History", "Trainer", "trainer"},
     "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint", "HintWarning",
-                          "Kernel", "Stats", "StepStats", "TuneOptions", "TuneResult",
-                          "active_hints", "current_phase", "device_fingerprint", "explain", "get_kernel",
-                          "hint", "kernel_pass", "kernels", "phase_key", "register_kernel",
-                          "reset_stats", "select_kernels", "stats", "step", "unregister_kernel"},
+    "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
+                          "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
+                          "Stats", "TuningSession", "default_session", "device_fingerprint",
+                          "dispatch", "explain", "hint", "kernels", "op_families",
+                          "register_kernel", "register_op_family", "select_kernels", "stats",
+                          "step", "unregister_kernel", "unregister_op_family"},
     "tunedjax.mixed_precision": {
         "DEFAULT_ALLOW", "DEFAULT_DENY", "DEFAULT_FOLLOW", "DynamicLossScale",
         "LinenMixedPrecision", "MasterWeightsState", "MixedPrecision", "NoOpLossScale", "OpLists",
@@ -57,6 +58,23 @@ def test_errors_form_one_hierarchy():
   assert issubclass(tj.ConfigError, ValueError)
   assert issubclass(tj.RewriteError, tj.TunedJaxError)
   assert issubclass(tj.trainer.TrainerError, tj.TunedJaxError)
+  assert issubclass(tj.AutotuneError, tj.TunedJaxError)
+  assert issubclass(tj.LayoutError, tj.ConfigError)
+
+
+def test_each_option_has_one_list_of_valid_choices():
+  """A choice list lives in `_config` and the modules that check it use that very object."""
+  from tunedjax import _config
+  from tunedjax.layout import _optimize
+  with pytest.raises(tj.ConfigError) as config_error:
+    tj.set_config({"layout": {"mode": "guess"}})
+  with pytest.raises(tj.LayoutError) as layout_error:
+    tj.layout.optimize(lambda x: x, mode="guess")
+  for error in (config_error, layout_error):
+    assert all(repr(m) in str(error.value) for m in _config.LAYOUT_MODES)
+  assert _optimize.MODES is _config.LAYOUT_MODES
+  from tunedjax.mixed_precision import _loss_scale
+  assert not hasattr(_loss_scale, "LOSS_SCALE_CHOICES")
 
 
 def test_version_matches_package_metadata():

@@ -20,8 +20,10 @@ from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
 from tunedjax._config import get_config as get_config
 from tunedjax._config import set_config as set_config
+from tunedjax._errors import AutotuneError as AutotuneError
 from tunedjax._errors import CacheWarning as CacheWarning
 from tunedjax._errors import ConfigError as ConfigError
+from tunedjax._errors import LayoutError as LayoutError
 from tunedjax._errors import RewriteError as RewriteError
 from tunedjax._errors import TunedJaxError as TunedJaxError
 from tunedjax._jit import Jitted as Jitted
@@ -32,12 +34,14 @@ from tunedjax.trainer import History as History
 from tunedjax.trainer import Trainer as Trainer
 
 __all__ = [
+    "AutotuneError",
     "CacheWarning",
     "Config",
     "ConfigError",
     "History",
     "JitReport",
     "Jitted",
+    "LayoutError",
     "RewriteError",
     "Trainer",
     "TunedJaxError",

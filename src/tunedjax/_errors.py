@@ -53,8 +53,11 @@ class AutotuneError(TunedJaxError):
   """
 
 
-class LayoutError(TunedJaxError):
-  """The layout pass was asked for something it cannot do (an unknown target or mode)."""
+class LayoutError(ConfigError):
+  """The layout pass was asked for something it cannot do (an unknown target, mode or platform).
+
+  A `ConfigError` too: these are bad option values.
+  """
 
 
 UNKNOWN_KEY = (

@@ -121,5 +121,5 @@ def test_measure_mode_without_convolutions_measures_nothing(tmp_cache):
 def test_random_inputs_are_random_floats_and_zero_indices():
   avals = [jax.core.ShapedArray((3, 4), jnp.float32), jax.core.ShapedArray((3,), jnp.int32),
            jax.core.ShapedArray((2,), jnp.bfloat16)]
-  x, i, b = _measure.random_inputs(avals)
+  x, i, b = _tuning.random_inputs(avals)
   assert x.std() > 0.1 and (i == 0).all() and b.dtype == jnp.bfloat16

@@ -103,7 +103,7 @@ def test_nnx_overrides_per_class(rng):
 
 def test_nnx_o2_half_params_except_norms_with_master_weights(rng):
   x, y = _data(rng)
-  model = mp.wrap(_Net(nnx.Rngs(0)), "mixed_bfloat16", level="O2")
+  model = mp.wrap(_Net(nnx.Rngs(0)), "mixed_bfloat16", params="compute")
   dtypes = _param_dtypes(model.module)
   for path, dtype in dtypes.items():
     want = jnp.float32 if ("'ln'" in path or "'bn'" in path) else jnp.bfloat16
@@ -174,6 +174,17 @@ def test_linen_mutable_batch_stats(rng):
 def test_bad_arguments():
   with pytest.raises(mp.PolicyError, match="'O1' or 'O2'"):
     mp.wrap(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), level="O3")
+  with pytest.raises(mp.PolicyError, match=r"params must be one of 'master' or 'compute'.*'O2'"):
+    mp.wrap(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), params="O2")
+
+
+def test_paddle_level_names_mean_the_same_storage(rng):
+  for level, params in (("O1", "master"), ("O2", "compute")):
+    a = mp.wrap(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16", level=level)
+    b = mp.wrap(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16", params=params)
+    assert a.module.kernel.get_value().dtype == b.module.kernel.get_value().dtype
+    x = jnp.asarray(rng.normal(size=(3, 4)).astype(np.float32))
+    np.testing.assert_array_equal(a(x), b(x))
   with pytest.raises(mp.PolicyError, match="nnx.Module or linen.Module"):
     mp.wrap(lambda x: x)
   with pytest.raises(mp.PolicyError, match="module classes"):

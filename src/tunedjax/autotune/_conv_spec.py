@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from tunedjax._errors import TunedJaxError, format_choices
+from tunedjax._errors import AutotuneError, format_choices
 
 _PRECISION_TYPES = {"Precision": lax.Precision}
 if hasattr(lax, "DotAlgorithmPreset"):
@@ -50,7 +50,7 @@ def _parse_one_precision(text: str) -> Any:
   kind, _, member = text.partition(".")
   enum = _PRECISION_TYPES.get(kind)
   if enum is None or member not in enum.__members__:
-    raise TunedJaxError(
+    raise AutotuneError(
         f"ConvSpec.precision {text!r} is not a precision tunedjax can rebuild; "
         "expected None, 'Precision.DEFAULT', 'Precision.HIGH', "
         "'Precision.HIGHEST' or a pair of them."
@@ -127,7 +127,7 @@ class ConvSpec:
       set_(self, "preferred_element_type",
            _dtype_name(self.preferred_element_type))
     if len(self.dimension_numbers) != 3:
-      raise TunedJaxError(
+      raise AutotuneError(
           "ConvSpec.dimension_numbers must be (lhs_spec, rhs_spec, out_spec), "
           f"got {self.dimension_numbers!r}."
       )
@@ -145,7 +145,7 @@ class ConvSpec:
     """
     name = getattr(eqn.primitive, "name", eqn.primitive)
     if name != "conv_general_dilated":
-      raise TunedJaxError(
+      raise AutotuneError(
           f"ConvSpec.from_equation expects a conv_general_dilated equation, "
           f"got primitive {name!r}."
       )
@@ -238,7 +238,7 @@ class ConvSpec:
     names = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(d, dict) or set(d) != set(names):
       got = sorted(d) if isinstance(d, dict) else type(d).__name__
-      raise TunedJaxError(
+      raise AutotuneError(
           f"A ConvSpec dict must have exactly the keys {format_choices(names)}; "
           f"got {got!r}.")
     problem = _check_types(d)
@@ -247,9 +247,9 @@ class ConvSpec:
         spec = cls(**d)
         _parse_precision(spec.precision)
         return spec
-      except (TypeError, ValueError, TunedJaxError) as e:
+      except (TypeError, ValueError, AutotuneError) as e:
         problem = str(e)
-    raise TunedJaxError(f"Invalid ConvSpec dict {d!r}: {problem}")
+    raise AutotuneError(f"Invalid ConvSpec dict {d!r}: {problem}")
 
 
 def _is_int(v: Any) -> bool:

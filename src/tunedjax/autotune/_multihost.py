@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunedjax._errors import TunedJaxError
+from tunedjax._errors import AutotuneError
 
 
 def is_multiprocess() -> bool:
@@ -79,12 +79,12 @@ def agree(decide: Callable[[], str], names: Sequence[str]) -> str:
   if is_leader():
     choice = decide()
     if choice not in names:
-      raise TunedJaxError(f"multihost agreement: process 0 chose {choice!r}, which "
+      raise AutotuneError(f"multihost agreement: process 0 chose {choice!r}, which "
                           f"is not among {names}.")
     index = names.index(choice)
   got = _broadcast_index(index)
   if not 0 <= got < len(names):
-    raise TunedJaxError(f"multihost agreement: received kernel index {got} for "
+    raise AutotuneError(f"multihost agreement: received kernel index {got} for "
                         f"{len(names)} names {names}; are all processes running "
                         "the same tunedjax with the same registered kernels?")
   return names[got]

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from tunedjax import _errors
+from tunedjax._config import LAYOUT_MODES
 from tunedjax import rewrite
 from tunedjax.layout import _measure
 from tunedjax.layout._prefer import canonical_platform
@@ -37,13 +38,13 @@ from tunedjax.layout._rules import CONV
 from tunedjax.layout._rules import make_pass
 from tunedjax.layout._value import LayoutState
 
-MODES = ("heuristic", "measure")
+MODES = LAYOUT_MODES  # one list of valid choices: the config's
 _NO_PASS = rewrite.Pass("layout-unchanged")
 
 
 def _check_mode(mode: str) -> str:
   if mode not in MODES:
-    raise _errors.ConfigError(
+    raise _errors.LayoutError(
         f"layout mode must be one of {_errors.format_choices(MODES)}, got {mode!r}"
         f"{_errors.did_you_mean(str(mode), MODES)}.")
   return mode
@@ -177,7 +178,7 @@ class Optimized:
       key = signature if signature is not None else self._last
       if key is None or key not in self._reports:
         known = list(self._reports)
-        raise _errors.TunedJaxError(
+        raise _errors.LayoutError(
             f"No layout report for signature {key!r}: call the function first "
             f"(under jax.jit, the first call traces it). Traced signatures: {known}.")
       return self._reports[key]

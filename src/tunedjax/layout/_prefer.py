@@ -69,6 +69,6 @@ def check_target(target: str) -> str:
     for choice in choices:
       if target.lower() == choice.lower():
         return choice
-  raise _errors.ConfigError(
+  raise _errors.LayoutError(
       f"layout target must be one of {_errors.format_choices(choices)}, got {target!r}"
       f"{_errors.did_you_mean(str(target), choices)}.")

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunedjax._config import get_config
+from tunedjax._config import LOSS_SCALES, get_config
 from tunedjax._errors import ConfigError, format_choices
 from tunedjax.mixed_precision._policy import PolicyLike, get_policy
 
@@ -245,7 +245,6 @@ _register(DynamicLossScale, ("loss_scale", "counter"),
 _register(NoOpLossScale, (), ())
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
-LOSS_SCALE_CHOICES = ("auto", "dynamic", "static", "none")
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -370,5 +369,5 @@ def loss_scale_for(policy: PolicyLike | None = None, config_value: str | None = 
   if config_value == "none":
     return NoOpLossScale()
   raise ConfigError(f"mixed_precision.loss_scale must be one of "
-                    f"{format_choices(LOSS_SCALE_CHOICES)}, got {config_value!r}.")
+                    f"{format_choices(LOSS_SCALES)}, got {config_value!r}.")
 

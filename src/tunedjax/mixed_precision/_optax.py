@@ -85,7 +85,7 @@ def master_weights(inner: optax.GradientTransformation, *,
                    dtype: Any = jnp.float32) -> optax.GradientTransformation:
   """Keeps a float32 master copy of half-precision parameters in the optimizer.
 
-  For `wrap(..., level="O2")`, where the model stores its parameters in
+  For `wrap(..., params="compute")`, where the model stores its parameters in
   bfloat16/float16: gradients are cast to `dtype`, the inner optimizer updates
   the master copy, and the returned updates take the model's parameters to
   the new master values rounded to their own dtype. Small updates thus

@@ -1,18 +1,20 @@
 """`wrap`: mixed precision for a whole Flax nnx or linen model in one line.
 
-Levels, after Paddle's AMP:
+Where the parameters are stored (``params=``; Paddle's AMP calls these O1
+and O2, words `tunedjax.jit` uses for its own levels):
 
-- ``"O1"``: parameters stay stored in `param_dtype` (float32 master
-  weights); the module's call runs through the `autocast` pass, so each
-  matmul and convolution casts its weight to `compute_dtype` right where it
-  is used (no second copy of the model), with float32 accumulation.
-- ``"O2"``: parameters are stored in `compute_dtype` except those of
-  normalization layers (converted in place by `wrap` for nnx, by `init` for
-  linen); inputs are cast to `compute_dtype`; keep a float32 master copy in
-  the optimizer with `master_weights`.
+- ``"master"`` (default; Paddle's O1): parameters stay stored in
+  `param_dtype` (float32 master weights); the module's call runs through the
+  `autocast` pass, so each matmul and convolution casts its weight to
+  `compute_dtype` right where it is used (no second copy of the model), with
+  float32 accumulation.
+- ``"compute"`` (Paddle's O2): parameters are stored in `compute_dtype`
+  except those of normalization layers (converted in place by `wrap` for
+  nnx, by `init` for linen); inputs are cast to `compute_dtype`; keep a
+  float32 master copy in the optimizer with `master_weights`.
 
 Normalization layers (BatchNorm, LayerNorm, GroupNorm, RMSNorm) run in
-float32 at both levels, as in Paddle's O2; `overrides` gives any module class
+float32 either way, as in Paddle's O2; `overrides` gives any module class
 its own compute dtype. Outputs are cast to `output_dtype`.
 """
 
@@ -30,12 +32,13 @@ from flax import linen as nn
 from flax import nnx
 
 from tunedjax import rewrite
-from tunedjax._errors import format_choices
+from tunedjax._errors import did_you_mean, format_choices
 from tunedjax.mixed_precision._autocast import autocast_pass, precision_region
 from tunedjax.mixed_precision._policy import (Policy, PolicyError, PolicyLike,
                                               get_policy)
 
-LEVELS = ("O1", "O2")
+PARAM_STORAGE = ("master", "compute")
+_PADDLE_LEVELS = {"O1": "master", "O2": "compute"}
 NNX_NORMS = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
 LINEN_NORMS = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -77,10 +80,18 @@ def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
   return arrays, rebuild
 
 
-def _check_level(level: str) -> str:
-  if level not in LEVELS:
-    raise PolicyError(f"wrap: level must be one of {format_choices(LEVELS)}, got {level!r}.")
-  return level
+def _check_params(params: str, level: str | None) -> str:
+  if level is not None:  # Paddle's words, accepted for code written against them
+    if level not in _PADDLE_LEVELS:
+      raise PolicyError(f"wrap: level must be one of {format_choices(_PADDLE_LEVELS)} "
+                        f"(Paddle's names; prefer params= with "
+                        f"{format_choices(PARAM_STORAGE)}), got {level!r}.")
+    return _PADDLE_LEVELS[level]
+  if params not in PARAM_STORAGE:
+    raise PolicyError(f"wrap: params must be one of {format_choices(PARAM_STORAGE)} "
+                      f"(where the parameters are stored), got {params!r}"
+                      f"{did_you_mean(str(params), PARAM_STORAGE)}.")
+  return params
 
 
 # nnx
@@ -117,11 +128,11 @@ class MixedPrecision(nnx.Module):
     module: the wrapped module (the same object: its parameters are shared).
   """
 
-  def __init__(self, module: nnx.Module, policy: Policy, regions: Any, level: str):
+  def __init__(self, module: nnx.Module, policy: Policy, regions: Any, params: str):
     self.module = module
     self._policy_text = str(policy)
     self._regions = regions
-    self._level = level
+    self._params = params
 
   @property
   def policy(self) -> Policy:
@@ -129,7 +140,7 @@ class MixedPrecision(nnx.Module):
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     policy, regions = self.policy, self._regions
-    if self._level == "O2":
+    if self._params == "compute":
       args, kwargs = policy.cast_to_compute((args, kwargs))
     graphdef, state = nnx.split(self.module)
     arrays, rebuild = _split_static((args, kwargs))
@@ -146,15 +157,15 @@ class MixedPrecision(nnx.Module):
     return policy.cast_to_output(out)
 
 
-def _wrap_nnx(module: nnx.Module, policy: Policy, regions: Any, level: str) -> MixedPrecision:
-  if level == "O2":  # parameters stored in the compute dtype, norms excepted
+def _wrap_nnx(module: nnx.Module, policy: Policy, regions: Any, params: str) -> MixedPrecision:
+  if params == "compute":  # parameters stored in the compute dtype, norms excepted
     owners = _nnx_owner_dtypes(module, regions)
     for path, var in nnx.iter_graph(module):
       if isinstance(var, nnx.Param) and jnp.issubdtype(var.get_value().dtype, jnp.floating):
         owner = max((p for p in owners if tuple(path[:len(p)]) == p), key=len, default=())
         dtype = owners.get(owner) or policy.compute_dtype
         var.set_value(var.get_value().astype(dtype))
-  return MixedPrecision(module, policy, regions, level)
+  return MixedPrecision(module, policy, regions, params)
 
 
 # linen
@@ -180,16 +191,16 @@ class LinenMixedPrecision:
   Attributes:
     module: the wrapped linen module.
     policy: the `Policy`.
-    level: "O1" or "O2".
+    params: where the parameters are stored: ``"master"`` or ``"compute"``.
   """
 
   module: nn.Module
   policy: Policy
   regions: tuple[tuple[type, np.dtype], ...]
-  level: str
+  params: str
 
   def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
-    """`module.init`; at O2 the parameters come back in the compute dtype,
+    """`module.init`; with ``params="compute"`` the parameters come back in the compute dtype,
     those of normalization layers (and float32 overrides) excepted."""
     owners: dict[tuple[str, ...], np.dtype | None] = {}
 
@@ -199,7 +210,7 @@ class LinenMixedPrecision:
 
     with nn.intercept_methods(record):
       variables = self.module.init(rngs, *args, **kwargs)
-    if self.level != "O2":
+    if self.params != "compute":
       return variables
 
     def cast(path: Any, x: Any) -> Any:
@@ -215,7 +226,7 @@ class LinenMixedPrecision:
     """`module.apply` under the policy; with `mutable`, returns `(out,
     updated collections)` as linen does (only `out` is cast)."""
     policy = self.policy
-    if self.level == "O2":
+    if self.params == "compute":
       args = policy.cast_to_compute(args)
     arrays, rebuild = _split_static((args, kwargs))
 
@@ -231,7 +242,8 @@ class LinenMixedPrecision:
 
 
 def wrap(module: Any, policy: PolicyLike = "mixed_bfloat16", *,
-         overrides: Overrides | None = None, level: str = "O1") -> Any:
+         overrides: Overrides | None = None, params: str = "master",
+         level: str | None = None) -> Any:
   """Runs a Flax nnx or linen module in mixed precision.
 
   Args:
@@ -241,9 +253,12 @@ def wrap(module: Any, policy: PolicyLike = "mixed_bfloat16", *,
       "float32"}`: instances of the class run in that compute dtype. The
       normalization layers (BatchNorm, LayerNorm, GroupNorm, RMSNorm) run in
       float32 unless overridden.
-    level: "O1" (parameters stay float32, each op cast by the autocast op
-      lists) or "O2" (parameters stored in the compute dtype, norms excepted;
-      pair it with `master_weights` in the optimizer).
+    params: ``"master"`` (parameters stay float32, each op cast by the
+      autocast op lists; Paddle's O1) or ``"compute"`` (parameters stored in
+      the compute dtype, norms excepted; pair it with `master_weights` in the
+      optimizer; Paddle's O2).
+    level: Paddle's name for the same choice, ``"O1"`` or ``"O2"``, for code
+      written against Paddle's AMP (it wins over `params` when given).
 
   Returns:
     For nnx, a `MixedPrecision` module wrapping `module` (same parameters);
@@ -258,10 +273,10 @@ def wrap(module: Any, policy: PolicyLike = "mixed_bfloat16", *,
     (dtype('float32'), dtype('float32'))
   """
   policy = get_policy(policy)
-  level = _check_level(level)
+  params = _check_params(params, level)
   if isinstance(module, nnx.Module):
-    return _wrap_nnx(module, policy, _resolve_overrides(overrides, NNX_NORMS), level)
+    return _wrap_nnx(module, policy, _resolve_overrides(overrides, NNX_NORMS), params)
   if isinstance(module, nn.Module):
-    return LinenMixedPrecision(module, policy, _resolve_overrides(overrides, LINEN_NORMS), level)
+    return LinenMixedPrecision(module, policy, _resolve_overrides(overrides, LINEN_NORMS), params)
   raise PolicyError(f"wrap expects a flax nnx.Module or linen.Module, got {module!r} "
                     f"(type {type(module).__name__}).")
