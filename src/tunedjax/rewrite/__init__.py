@@ -12,6 +12,7 @@ Example:
   Array(1., dtype=float32, weak_type=True)
 """
 
+from tunedjax.rewrite._engine import Boundary as Boundary
 from tunedjax.rewrite._engine import Context as Context
 from tunedjax.rewrite._engine import Pass as Pass
 from tunedjax.rewrite._engine import Rule as Rule
@@ -23,6 +24,7 @@ from tunedjax.rewrite._walk import count_primitives as count_primitives
 from tunedjax.rewrite._walk import iter_equations as iter_equations
 
 __all__ = [
+    "Boundary",
     "Context",
     "Pass",
     "Rule",
