@@ -15,7 +15,7 @@ PUBLIC = {
                  "TunedJaxError", "__version__", "autotune", "config_context", "get_config",
                  "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
                  "History", "Trainer", "trainer"},
-    "tunedjax.rewrite": {"Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
+    "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
                           "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",

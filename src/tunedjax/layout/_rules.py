@@ -19,11 +19,13 @@ The three op classes of PaddlePaddle's layout autotune, as rewrite rules:
   `integer_pow`, ...): the layout passes through; operands that disagree are
   brought to the common layout, broadcasts and scalars are remapped.
 
-`jit` calls are inlined, and `custom_jvp_call` (``jax.nn.relu``, ``gelu``)
-and `remat2` (``jax.checkpoint``) are rebuilt on the re-laid operands with
-their bodies (and derivative rule) conjugated, so a region in the target
-layout extends across them. `scan`, `while` and `cond` bodies are rewritten
-on their own: their operands go back to the original layout at the boundary.
+Plain `jit` calls are inlined (the engine's `inline_calls` hook), and
+`custom_jvp_call` (``jax.nn.relu``, ``gelu``) and `remat2`
+(``jax.checkpoint``) are rebuilt by the engine on the re-laid operands with
+their bodies (and derivative rule) conjugated (its `boundary` hook, given
+`_Boundary`), so a region in the target layout extends across them. `scan`,
+`while`, `cond` and `custom_vjp_call` bodies are rewritten on their own:
+their operands go back to the original layout at the boundary.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -43,8 +45,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.extend.linear_util as lu
+import jax.extend.core as jex_core
 from jax import lax
 
 from tunedjax import rewrite
@@ -57,7 +58,6 @@ from tunedjax.layout._value import inverse
 from tunedjax.layout._value import perm_of
 from tunedjax.layout._value import rank_of
 from tunedjax.layout._value import wrap
-from tunedjax.rewrite import _compat
 
 CONV = "conv_general_dilated"
 
@@ -378,66 +378,6 @@ class _Rules:
     self.st.count("axis ops remapped")
     return [wrap(out, out_perm)]
 
-  # -- calls ---------------------------------------------------------------
-
-  def jit(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Inlines a nested `jit` (jnp functions, Flax modules) so regions span it."""
-    sub = eqn.params["jaxpr"]
-    if not _plain_jit(eqn) or not (
-        any(isinstance(v, (Laid, Bcast)) for v in invals)
-        or any(e.primitive.name == CONV for e in rewrite.iter_equations(sub))):
-      return ctx.default(eqn, invals)
-    return ctx.eval_jaxpr(sub.jaxpr, sub.consts, list(invals))
-
-  def custom_jvp_call(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Rebuilds ``custom_jvp_call`` (relu, gelu, ...) on re-laid operands.
-
-    The function and its JVP rule are conjugated: they take and return the
-    physical arrays, and inside evaluate the original jaxprs through this
-    pass on `Laid` values, so ``g(P x) == P f(x)`` and its derivative rule is
-    the original one, exactly.
-    """
-    params = eqn.params
-    if (not any(isinstance(v, Laid) for v in invals) or params.get("num_consts", 0)
-        or params.get("symbolic_zeros") or "jvp_jaxpr_fun" not in params):
-      return ctx.default(eqn, invals)
-    st = self.st
-    in_perms = [v.perm if isinstance(v, Laid) else None for v in invals]
-    phys = [v.array if isinstance(v, Laid) else st.logical(v) for v in invals]
-    call = params["call_jaxpr"]
-    new_call, out_perms = _conjugate(ctx, st, call, in_perms, None)
-    thunk = params["jvp_jaxpr_fun"]
-
-    def jvp_thunk(*zeros: bool) -> Any:
-      jaxpr, consts, out_zeros = thunk.call_wrapped(*zeros)
-      tangent_perms = [p for p, z in zip(in_perms, zeros) if not z]
-      out_t_perms = [p for p, z in zip(out_perms, out_zeros) if not z]
-      new, _ = _conjugate(ctx, st, jax.extend.core.ClosedJaxpr(jaxpr, consts),
-                          [*in_perms, *tangent_perms], [*out_perms, *out_t_perms])
-      return new.jaxpr, list(new.consts), out_zeros
-
-    new_params = {**params, "call_jaxpr": new_call,
-                  "jvp_jaxpr_fun": lu.wrap_init(jvp_thunk, debug_info=thunk.debug_info)}
-    st.count("custom_jvp calls re-laid")
-    outs = _compat.bind_equation(eqn, phys, new_params)
-    return [o if p is None else Laid(o, p) for o, p in zip(outs, out_perms)]
-
-  def remat(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Rebuilds ``jax.checkpoint`` bodies on re-laid operands (conjugated, as above),
-    so a checkpointed block stays inside the region instead of cutting it."""
-    body = eqn.params.get("jaxpr")
-    if not isinstance(body, _compat.Jaxpr) or not (
-        any(isinstance(v, Laid) for v in invals)
-        or any(e.primitive.name == CONV for e in rewrite.iter_equations(body))):
-      return ctx.default(eqn, invals)
-    st = self.st
-    in_perms = [v.perm if isinstance(v, Laid) else None for v in invals]
-    phys = [v.array if isinstance(v, Laid) else st.logical(v) for v in invals]
-    new, out_perms = _conjugate(ctx, st, _compat.ClosedJaxpr(body, ()), in_perms, None)
-    new_open, consts = _compat.closed_to_open(new)
-    outs = ctx.bind(eqn, [*consts, *phys], jaxpr=new_open)
-    return [o if p is None else Laid(o, p) for o, p in zip(outs, out_perms)]
-
   def table(self) -> dict[str, Any]:
     rules: dict[str, Any] = {CONV: self.conv, "pad": self.pad}
     rules.update({name: self.elementwise for name in ELEMENTWISE})
@@ -450,8 +390,6 @@ class _Rules:
         "dynamic_slice": self.dynamic_slice,
         "dynamic_update_slice": self.dynamic_update_slice, "rev": self.rev,
         "squeeze": self.squeeze, "split": self.split, "reshape": self.reshape,
-        "jit": self.jit, "pjit": self.jit, "custom_jvp_call": self.custom_jvp_call,
-        "remat2": self.remat, "checkpoint": self.remat,
     })
     return rules
 
@@ -463,53 +401,50 @@ def _drop_axes(perm: Perm, axes: Sequence[int]) -> Perm:
   return tuple(renumber[a] for a in perm if a not in dropped)
 
 
-def _plain_jit(eqn: Any) -> bool:
-  """A nested jit without explicit shardings, donation or compiler options."""
-  params = eqn.params
-  for key in ("in_shardings", "out_shardings"):
-    if any(type(s).__name__ != "UnspecifiedValue" for s in params.get(key, ())):
-      return False
-  return not any(params.get("donated_invars", ())) and not params.get("compiler_options_kvs")
+def _has_conv(eqn: Any) -> bool:
+  """Whether a convolution is in `eqn`'s sub-jaxprs (at any depth)."""
+  return any(e.primitive.name == CONV for sub in jex_core.jaxprs_in_params(eqn.params)
+             for e in rewrite.iter_equations(sub))
 
 
-def _conjugate(ctx: rewrite.Context, st: LayoutState, closed: Any,
-               in_perms: Sequence[Perm | None], out_perms: Sequence[Perm | None] | None,
-               ) -> tuple[Any, list[Perm | None]]:
-  """Traces `closed` over physical inputs: ``g(*phys) = phys outputs of closed``.
+class _Boundary(rewrite.Boundary):
+  """Re-laid values cross rebuilt calls as their physical arrays.
 
-  Args:
-    ctx: the engine context (its rules evaluate the body).
-    st: the pass state.
-    closed: the jaxpr to conjugate.
-    in_perms: the layout of each input (None: logical).
-    out_perms: the layout each output must be returned in, or None to keep
-      whatever layout the body produces.
-
-  Returns:
-    The new closed jaxpr and the layout of each of its outputs.
+  The engine rebuilds a `jax.checkpoint` body or a ``custom_jvp_call``
+  (relu, gelu, ...) on the physical arrays, conjugated: the new body
+  evaluates the original one through this pass on `Laid` values, so
+  ``g(P x) == P f(x)`` and the derivative rule is the original one, exactly.
   """
-  in_avals = []
-  for aval, perm in zip(closed.in_avals, in_perms):
-    if perm is not None:
-      aval = aval.update(shape=tuple(aval.shape[a] for a in perm))
-    in_avals.append(aval)
-  produced: list[Perm | None] = []
 
-  def body(*phys: Any) -> list[Any]:
-    vals = [x if p is None else Laid(x, p) for x, p in zip(phys, in_perms)]
-    outs = ctx.eval_jaxpr(closed.jaxpr, closed.consts, vals)
-    result = []
-    for i, (o, aval) in enumerate(zip(outs, closed.out_avals)):
-      want = out_perms[i] if out_perms is not None else perm_of(o)
-      produced.append(want)
-      x = st.logical(o) if want is None else st.to_perm(o, want)
-      if aval.weak_type != jax.typeof(x).weak_type:
-        x = _compat.convert_element_type(x, aval.dtype, aval.weak_type)
-      result.append(x)
-    return result
+  def __init__(self, state: LayoutState):
+    self.st = state
 
-  new = _compat.trace_to_jaxpr(body, in_avals, closed.jaxpr.debug_info)
-  return new, produced
+  def tag(self, value: Any) -> Perm | None:
+    return perm_of(value)
+
+  def to_physical(self, value: Any, tag: Perm) -> Any:
+    return self.st.to_perm(value, tag)
+
+  def from_physical(self, array: Any, tag: Perm) -> Any:
+    return Laid(array, tag)
+
+  def physical_aval(self, aval: Any, tag: Perm) -> Any:
+    return aval.update(shape=tuple(aval.shape[a] for a in tag))
+
+  def applies(self, ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> bool:
+    del ctx
+    return any(isinstance(v, Laid) for v in invals) or _has_conv(eqn)
+
+  def on_rebuild(self, ctx: rewrite.Context, eqn: Any, kind: str) -> None:
+    del ctx, eqn
+    if kind == "custom_jvp":
+      self.st.count("custom_jvp calls re-laid")
+
+
+def _inline(ctx: rewrite.Context, eqn: Any, invals: Sequence[Any]) -> bool:
+  """Inline a nested jit (jnp functions, Flax modules) so regions span it."""
+  del ctx
+  return any(isinstance(v, (Laid, Bcast)) for v in invals) or _has_conv(eqn)
 
 
 def make_pass(state: LayoutState) -> rewrite.Pass:
@@ -527,4 +462,5 @@ def make_pass(state: LayoutState) -> rewrite.Pass:
     'layout'
   """
   return rewrite.Pass("layout", _Rules(state).table(),
-                      materialize=lambda value, aval: state.logical(value))
+                      materialize=lambda value, aval: state.logical(value),
+                      inline_calls=_inline, boundary=_Boundary(state))

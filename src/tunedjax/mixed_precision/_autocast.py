@@ -66,10 +66,6 @@ DEFAULT_FOLLOW = (
     # reductions that do not accumulate rounding error
     "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin",
 )
-# Call primitives whose body is inlined into the pass (so half-precision
-# values flow through `jax.nn` helpers, which are jitted); only when the call
-# pins no shardings.
-_INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call")
 KNOWN_PRIMITIVES = tuple(sorted({*DEFAULT_ALLOW, *DEFAULT_DENY, *DEFAULT_FOLLOW}))
 _ACCUMULATING = ("dot_general", "conv_general_dilated")
 
@@ -275,18 +271,6 @@ def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]
     return ctx.default(eqn, invals)
 
 
-def _inline_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  params = eqn.params
-  pinned = [s for key in ("in_shardings", "out_shardings") for s in params.get(key, ())
-            if type(s).__name__ != "UnspecifiedValue"]
-  closed = params.get("jaxpr", params.get("call_jaxpr"))
-  if pinned or closed is None or params.get("donated_invars", ()) and any(params["donated_invars"]):
-    return ctx.default(eqn, invals)
-  if not hasattr(closed, "consts"):  # an open jaxpr
-    return ctx.default(eqn, invals)
-  return ctx.eval_jaxpr(closed.jaxpr, closed.consts, list(invals))
-
-
 def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str] = (),
                   deny: Iterable[str] = (), accumulate_dtype: DTypeLike | None = jnp.float32
                   ) -> rewrite.Pass:
@@ -309,11 +293,13 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
   accumulate = None if accumulate_dtype is None else canonical_dtype(
       accumulate_dtype, what="accumulate_dtype")
   allow_rule = _allow_rule(policy.compute_dtype, accumulate)
-  rules: dict[str, rewrite.Rule] = {name: _inline_rule for name in _INLINE_CALLS}
-  rules.update({name: _follow_rule for name in lists.follow})
+  rules: dict[str, rewrite.Rule] = {name: _follow_rule for name in lists.follow}
   rules.update({name: _deny_rule for name in lists.deny})
   rules.update({name: allow_rule for name in lists.allow})
-  return rewrite.Pass(f"autocast[{policy}]", rules, materialize=_materialize)
+  # Plain calls are inlined, so half-precision values flow through `jax.nn`
+  # helpers (which are jitted); a call that pins shardings is rebuilt as usual.
+  return rewrite.Pass(f"autocast[{policy}]", rules, materialize=_materialize,
+                      inline_calls=True)
 
 
 def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,

@@ -145,3 +145,135 @@ def wrap_custom_rule(name: str, params: dict[str, Any],
 def typeof(x: Any) -> Any:
   """The abstract value of `x` (an array, tracer or Python scalar)."""
   return jax.typeof(x)
+
+
+# -- plain calls and boundary rebuilds (the engine's `Context.inline` and
+# `Context.rebuild` hooks) ------------------------------------------------------
+
+# Call primitives whose body can be evaluated in place of the call, by the
+# param that holds that body (a closed jaxpr when the call is plain).
+CALL_PARAMS: dict[str, str] = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
+
+
+def _unspecified_sharding_types() -> tuple[type, ...]:
+  """The type of a sharding a call leaves unspecified (it moved between releases)."""
+  found = []
+  try:
+    from jax._src.named_sharding import UnspecifiedValue  # jax >= 0.10
+    found.append(UnspecifiedValue)
+  except ImportError:
+    pass
+  try:
+    from jax._src.sharding_impls import UnspecifiedValue as _Unspecified
+    found.append(_Unspecified)
+  except ImportError:
+    pass
+  return tuple(dict.fromkeys(found))
+
+
+_UNSPECIFIED = _unspecified_sharding_types()
+
+
+def _is_unspecified(sharding: Any) -> bool:
+  if _UNSPECIFIED:
+    return isinstance(sharding, _UNSPECIFIED)
+  return type(sharding).__name__ == "UnspecifiedValue"  # an unknown release
+
+
+def is_plain_call(eqn: JaxprEqn) -> bool:
+  """Whether `eqn` is a plain call: evaluating its body in its place changes nothing.
+
+  A nested `jax.jit` (`jit`/`pjit`) that pins no shardings or layouts, donates
+  nothing and sets no compiler options, or a `closed_call`, whose body is a
+  closed jaxpr. `jax.numpy` functions and Flax modules make such calls; a
+  pass that wants values in its own form to flow through them inlines them
+  (`Context.inline`).
+  """
+  key = CALL_PARAMS.get(eqn.primitive.name)
+  if key is None or not isinstance(eqn.params.get(key), ClosedJaxpr):
+    return False
+  params = eqn.params
+  for k in ("in_shardings", "out_shardings"):
+    if not all(_is_unspecified(s) for s in params.get(k, ())):
+      return False
+  for k in ("in_layouts", "out_layouts"):
+    if any(layout is not None for layout in params.get(k, ())):
+      return False
+  return not any(params.get("donated_invars", ())) and not params.get("compiler_options_kvs")
+
+
+def call_body(eqn: JaxprEqn) -> ClosedJaxpr:
+  """The closed jaxpr a plain call (`is_plain_call`) evaluates."""
+  return eqn.params[CALL_PARAMS[eqn.primitive.name]]
+
+
+def boundary_kind(eqn: JaxprEqn) -> str | None:
+  """How `Context.rebuild` can rebuild `eqn` on operands held in a pass's own form.
+
+  Returns:
+    ``"call"``: a plain call (`is_plain_call`), rebuilt with its closed body
+    conjugated; ``"remat"``: `jax.checkpoint`'s open body, conjugated, its new
+    constants as extra leading operands; ``"custom_jvp"``: a `custom_jvp_call`
+    without constants or symbolic zeros, its body and its JVP rule conjugated;
+    None for everything else (`custom_vjp_call`, whose backward rule is user
+    code on plain values; `scan`, `while`, `cond`; first-order primitives).
+  """
+  name = eqn.primitive.name
+  params = eqn.params
+  if is_plain_call(eqn):
+    return "call"
+  if name in ("remat2", "remat", "checkpoint") and isinstance(params.get("jaxpr"), Jaxpr):
+    return "remat"
+  if (name == "custom_jvp_call" and isinstance(params.get("call_jaxpr"), ClosedJaxpr)
+      and "jvp_jaxpr_fun" in params and not params.get("num_consts", 0)
+      and not params.get("symbolic_zeros")):
+    return "custom_jvp"
+  return None
+
+
+# Primitives `boundary_kind` may accept, by name (the engine's dispatch table).
+BOUNDARY_PRIMITIVES = (*CALL_PARAMS, "remat2", "remat", "checkpoint", "custom_jvp_call",
+                       "custom_vjp_call")
+
+
+def with_body(eqn: JaxprEqn, body: ClosedJaxpr) -> tuple[dict[str, Any], list[Any]]:
+  """`eqn`'s params with its body replaced by `body` (see `boundary_kind`).
+
+  Returns:
+    The params, and the constants to pass as extra leading operands (a
+    `remat` body is an open jaxpr: `body`'s constants become its inputs).
+  """
+  name = eqn.primitive.name
+  if name in CALL_PARAMS:
+    return {**eqn.params, CALL_PARAMS[name]: body}, []
+  if name == "custom_jvp_call":
+    return {**eqn.params, "call_jaxpr": body}, []
+  new_open, consts = closed_to_open(body)
+  return {**eqn.params, "jaxpr": new_open}, consts
+
+
+def with_jvp_rule(params: dict[str, Any],
+                  rewrite: Callable[[ClosedJaxpr, Sequence[bool], Sequence[bool]], ClosedJaxpr],
+                  ) -> dict[str, Any]:
+  """A `custom_jvp_call`'s params with its JVP rule rewritten when it is traced.
+
+  Args:
+    params: the equation's params (with ``jvp_jaxpr_fun``).
+    rewrite: ``(jvp, in_zeros, out_zeros) -> new jvp``: `jvp` takes the
+      primals then the nonzero tangents, and returns the primal outputs then
+      the nonzero output tangents; `in_zeros`/`out_zeros` say which tangents
+      are symbolically zero (absent).
+  """
+  thunk = params["jvp_jaxpr_fun"]
+
+  def rewritten_thunk(*in_zeros: bool) -> Any:
+    jaxpr, consts, out_zeros = thunk.call_wrapped(*in_zeros)
+    new = rewrite(ClosedJaxpr(jaxpr, consts), in_zeros, out_zeros)
+    return new.jaxpr, list(new.consts), out_zeros
+
+  return {**params, "jvp_jaxpr_fun": lu.wrap_init(rewritten_thunk, debug_info=thunk.debug_info)}

@@ -15,6 +15,21 @@ This is the design of JAX's "Writing custom interpreters" tutorial and of
 `jax.experimental.sparse`: one evaluation loop, a `primitive -> rule` table, a
 default rule that passes the equation through, and explicit rules for the
 higher-order primitives.
+
+Two hooks let a pass that keeps values in its own form (layout keeps an
+array plus the permutation it is stored in) carry that form across calls
+without naming any higher-order primitive itself:
+
+- `Pass(inline_calls=...)` / `Context.inline`: a plain call (a nested
+  `jax.jit` pinning no shardings, or a `closed_call`) is seen through: its
+  body is evaluated in place, on the pass's values as they are.
+- `Pass(boundary=...)` / `Context.rebuild`: a `jax.checkpoint` body, a
+  `custom_jvp_call` (with its JVP rule) or a plain call is rebuilt around the
+  pass's values: a `Boundary` says how each value crosses the edge (its
+  physical array and a tag), and the rebuilt body takes and returns physical
+  arrays. A `custom_vjp_call` (its backward rule is user code on plain
+  values), `scan`, `while` and `cond` are the boundary's edge: their operands
+  are materialized and their bodies rewritten on their own.
 """
 
 from __future__ import annotations
@@ -62,6 +77,62 @@ def _identity_materialize(value: Any, aval: Any) -> Any:
   return value
 
 
+class Boundary:
+  """How a pass's own values cross the edge of a call the engine rebuilds.
+
+  A pass whose environment holds values in another form than plain arrays
+  (a pending transpose, say) gives the engine a `Boundary` (as
+  `Pass(boundary=...)`). Where a `jax.checkpoint` body, a `custom_jvp_call`
+  (``jax.nn.relu``, ``gelu``) or a plain nested `jit` meets such values,
+  `Context.rebuild` rebuilds the call on their *physical* arrays: the new
+  body turns its inputs back into the pass's values (`from_physical`),
+  evaluates the original body with the pass's rules, and returns each output
+  in the form it came out in (`to_physical`), so the values leave the call
+  in the pass's form too. The call's derivative rule (a `custom_jvp` rule,
+  or the autodiff of the rebuilt body) is rebuilt the same way, with each
+  tangent in its primal's form.
+
+  A tag of None means "plain": the engine materializes such values with the
+  pass's `materialize` and passes them as they are. Override the four
+  methods below; `applies` decides per equation whether to rebuild at all.
+
+  The physical form must be a linear rearrangement of the value (a
+  transpose, a reshape), so that a tangent held the same way is the tangent
+  of the physical array.
+  """
+
+  def tag(self, value: Any) -> Any:
+    """How `value` is held (a hashable tag), or None for a plain array."""
+    del value
+    return None
+
+  def to_physical(self, value: Any, tag: Any) -> Any:
+    """`value` (any value of the pass) as the physical array held as `tag`."""
+    raise NotImplementedError(f"{type(self).__name__}.to_physical")
+
+  def from_physical(self, array: Any, tag: Any) -> Any:
+    """The pass's value for a physical `array` held as `tag`."""
+    raise NotImplementedError(f"{type(self).__name__}.from_physical")
+
+  def physical_aval(self, aval: Any, tag: Any) -> Any:
+    """The abstract value of the physical array of a value of type `aval` held as `tag`."""
+    raise NotImplementedError(f"{type(self).__name__}.physical_aval")
+
+  def applies(self, ctx: Context, eqn: JaxprEqn, invals: Sequence[Any]) -> bool:
+    """Whether to rebuild `eqn` across the boundary (default: when an operand is
+    not plain); otherwise the engine's `default` applies."""
+    del ctx, eqn
+    return any(self.tag(v) is not None for v in invals)
+
+  def on_rebuild(self, ctx: Context, eqn: JaxprEqn, kind: str) -> None:
+    """Called after `eqn` was rebuilt (`kind`: "call", "remat" or "custom_jvp"),
+    for a pass's counters. Does nothing by default."""
+    del ctx, eqn, kind
+
+
+InlinePredicate = Callable[["Context", JaxprEqn, Sequence[Any]], bool]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Pass:
   """A jaxpr rewrite pass: a name and a table of per-primitive rules.
@@ -82,6 +153,13 @@ class Pass:
       fire inside it (the default; it saves re-tracing its body). False
       re-traces every sub-jaxpr, which is useful for testing the engine and
       measuring its worst case.
+    inline_calls: see through plain calls (nested `jax.jit` pinning no
+      shardings, `closed_call`): True inlines every one (`Context.inline`), a
+      predicate ``(ctx, eqn, invals) -> bool`` chooses per call; a call not
+      inlined gets the `boundary` or the default. Default False.
+    boundary: a `Boundary`: rebuild `remat`, `custom_jvp_call` and plain
+      calls around values in the pass's own form (`Context.rebuild`) instead
+      of materializing them at the call. Default None.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -99,6 +177,8 @@ class Pass:
   rules: Mapping[str, Rule] = dataclasses.field(default_factory=dict)
   materialize: Callable[[Any, Any], Any] = _identity_materialize
   skip_untouched: bool = True
+  inline_calls: bool | InlinePredicate = False
+  boundary: Boundary | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -109,6 +189,23 @@ class Pass:
           f"Pass {self.name!r}: rule keys must be primitive names (str), got "
           f"{bad!r}. Use `primitive.name`, e.g. jax.lax.sin_p.name == 'sin'.")
     object.__setattr__(self, "rules", types.MappingProxyType(dict(self.rules)))
+    if self.boundary is not None and not isinstance(self.boundary, Boundary):
+      raise TypeError(f"Pass {self.name!r}: boundary must be a rewrite.Boundary, "
+                      f"got {self.boundary!r}.")
+    if not (isinstance(self.inline_calls, bool) or callable(self.inline_calls)):
+      raise TypeError(f"Pass {self.name!r}: inline_calls must be a bool or a "
+                      f"predicate (ctx, eqn, invals) -> bool, got {self.inline_calls!r}.")
+
+  def table(self) -> dict[str, Rule]:
+    """The rules the engine dispatches on: `rules`, plus the inline and
+    boundary hooks for the primitives they cover (a rule of the pass's own wins)."""
+    table: dict[str, Rule] = {}
+    if self.boundary is not None:
+      table.update(dict.fromkeys(_compat.BOUNDARY_PRIMITIVES, _boundary_hook))
+    if self.inline_calls is not False:
+      table.update(dict.fromkeys(_compat.CALL_PARAMS, _call_hook))
+    table.update(self.rules)
+    return table
 
 
 class Context:
@@ -130,6 +227,7 @@ class Context:
     self.platform = platform or jax.default_backend()
     self.config = config if config is not None else get_config()
     self.counts: collections.Counter[str] = collections.Counter()
+    self._rules = pass_.table()
     self._touches: dict[int, tuple[Any, bool]] = {}
     self._rewritten: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
     self._warned_unknown: set[str] = set()
@@ -184,7 +282,7 @@ class Context:
       raise TypeError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(args)}.")
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
-    rules = self.pass_.rules
+    rules = self._rules
     for eqn in jaxpr.eqns:
       invals = [read(v) for v in eqn.invars]
       rule = rules.get(eqn.primitive.name)
@@ -202,20 +300,21 @@ class Context:
 
   def finish(self, outs: Sequence[Any], avals: Sequence[Any], where: str) -> list[Any]:
     """Materializes `outs` and checks they have exactly the types `avals`."""
-    result = []
-    for i, (x, aval) in enumerate(zip(outs, avals)):
-      x = self.materialize(x, aval)
-      got = _compat.typeof(x)
-      if (getattr(got, "shape", None) != getattr(aval, "shape", None)
-          or getattr(got, "dtype", None) != getattr(aval, "dtype", None)):
-        raise _errors.RewriteError(_errors.REWRITE_TYPE_MISMATCH.format(
-            pass_name=self.pass_.name, where=f"output {i} of {where}",
-            expected=aval.str_short(), got=got.str_short()))
-      if (getattr(got, "weak_type", False) != getattr(aval, "weak_type", False)
-          or not isinstance(x, jax.Array)):  # a literal returned as is (eager mode)
-        x = _compat.convert_element_type(x, aval.dtype, aval.weak_type)
-      result.append(x)
-    return result
+    return [self._checked(self.materialize(x, aval), aval, f"output {i} of {where}")
+            for i, (x, aval) in enumerate(zip(outs, avals))]
+
+  def _checked(self, x: Any, aval: Any, where: str) -> Any:
+    """`x` with exactly the type `aval` (its weak type set), or a RewriteError."""
+    got = _compat.typeof(x)
+    if (getattr(got, "shape", None) != getattr(aval, "shape", None)
+        or getattr(got, "dtype", None) != getattr(aval, "dtype", None)):
+      raise _errors.RewriteError(_errors.REWRITE_TYPE_MISMATCH.format(
+          pass_name=self.pass_.name, where=where,
+          expected=aval.str_short(), got=got.str_short()))
+    if (getattr(got, "weak_type", False) != getattr(aval, "weak_type", False)
+        or not isinstance(x, jax.Array)):  # a literal returned as is (eager mode)
+      x = _compat.convert_element_type(x, aval.dtype, aval.weak_type)
+    return x
 
   def rewrite_closed(self, closed: ClosedJaxpr, where: str = "a sub-jaxpr") -> ClosedJaxpr:
     """Returns `closed` rewritten by the pass, with the same input and output
@@ -233,6 +332,112 @@ class Context:
     new = _compat.trace_to_jaxpr(evaluate, closed.in_avals, closed.jaxpr.debug_info)
     self._rewritten[id(closed)] = (closed, new)  # keeps `closed` alive: ids stay unique
     return new
+
+
+  # -- hooks: inlining a plain call, rebuilding across a boundary ---------------
+
+  def inline(self, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluates a plain call's body in its place, with the pass's rules.
+
+    A plain call is a nested `jax.jit` that pins no shardings or layouts,
+    donates nothing and sets no compiler options, or a `closed_call`
+    (`rewrite._compat.is_plain_call`). Its body sees `invals` as they are
+    (nothing is materialized) and its outputs are returned as the body left
+    them, so the pass's values flow through it as if the body were written
+    inline. Any other equation gets `default`.
+    """
+    if not _compat.is_plain_call(eqn):
+      return self.default(eqn, invals)
+    body = _compat.call_body(eqn)
+    return self.eval_jaxpr(body.jaxpr, body.consts, list(invals))
+
+  def rebuild(self, eqn: JaxprEqn, invals: Sequence[Any],
+              boundary: Boundary | None = None) -> list[Any]:
+    """Rebuilds a higher-order equation around values in the pass's own form.
+
+    Each operand crosses as its physical array (`boundary.to_physical`, or
+    materialized when its tag is None); the body is traced over the physical
+    types, turns them back into the pass's values, is evaluated with the
+    pass's rules, and returns each output as the physical array of the form
+    it came out in. The results are the pass's values again
+    (`boundary.from_physical`). A `custom_jvp_call`'s JVP rule is rebuilt
+    the same way (tangents held like their primals). Equations that cannot be
+    rebuilt so (see `rewrite._compat.boundary_kind`: `custom_vjp_call`,
+    `scan`, `while`, `cond`, a call that pins shardings) get `default`.
+
+    Args:
+      eqn: the equation.
+      invals: its operands, as the pass holds them.
+      boundary: how values cross; default the pass's `boundary`.
+
+    Returns:
+      One pass value per output.
+    """
+    boundary = boundary if boundary is not None else self.pass_.boundary
+    kind = _compat.boundary_kind(eqn)
+    if boundary is None or kind is None:
+      return self.default(eqn, invals)
+    name = eqn.primitive.name
+    tags = [boundary.tag(v) for v in invals]
+    phys = [self.materialize(x, v.aval) if t is None else boundary.to_physical(x, t)
+            for x, v, t in zip(invals, eqn.invars, tags)]
+    body = (_compat.call_body(eqn) if kind == "call"
+            else eqn.params["call_jaxpr"] if kind == "custom_jvp"
+            else ClosedJaxpr(eqn.params["jaxpr"], ()))
+    new_body, out_tags = self._conjugate(body, tags, None, boundary, f"the {name!r} body")
+    params, consts = _compat.with_body(eqn, new_body)
+    if kind == "custom_jvp":
+
+      def jvp_rule(jvp: ClosedJaxpr, in_zeros: Sequence[bool],
+                   out_zeros: Sequence[bool]) -> ClosedJaxpr:
+        t_in = [t for t, z in zip(tags, in_zeros) if not z]
+        t_out = [t for t, z in zip(out_tags, out_zeros) if not z]
+        new, _ = self._conjugate(jvp, [*tags, *t_in], [*out_tags, *t_out], boundary,
+                                 f"the JVP rule of {name!r}")
+        return new
+
+      params = _compat.with_jvp_rule(params, jvp_rule)
+    outs = _compat.bind_equation(eqn, [*consts, *phys], params)
+    boundary.on_rebuild(self, eqn, kind)
+    return [o if t is None else boundary.from_physical(o, t) for o, t in zip(outs, out_tags)]
+
+  def _conjugate(self, closed: ClosedJaxpr, in_tags: Sequence[Any],
+                 out_tags: Sequence[Any] | None, boundary: Boundary, where: str,
+                 ) -> tuple[ClosedJaxpr, list[Any]]:
+    """Traces ``g(*physical inputs) = physical outputs of closed``.
+
+    Args:
+      closed: the body.
+      in_tags: how each input is held (None: plain).
+      out_tags: how each output must be returned, or None to return each in
+        the form the body produced it.
+      boundary: how values cross.
+      where: for errors.
+
+    Returns:
+      The new closed jaxpr and the tag of each of its outputs.
+    """
+    in_avals = [a if t is None else boundary.physical_aval(a, t)
+                for a, t in zip(closed.in_avals, in_tags)]
+    produced: list[Any] = []
+
+    def body(*phys: Any) -> list[Any]:
+      vals = [x if t is None else boundary.from_physical(x, t) for x, t in zip(phys, in_tags)]
+      outs = self.eval_jaxpr(closed.jaxpr, closed.consts, vals)
+      produced.clear()
+      result = []
+      for i, (o, aval) in enumerate(zip(outs, closed.out_avals)):
+        t = out_tags[i] if out_tags is not None else boundary.tag(o)
+        produced.append(t)
+        if t is None:
+          result.append(self._checked(self.materialize(o, aval), aval, f"output {i} of {where}"))
+        else:
+          result.append(self._checked(boundary.to_physical(o, t),
+                                      boundary.physical_aval(aval, t), f"output {i} of {where}"))
+      return result
+
+    new = _compat.trace_to_jaxpr(body, in_avals, closed.jaxpr.debug_info)
+    return new, list(produced)
 
   # -- higher-order primitives -------------------------------------------------
 
@@ -277,13 +482,32 @@ class Context:
     hit = self._touches.get(id(jaxpr))
     if hit is not None:
       return hit[1]
-    rules = self.pass_.rules
+    rules = self._rules
     result = any(
         eqn.primitive.name in rules
         or (_compat.is_higher_order(eqn.primitive.name) and self._eqn_touched(eqn))
         for eqn in jaxpr.eqns)
     self._touches[id(jaxpr)] = (jaxpr, result)
     return result
+
+
+def _call_hook(ctx: Context, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+  """The rule `Pass(inline_calls=...)` puts on call primitives."""
+  wanted = ctx.pass_.inline_calls
+  if _compat.is_plain_call(eqn) and (wanted is True or (callable(wanted)
+                                                        and wanted(ctx, eqn, invals))):
+    return ctx.inline(eqn, invals)
+  if ctx.pass_.boundary is not None:
+    return _boundary_hook(ctx, eqn, invals)
+  return ctx.default(eqn, invals)
+
+
+def _boundary_hook(ctx: Context, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+  """The rule `Pass(boundary=...)` puts on the primitives it can rebuild."""
+  boundary = ctx.pass_.boundary
+  if boundary is not None and boundary.applies(ctx, eqn, invals):
+    return ctx.rebuild(eqn, invals, boundary)
+  return ctx.default(eqn, invals)
 
 
 def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any
