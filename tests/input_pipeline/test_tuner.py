@@ -13,7 +13,10 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
+
+S = ip.LoaderSettings
 
 
 class FakeClock:
@@ -27,16 +30,21 @@ class FakeClock:
 
 def _fake_measure(clock, speed, *, startup_per_worker=1.5, body_s=0.5, batches=10,
                   noise=None):
+  """A measurement on the fake clock; `speed(workers, threads)`, or with
+  `speed.with_buffer`, `speed(workers, threads, buffer)`."""
   calls = []
 
-  def measure(setting, deadline):
-    calls.append((setting, deadline))
-    startup = startup_per_worker * setting[0]
+  def measure(settings, deadline):
+    calls.append((settings, deadline))
+    startup = startup_per_worker * settings.worker_count
     start = clock.now
     # as the real one: the start-up cannot be cut short, the timed window can
     clock.now = min(start + startup + body_s, max(start + startup, deadline))
-    bps = max(0.1, speed(*setting)) * (1.0 + (noise(len(calls)) if noise else 0.0))
-    return ip.Trial(*setting, batches_per_s=bps, batches=batches, startup_s=startup,
+    knobs = ((settings.worker_count, settings.read_threads, settings.prefetch_buffer)
+             if getattr(speed, "with_buffer", False)
+             else (settings.worker_count, settings.read_threads))
+    bps = max(0.1, speed(*knobs)) * (1.0 + (noise(len(calls)) if noise else 0.0))
+    return ip.Trial(settings, batches_per_s=bps, batches=batches, startup_s=startup,
                     seconds=clock.now - start)
 
   measure.calls = calls
@@ -47,15 +55,20 @@ def _peak(w, t):  # best at 2 workers, 1 read thread
   return 20.0 - 3.0 * (w - 2) ** 2 - (math.log2(t + 1) - 1.0) ** 2
 
 
-def _climb(measure, clock, **kwargs):
-  kwargs.setdefault("start", (0, 16))
-  max_workers = kwargs.pop("max_workers", 4)
-  workers, threads = _tuner.choices(kwargs["start"], max_workers=max_workers,
-                                    max_read_threads=16)
+def _space(start=S(), *, max_workers=4, tune=("workers", "read_threads"), **kwargs):
+  return _tuner.search_space(start, maxima={"worker_count": max_workers, "read_threads": 16,
+                                            "prefetch_buffer": 16}, tune=tune, **kwargs)
+
+
+def _climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
+           batches_in_memory=None, **kwargs):
+  kwargs["start"] = S.of(kwargs.get("start", (0, 16)))
   kwargs.setdefault("budget_s", 1e9)
   kwargs.setdefault("max_batches", 10**9)
-  return _tuner.hill_climb(measure, worker_choices=workers, thread_choices=threads,
-                           trial_batches=lambda s: 10, clock=clock, **kwargs)
+  space = _space(kwargs["start"], max_workers=max_workers, tune=tune,
+                 batches_in_memory=batches_in_memory)
+  return _tuner.hill_climb(measure, space=space, trial_batches=lambda s: 10, clock=clock,
+                           **kwargs)
 
 
 def test_climbs_both_knobs_to_the_best_setting():
@@ -63,7 +76,7 @@ def test_climbs_both_knobs_to_the_best_setting():
   result = _climb(_fake_measure(clock, _peak), clock)
   grid = [(w, t) for w in range(5) for t in _tuner.THREAD_LADDER]
   assert result.setting == max(grid, key=lambda s: _peak(*s)) == (2, 1)
-  assert result.stopped == "converged" and result.start == (0, 16)
+  assert result.stopped == "converged" and result.start == S(0, 16)
   assert len(result.trials) < len(grid)  # climbed, did not sweep
 
 
@@ -76,28 +89,24 @@ def _plateau(w: int, t: int) -> float:
 
 
 def test_seeds_carry_the_climb_across_a_plateau():
-  workers, threads = _tuner.choices((0, 16), max_workers=2, max_read_threads=16)
+  space = _space(max_workers=2)
   clock = FakeClock()
-  plain = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
-                            worker_choices=workers, thread_choices=threads, budget_s=1e9,
-                            max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  plain = _tuner.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+                            budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
+                            clock=clock)
   assert _plateau(*plain.setting) == 45.0  # stuck on the plateau
   clock = FakeClock()
-  seeded = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
-                             worker_choices=workers, thread_choices=threads, budget_s=1e9,
-                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock,
-                             seeds=_tuner.seed_settings(workers, threads, cpus=2))
-  grid = [(w, t) for w in workers for t in threads]
+  seeded = _tuner.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+                             budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
+                             clock=clock, seeds=_tuner.seed_settings(S(), space, cpus=2))
+  grid = [(w, t) for w in space.values["worker_count"] for t in space.values["read_threads"]]
   assert seeded.setting == max(grid, key=lambda s: _plateau(*s))
   assert [t.phase for t in seeded.trials[1:3]] == ["seed", "seed"]
 
 
 def test_workers_only_would_miss_the_best():
   clock = FakeClock()
-  workers, _ = _tuner.choices((0, 16), max_workers=4, max_read_threads=16)
-  result = _tuner.hill_climb(_fake_measure(clock, _peak), start=(0, 16),
-                             worker_choices=workers, thread_choices=[16], budget_s=1e9,
-                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  result = _climb(_fake_measure(clock, _peak), clock, tune=("workers",))
   assert result.setting == (2, 16) and _peak(2, 16) < _peak(2, 1)
 
 
@@ -108,7 +117,7 @@ def test_time_budget_is_respected(budget_s):
   assert result.seconds <= budget_s
   if budget_s == 0:
     assert result.trials == () and result.stopped == "no budget"
-    assert result.setting == (0, 16)
+    assert result.settings == S(0, 16)
   else:
     assert result.stopped == "budget" and result.trials
 
@@ -126,22 +135,22 @@ def test_a_fast_enough_start_is_not_climbed_from():
   clock = FakeClock()
   result = _climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
   assert len(result.trials) == 1 and result.stopped == "fast enough"
-  assert result.setting == (0, 16)
+  assert result.settings == S(0, 16)
 
 
 def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
   clock = FakeClock()
   flat = _fake_measure(clock, lambda w, t: 10.0, noise=lambda i: 0.03 * (i % 3 - 1))
   result = _climb(flat, clock, start=(1, 4))
-  assert result.setting == (1, 4)
+  assert result.settings == S(1, 4)
 
 
 def test_top_two_are_remeasured_alternately():
   clock = FakeClock()
   result = _climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
-  confirm = [t.setting for t in result.trials if t.phase == "confirm"]
+  confirm = [t.settings for t in result.trials if t.phase == "confirm"]
   assert len(confirm) == 4 and confirm[0] == confirm[3] != confirm[1] == confirm[2]
-  assert result.setting in confirm
+  assert result.settings in confirm
 
 
 def test_each_trial_is_logged_at_debug(caplog):
@@ -150,7 +159,7 @@ def test_each_trial_is_logged_at_debug(caplog):
     result = _climb(_fake_measure(clock, _peak), clock)
   trial_lines = [r for r in caplog.records if "tuning trial" in r.getMessage()]
   assert len(trial_lines) == len(result.trials)
-  assert "best: workers=2 read_threads=1" in caplog.text
+  assert "best: workers=2 read_threads=1 prefetch_buffer=2" in caplog.text
   assert "chosen" in result.table()
 
 
@@ -222,13 +231,13 @@ def test_loader_auto_tuning_does_not_move_the_stream(cache_dir):
                    max_workers=0, tuning_steps=40, tuning_budget_s=10)
   result = auto.tune()
   assert result is not None and not result.from_cache and auto.position == 0
-  assert (auto.worker_count, auto.read_threads) == result.setting
+  assert auto.settings == result.settings
   for _ in range(5):
     np.testing.assert_array_equal(next(auto), next(plain))
   restarted = ip.Loader(src, batch_size=6, seed=2, max_workers=0, tuning_steps=40,
                         tuning_budget_s=10)
   next(restarted)
-  assert restarted.tuning.from_cache and restarted.tuning.setting == result.setting
+  assert restarted.tuning.from_cache and restarted.tuning.settings == result.settings
 
 
 def test_config_enable_tunes_even_given_ints(cache_dir):
@@ -237,7 +246,7 @@ def test_config_enable_tunes_even_given_ints(cache_dir):
     loader = ip.Loader(np.arange(100.0), batch_size=4, worker_count=0, read_threads=4,
                        tuning_budget_s=10)
     result = loader.tune(cache=False)
-  assert result is not None and result.start == (0, 4)
+  assert result is not None and result.start == S(0, 4)
   assert all(t.batches <= 30 and t.worker_count == 0 for t in result.trials)
 
 
@@ -253,7 +262,7 @@ def test_real_trial_with_a_worker_process(cache_dir):
   result = ip.tune_worker_count(np.arange(400.0), batch_size=4, worker_count=1,
                                 read_threads=0, max_workers=1, max_read_threads=0,
                                 tuning_steps=40, budget_s=30, cache=False)
-  assert result.trials[0].setting == (1, 0) and result.trials[0].startup_s > 0
+  assert result.trials[0].settings == S(1, 0) and result.trials[0].startup_s > 0
   assert result.seconds <= 30 + 2
   assert all(t.batches <= 40 for t in result.trials)
 
