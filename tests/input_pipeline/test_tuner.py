@@ -13,6 +13,7 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
 
@@ -260,9 +261,12 @@ def test_only_the_auto_knob_is_tuned(cache_dir):
 @pytest.mark.slow
 def test_real_trial_with_a_worker_process(cache_dir):
   result = ip.tune_worker_count(np.arange(400.0), batch_size=4, worker_count=1,
-                                read_threads=0, max_workers=1, max_read_threads=0,
-                                tuning_steps=40, budget_s=30, cache=False)
-  assert result.trials[0].settings == S(1, 0) and result.trials[0].startup_s > 0
+                                read_threads=0, prefetch_buffer=1, max_workers=1,
+                                max_read_threads=0, max_prefetch_buffer=2, tuning_steps=40,
+                                budget_s=30, cache=False)
+  assert result.trials[0].settings == S(1, 0, 1) and result.trials[0].startup_s > 0
+  # the first round also steps the worker's buffer, with a real worker
+  assert {t.prefetch_buffer for t in result.trials if t.worker_count} == {1, 2}
   assert result.seconds <= 30 + 2
   assert all(t.batches <= 40 for t in result.trials)
 
@@ -279,3 +283,147 @@ def test_consumer_seconds_bound_the_measured_rate(cache_dir):
                                 max_read_threads=0, tuning_steps=12, budget_s=10,
                                 consumer_s=0.004, cache=False)
   assert result.trials and all(t.batches_per_s <= 1 / 0.004 for t in result.trials)
+
+
+# --- the per-worker prefetch buffer: searched, bounded by memory, cached ---------
+
+
+def _buffered_peak(w, t, b):
+  """The best at 2 workers, 1 thread, a buffer of 8; each buffer step pays ~10%."""
+  buffer_gain = 3.0 * (3.0 - abs(math.log2(b) - 3.0)) if w else 0.0
+  return _peak(w, t) - 3.0 * (w - 2) ** 2 + buffer_gain
+
+
+_buffered_peak.with_buffer = True
+ALL = ("workers", "read_threads", "prefetch_buffer")
+
+
+def test_the_buffer_is_climbed_with_the_other_knobs():
+  clock = FakeClock()
+  result = _climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2))
+  assert result.settings == S(2, 1, 8)
+  assert {t.prefetch_buffer for t in result.trials} > {2, 8}
+  # without workers the buffer does nothing: no trial varies it there
+  assert {t.prefetch_buffer for t in result.trials if t.worker_count == 0} == {2}
+  clock = FakeClock()
+  fixed = _climb(_fake_measure(clock, _buffered_peak), clock, start=S(0, 16, 2))
+  assert fixed.settings == S(2, 1, 2) and {t.prefetch_buffer for t in fixed.trials} == {2}
+
+
+def test_the_climb_keeps_the_buffers_within_the_memory_budget():
+  clock = FakeClock()
+  # 12 batches fit: 2 workers may keep 6 each, not 8 (the unbounded best)
+  result = _climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2),
+                  batches_in_memory=12)
+  assert all(t.worker_count * t.prefetch_buffer <= 12 for t in result.trials)
+  assert result.settings == S(2, 1, 4)
+
+
+class _FakeMeasure:
+  """Stands in for `_tuner._measure_real`: records what the tuner asked for."""
+
+  def __init__(self, speed):
+    self.speed, self.seen, self.datasets = speed, [], []
+
+  def __call__(self, ds, **kwargs):
+    self.datasets.append(ds)
+
+    def measure(settings, deadline):
+      self.seen.append(settings)
+      knobs = (settings.worker_count, settings.read_threads, settings.prefetch_buffer)
+      return ip.Trial(settings, batches_per_s=self.speed(*knobs), batches=10,
+                      startup_s=0.0, seconds=0.01)
+
+    return measure
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+  fake = _FakeMeasure(_buffered_peak)
+  monkeypatch.setattr(_tuner, "_measure_real", fake)
+  return fake
+
+
+_IMAGES = np.random.default_rng(1).normal(size=(64, 8, 8, 3)).astype(np.float32)
+_BATCH_BYTES = 4 * 8 * 8 * 3 * 4  # batch_size 4, float32
+
+
+def _tune(**kwargs):
+  kwargs = {"batch_size": 4, "max_workers": 4, "max_read_threads": 16, "tuning_steps": 20,
+            "budget_s": 60, **kwargs}
+  return ip.tune_worker_count(_IMAGES, **kwargs)
+
+
+def test_tuning_measures_a_batch_and_bounds_the_buffers_by_it(cache_dir, fake_measure):
+  result = _tune(memory_budget=12 * _BATCH_BYTES, cache=False)
+  assert fake_measure.seen and all(
+      s.worker_count * s.prefetch_buffer * _BATCH_BYTES <= 12 * _BATCH_BYTES
+      for s in fake_measure.seen)
+  assert len({s.prefetch_buffer for s in fake_measure.seen}) > 1  # the buffer was searched
+  assert result.settings == S(2, 1, 4)
+  roomy = _tune(memory_budget=10**9, cache=False)
+  assert roomy.settings == S(2, 1, 8)
+  assert _tune(max_prefetch_buffer=4, memory_budget=10**9, cache=False).prefetch_buffer == 4
+
+
+def test_the_default_budget_is_a_fraction_of_available_memory(cache_dir, fake_measure,
+                                                             monkeypatch):
+  monkeypatch.setattr(_settings, "available_memory", lambda: 40 * _BATCH_BYTES)
+  _tune(cache=False)  # 10 batches: a quarter of the 40 available
+  assert max(s.worker_count * s.prefetch_buffer for s in fake_measure.seen
+             if s.worker_count) <= 40 * _settings.MEMORY_FRACTION
+
+
+def test_the_chosen_buffer_round_trips_through_the_cache(cache_dir, fake_measure):
+  first = _tune()
+  assert not first.from_cache and first.settings == S(2, 1, 8)
+  (entry,) = tj.autotune.Cache().entries("dataloader")
+  assert entry.value["prefetch_buffer"] == 8 and entry.value["batch_bytes"] == _BATCH_BYTES
+  assert entry.value["trials"][0] == {**S().to_dict(),
+                                      "batches_per_s": round(first.trials[0].batches_per_s, 3)}
+  measured = len(fake_measure.seen)
+  again = _tune()
+  assert again.from_cache and again.settings == first.settings
+  assert len(fake_measure.seen) == measured  # nothing measured
+  # With less memory now, the cached buffer is lowered to fit (not re-measured).
+  tight = _tune(memory_budget=8 * _BATCH_BYTES)
+  assert tight.from_cache and tight.settings == S(2, 1, 4)
+
+
+def test_an_entry_from_before_the_buffer_converts_and_a_bad_one_is_a_miss(
+    cache_dir, fake_measure):
+  cache = tj.autotune.Cache()
+  key = _tuner.cache_key(
+      _dataset.as_source(_IMAGES), batch_size=4, transforms=[], shuffle=True,
+      drop_remainder=True, start=S(), tune=ALL, consumer=None, consumer_s=None,
+      maxima={"worker_count": 4, "read_threads": 16,
+              "prefetch_buffer": _tuner.DEFAULT_MAX_PREFETCH_BUFFER})
+  old = {"worker_count": 3, "read_threads": 1, "batches_per_s": 12.5, "seconds": 4.0,
+         "trials": [[0, 16, 10.0], [3, 1, 12.5]]}  # the two-value format
+  cache.put("dataloader", key, old)
+  converted = _tune(cache=cache)
+  assert converted.from_cache and converted.settings == S(3, 1, 2)
+  assert not fake_measure.seen
+  for bad in ({**old, "prefetch_buffer": 0}, {**old, "prefetch_buffer": "x"},
+              {"read_threads": 1, "batches_per_s": 1.0}, {**old, "batch_bytes": -1}):
+    cache.put("dataloader", key, bad)
+    with pytest.warns(UserWarning, match="invalid 'dataloader' entry"):
+      retuned = _tune(cache=tj.autotune.Cache())
+    assert not retuned.from_cache and retuned.trials
+
+
+def test_a_loader_tunes_the_buffer_only_along_with_another_knob(cache_dir):
+  assert not ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1).needs_tuning
+  loader = ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1)
+  assert loader.settings == S(2, 1, 2) and loader.tuning is None
+  assert ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1,
+                   prefetch_buffer=5).prefetch_buffer == 5
+  assert ip.Loader(np.arange(8), batch_size=2, worker_count="auto").needs_tuning
+
+
+def test_the_loader_runs_with_the_settings_it_tuned(cache_dir, fake_measure):
+  loader = ip.Loader(_IMAGES, batch_size=4, max_workers=4, tuning_steps=20,
+                     tuning_budget_s=60)
+  result = loader.tune(cache=False)
+  assert result.settings == loader.settings == S(2, 1, 8)
+  assert "prefetch_buffer=8" in repr(loader) and "prefetch_buffer" in result.table()

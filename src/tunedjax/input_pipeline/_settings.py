@@ -8,18 +8,17 @@ records and cache values), the measurement and the `Loader` read knobs only
 through this table, so a new knob is a field and a row here (and, if users
 set it, a keyword of `Loader` and `tune_worker_count`).
 
-========================  ===============  =====  ===============================  ==================================================
-field (Loader argument)   ``tune=`` name   low    values climbed over (to a max)   grain option
-========================  ===============  =====  ===============================  ==================================================
-``read_threads``          "read_threads"   0      0 1 2 4 8 16; also jumps to 0    ``ReadOptions(num_threads=n,
-                                                                                   prefetch_buffer_size=max(1, 2n))``
-``worker_count``          "workers"        0      0 1 2 3 4 6 8 12 16 ... and max  ``MultiprocessingOptions(num_workers=n)``;
-                                                                                   0: no ``mp_prefetch``
-``prefetch_buffer``       "prefetch_buffer" 1     1 2 4 8 16 ...; only with        ``MultiprocessingOptions(per_worker_buffer_size=n)``
-                                                  workers, and workers x buffer x
-                                                  batch bytes within the memory
-                                                  budget
-========================  ===============  =====  ===============================  ==================================================
+The knobs (field, ``tune=`` name, values climbed over, grain option):
+
+* ``read_threads``, "read_threads": 0 1 2 4 8 16 up to the maximum, and a
+  jump to 0; ``ReadOptions(num_threads=n, prefetch_buffer_size=max(1, 2n))``.
+* ``worker_count``, "workers": 0 1 2 3 4 6 8 12 16 24 ... up to the maximum,
+  and the maximum; ``MultiprocessingOptions(num_workers=n)`` (0: no
+  ``mp_prefetch``, read in this process).
+* ``prefetch_buffer``, "prefetch_buffer": 1 2 4 8 16 ... up to the maximum,
+  stepped only with workers, and at most ``batches_in_memory // workers``
+  (workers x buffer x one batch's bytes within the memory budget);
+  ``MultiprocessingOptions(per_worker_buffer_size=n)``.
 """
 
 from __future__ import annotations
