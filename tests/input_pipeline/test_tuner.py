@@ -13,6 +13,7 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _climb
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
@@ -57,7 +58,7 @@ def _peak(w, t):  # best at 2 workers, 1 read thread
 
 
 def _space(start=S(), *, max_workers=4, tune=("workers", "read_threads"), **kwargs):
-  return _tuner.search_space(start, maxima={"worker_count": max_workers, "read_threads": 16,
+  return _climb.search_space(start, maxima={"worker_count": max_workers, "read_threads": 16,
                                             "prefetch_buffer": 16}, tune=tune, **kwargs)
 
 
@@ -68,7 +69,7 @@ def _climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
   kwargs.setdefault("max_batches", 10**9)
   space = _space(kwargs["start"], max_workers=max_workers, tune=tune,
                  batches_in_memory=batches_in_memory)
-  return _tuner.hill_climb(measure, space=space, trial_batches=lambda s: 10, clock=clock,
+  return _climb.hill_climb(measure, space=space, trial_batches=lambda s: 10, clock=clock,
                            **kwargs)
 
 
@@ -92,14 +93,14 @@ def _plateau(w: int, t: int) -> float:
 def test_seeds_carry_the_climb_across_a_plateau():
   space = _space(max_workers=2)
   clock = FakeClock()
-  plain = _tuner.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+  plain = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
                             budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
                             clock=clock)
   assert _plateau(*plain.setting) == 45.0  # stuck on the plateau
   clock = FakeClock()
-  seeded = _tuner.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+  seeded = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
                              budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
-                             clock=clock, seeds=_tuner.seed_settings(S(), space, cpus=2))
+                             clock=clock, seeds=_climb.seed_settings(S(), space, cpus=2))
   grid = [(w, t) for w in space.values["worker_count"] for t in space.values["read_threads"]]
   assert seeded.setting == max(grid, key=lambda s: _plateau(*s))
   assert [t.phase for t in seeded.trials[1:3]] == ["seed", "seed"]
