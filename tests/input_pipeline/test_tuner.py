@@ -62,7 +62,7 @@ def _space(start=S(), *, max_workers=4, tune=("workers", "read_threads"), **kwar
                                             "prefetch_buffer": 16}, tune=tune, **kwargs)
 
 
-def _climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
+def _run_climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
            batches_in_memory=None, **kwargs):
   kwargs["start"] = S.of(kwargs.get("start", (0, 16)))
   kwargs.setdefault("budget_s", 1e9)
@@ -75,7 +75,7 @@ def _climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
 
 def test_climbs_both_knobs_to_the_best_setting():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock)
+  result = _run_climb(_fake_measure(clock, _peak), clock)
   grid = [(w, t) for w in range(5) for t in _tuner.THREAD_LADDER]
   assert result.setting == max(grid, key=lambda s: _peak(*s)) == (2, 1)
   assert result.stopped == "converged" and result.start == S(0, 16)
@@ -108,14 +108,14 @@ def test_seeds_carry_the_climb_across_a_plateau():
 
 def test_workers_only_would_miss_the_best():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock, tune=("workers",))
+  result = _run_climb(_fake_measure(clock, _peak), clock, tune=("workers",))
   assert result.setting == (2, 16) and _peak(2, 16) < _peak(2, 1)
 
 
 @pytest.mark.parametrize("budget_s", [0.0, 0.1, 3.0, 7.0, 15.0])
 def test_time_budget_is_respected(budget_s):
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
+  result = _run_climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
   assert result.seconds <= budget_s
   if budget_s == 0:
     assert result.trials == () and result.stopped == "no budget"
@@ -127,7 +127,7 @@ def test_time_budget_is_respected(budget_s):
 def test_max_workers_and_max_batches_are_respected():
   clock = FakeClock()
   measure = _fake_measure(clock, lambda w, t: 10.0 + 5 * w)  # more workers always faster
-  result = _climb(measure, clock, max_workers=3, max_batches=75)
+  result = _run_climb(measure, clock, max_workers=3, max_batches=75)
   assert max(t.worker_count for t in result.trials) <= 3
   assert result.batches <= 75 and len(result.trials) == 7
   assert result.stopped == "max_batches"
@@ -135,7 +135,7 @@ def test_max_workers_and_max_batches_are_respected():
 
 def test_a_fast_enough_start_is_not_climbed_from():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
+  result = _run_climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
   assert len(result.trials) == 1 and result.stopped == "fast enough"
   assert result.settings == S(0, 16)
 
@@ -143,13 +143,13 @@ def test_a_fast_enough_start_is_not_climbed_from():
 def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
   clock = FakeClock()
   flat = _fake_measure(clock, lambda w, t: 10.0, noise=lambda i: 0.03 * (i % 3 - 1))
-  result = _climb(flat, clock, start=(1, 4))
+  result = _run_climb(flat, clock, start=(1, 4))
   assert result.settings == S(1, 4)
 
 
 def test_top_two_are_remeasured_alternately():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
+  result = _run_climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
   confirm = [t.settings for t in result.trials if t.phase == "confirm"]
   assert len(confirm) == 4 and confirm[0] == confirm[3] != confirm[1] == confirm[2]
   assert result.settings in confirm
@@ -158,7 +158,7 @@ def test_top_two_are_remeasured_alternately():
 def test_each_trial_is_logged_at_debug(caplog):
   clock = FakeClock()
   with caplog.at_level(logging.DEBUG, logger="tunedjax.input_pipeline"):
-    result = _climb(_fake_measure(clock, _peak), clock)
+    result = _run_climb(_fake_measure(clock, _peak), clock)
   trial_lines = [r for r in caplog.records if "tuning trial" in r.getMessage()]
   assert len(trial_lines) == len(result.trials)
   assert "best: workers=2 read_threads=1 prefetch_buffer=2" in caplog.text
@@ -301,20 +301,20 @@ ALL = ("workers", "read_threads", "prefetch_buffer")
 
 def test_the_buffer_is_climbed_with_the_other_knobs():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2))
+  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2))
   assert result.settings == S(2, 1, 8)
   assert {t.prefetch_buffer for t in result.trials} > {2, 8}
   # without workers the buffer does nothing: no trial varies it there
   assert {t.prefetch_buffer for t in result.trials if t.worker_count == 0} == {2}
   clock = FakeClock()
-  fixed = _climb(_fake_measure(clock, _buffered_peak), clock, start=S(0, 16, 2))
+  fixed = _run_climb(_fake_measure(clock, _buffered_peak), clock, start=S(0, 16, 2))
   assert fixed.settings == S(2, 1, 2) and {t.prefetch_buffer for t in fixed.trials} == {2}
 
 
 def test_the_climb_keeps_the_buffers_within_the_memory_budget():
   clock = FakeClock()
   # 12 batches fit: 2 workers may keep 6 each, not 8 (the unbounded best)
-  result = _climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2),
+  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2),
                   batches_in_memory=12)
   assert all(t.worker_count * t.prefetch_buffer <= 12 for t in result.trials)
   assert result.settings == S(2, 1, 4)

@@ -52,7 +52,6 @@ DEFAULT_MAX_PREFETCH_BUFFER = 16
 # A pipeline already this fast (batches/s, or steps/s with a consumer) is no
 # bottleneck for any training step: worker processes cannot pay for themselves.
 FAST_ENOUGH = 1000.0
-KNOBS = TUNE_NAMES  # the names `tune=` takes
 
 
 
