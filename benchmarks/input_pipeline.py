@@ -9,15 +9,17 @@ recipe (records shuffled and batched on the MapDataset side):
   image, about 3 ms per record on an idle core;
 - python: a pure-Python word count and string hash (holds the GIL).
 
-For each, four settings of (worker processes, read threads):
+For each, four `LoaderSettings` (worker processes, read threads, per-worker
+prefetch buffer):
 
 - grain defaults: `MapDataset.to_iter_dataset()` with its default
   ReadOptions (16 threads, 500-element buffer), no worker processes;
 - Paddle's rule: the same hill climb over worker processes only, threads
   left at 16 (Paddle's DataLoader autotune has no thread knob);
-- tuned: `tune_worker_count` over both knobs (default budget 60 s and
+- tuned: `tune_worker_count` over all three knobs (default budget 60 s and
   `tuning_steps` 500, no cache);
-- oracle: the best fixed setting of a full sweep (every workers x threads).
+- oracle: the best fixed setting of a full sweep (every workers x threads,
+  the buffer at its default of 2).
 
 The settings are then timed side by side in interleaved rounds: each round
 starts every setting's iterator afresh, skips its warm-up (the prefetch
@@ -41,6 +43,7 @@ import grain
 import numpy as np
 
 import _harness
+from tunedjax.input_pipeline import LoaderSettings
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
 from tunedjax.input_pipeline import _tuner
@@ -86,15 +89,14 @@ def make_sources(n: int) -> dict[str, tuple[object, list]]:
   }
 
 
-def window_s_per_batch(ds, setting, *, window: int, grain_defaults: bool = False) -> float:
+def window_s_per_batch(ds, settings, *, window: int, grain_defaults: bool = False) -> float:
   """Seconds per batch in steady state: skip the buffers, time `window` batches."""
-  workers, threads = setting
   if grain_defaults:
     iterator = iter(ds.to_iter_dataset())
     warmup = 16 + 2  # its 16 threads start 16 batches at once
   else:
-    iterator = _processes.open_iterator(ds, workers=workers, read_threads=threads)
-    warmup = _processes.buffered_batches(workers, threads) + 2
+    iterator = _processes.open_iterator(ds, settings)
+    warmup = _processes.buffered_batches(settings) + 2
   try:
     for _ in range(warmup):
       next(iterator)
@@ -106,7 +108,11 @@ def window_s_per_batch(ds, setting, *, window: int, grain_defaults: bool = False
     _processes.close_quietly(iterator)
 
 
-def sweep(ds, grid, *, window: int) -> dict[tuple[int, int], float]:
+def label(settings: LoaderSettings) -> str:
+  return f"({settings.worker_count}, {settings.read_threads}, {settings.prefetch_buffer})"
+
+
+def sweep(ds, grid, *, window: int) -> dict[LoaderSettings, float]:
   return {s: window_s_per_batch(ds, s, window=window) for s in grid}
 
 
@@ -120,7 +126,7 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
   tuned = _tuner.tune_worker_count(source, **tune_kwargs)
   paddle = _tuner.tune_worker_count(source, tune=("workers",), **tune_kwargs)
   threads = (0, 1, 4, 16) if quick else _tuner.THREAD_LADDER
-  grid = [(w, t) for w in range(max_workers + 1) for t in threads]
+  grid = [LoaderSettings(w, t) for w in range(max_workers + 1) for t in threads]
   t0 = time.perf_counter()
   swept = sweep(ds, grid, window=window)
   sweep_s = time.perf_counter() - t0
@@ -128,9 +134,9 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
 
   variants = {
       "grain defaults (0 workers, 16 threads, 500 buffer)": ("defaults", None),
-      f"Paddle's rule: workers only -> {paddle.setting}": ("fixed", paddle.setting),
-      f"tunedjax tuned -> {tuned.setting}": ("fixed", tuned.setting),
-      f"oracle (sweep of {len(grid)}) -> {oracle}": ("fixed", oracle),
+      f"Paddle's rule: workers only -> {label(paddle.settings)}": ("fixed", paddle.settings),
+      f"tunedjax tuned -> {label(tuned.settings)}": ("fixed", tuned.settings),
+      f"oracle (sweep of {len(grid)}) -> {label(oracle)}": ("fixed", oracle),
   }
   names = [*variants, _harness.CONTROL]
   baseline = names[0]
@@ -139,7 +145,7 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
     order = names[r % len(names):] + names[:r % len(names)]
     for n in order:
       kind, setting = variants.get(n, variants[baseline])
-      runs[n].append(window_s_per_batch(ds, setting or (0, 16), window=window,
+      runs[n].append(window_s_per_batch(ds, setting or LoaderSettings(), window=window,
                                         grain_defaults=kind == "defaults"))
   timings = _harness.Timings(runs, baseline)
   epoch_s = 1000 * timings.median(names[2])

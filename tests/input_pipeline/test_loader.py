@@ -8,6 +8,8 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _tuner
 
 
 def _loader(source, **kwargs):
@@ -189,3 +191,62 @@ def test_needs_tuning_follows_the_knobs_and_the_config():
     assert fixed.needs_tuning  # the switch measures even given integers
   assert ip.Loader(np.arange(8), batch_size=2).needs_tuning  # "auto"
   assert not ip.Loader(np.arange(8), batch_size=2, tuning_budget_s=0).needs_tuning
+
+
+@pytest.fixture
+def grain_calls(monkeypatch):
+  """Records the options the loader hands grain; workers then read in this process."""
+  calls = []
+  to_iter = grain.MapDataset.to_iter_dataset
+
+  def to_iter_dataset(self, read_options=None, **kwargs):
+    calls.append(("read", read_options))
+    return to_iter(self, read_options, **kwargs)
+
+  def mp_prefetch(self, options=None, worker_init_fn=None, **kwargs):
+    calls.append(("mp", options))
+    return self  # read in this process: what is tested is what grain was asked
+
+  monkeypatch.setattr(grain.MapDataset, "to_iter_dataset", to_iter_dataset)
+  monkeypatch.setattr(grain.IterDataset, "mp_prefetch", mp_prefetch)
+  return calls
+
+
+def test_the_loader_hands_its_settings_to_grain(data, grain_calls):
+  loader = _loader(data, worker_count=3, read_threads=2, prefetch_buffer=5, seed=1)
+  assert loader.settings == ip.LoaderSettings(3, 2, 5)
+  got = _take(loader, 2)
+  (_, read), (_, mp) = grain_calls
+  assert (read.num_threads, read.prefetch_buffer_size) == (2, 4)
+  assert (mp.num_workers, mp.per_worker_buffer_size) == (3, 5)
+  ref = _take(_loader(data, seed=1), 2)  # same batches as 0 workers
+  for a, b in zip(ref, got):
+    np.testing.assert_array_equal(a["x"], b["x"])
+  grain_calls.clear()
+  _take(_loader(data, worker_count=0, prefetch_buffer=5), 1)
+  assert [kind for kind, _ in grain_calls] == ["read"]  # no workers: no mp_prefetch
+
+
+def test_the_loader_applies_a_cached_choice_of_buffer(data, grain_calls, tmp_path):
+  cache = tj.autotune.Cache(tmp_path)
+  loader = _loader(data, worker_count="auto", read_threads="auto", max_workers=4,
+                   tuning_steps=10)
+  stored = ip.LoaderSettings(2, 1, 8)
+  # stored by hand under the key the loader will ask for
+  key = _tuner.cache_key(_dataset.as_source(data), batch_size=4, transforms=(),
+                         shuffle=True, drop_remainder=True, start=ip.LoaderSettings(),
+                         maxima={"worker_count": 4, "read_threads": 16,
+                                 "prefetch_buffer": _tuner.DEFAULT_MAX_PREFETCH_BUFFER},
+                         tune=("workers", "read_threads", "prefetch_buffer"),
+                         consumer=None, consumer_s=None)
+  cache.put("dataloader", key, {**stored.to_dict(), "batches_per_s": 50.0,
+                                "batch_bytes": 64})
+  assert loader.tune(cache=cache).from_cache and loader.settings == stored
+  _take(loader, 1)
+  mp = [options for kind, options in grain_calls if kind == "mp"]
+  assert [(o.num_workers, o.per_worker_buffer_size) for o in mp] == [(2, 8)]
+
+
+def test_bad_prefetch_buffer_is_explained(data):
+  with pytest.raises(tj.ConfigError, match="prefetch_buffer.*>= 1"):
+    _loader(data, prefetch_buffer=0)

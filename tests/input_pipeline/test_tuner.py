@@ -13,7 +13,12 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _climb
+from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
+
+S = ip.LoaderSettings
 
 
 class FakeClock:
@@ -27,16 +32,21 @@ class FakeClock:
 
 def _fake_measure(clock, speed, *, startup_per_worker=1.5, body_s=0.5, batches=10,
                   noise=None):
+  """A measurement on the fake clock; `speed(workers, threads)`, or with
+  `speed.with_buffer`, `speed(workers, threads, buffer)`."""
   calls = []
 
-  def measure(setting, deadline):
-    calls.append((setting, deadline))
-    startup = startup_per_worker * setting[0]
+  def measure(settings, deadline):
+    calls.append((settings, deadline))
+    startup = startup_per_worker * settings.worker_count
     start = clock.now
     # as the real one: the start-up cannot be cut short, the timed window can
     clock.now = min(start + startup + body_s, max(start + startup, deadline))
-    bps = max(0.1, speed(*setting)) * (1.0 + (noise(len(calls)) if noise else 0.0))
-    return ip.Trial(*setting, batches_per_s=bps, batches=batches, startup_s=startup,
+    knobs = ((settings.worker_count, settings.read_threads, settings.prefetch_buffer)
+             if getattr(speed, "with_buffer", False)
+             else (settings.worker_count, settings.read_threads))
+    bps = max(0.1, speed(*knobs)) * (1.0 + (noise(len(calls)) if noise else 0.0))
+    return ip.Trial(settings, batches_per_s=bps, batches=batches, startup_s=startup,
                     seconds=clock.now - start)
 
   measure.calls = calls
@@ -47,23 +57,28 @@ def _peak(w, t):  # best at 2 workers, 1 read thread
   return 20.0 - 3.0 * (w - 2) ** 2 - (math.log2(t + 1) - 1.0) ** 2
 
 
-def _climb(measure, clock, **kwargs):
-  kwargs.setdefault("start", (0, 16))
-  max_workers = kwargs.pop("max_workers", 4)
-  workers, threads = _tuner.choices(kwargs["start"], max_workers=max_workers,
-                                    max_read_threads=16)
+def _space(start=S(), *, max_workers=4, tune=("workers", "read_threads"), **kwargs):
+  return _climb.search_space(start, maxima={"worker_count": max_workers, "read_threads": 16,
+                                            "prefetch_buffer": 16}, tune=tune, **kwargs)
+
+
+def _run_climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
+           batches_in_memory=None, **kwargs):
+  kwargs["start"] = S.of(kwargs.get("start", (0, 16)))
   kwargs.setdefault("budget_s", 1e9)
   kwargs.setdefault("max_batches", 10**9)
-  return _tuner.hill_climb(measure, worker_choices=workers, thread_choices=threads,
-                           trial_batches=lambda s: 10, clock=clock, **kwargs)
+  space = _space(kwargs["start"], max_workers=max_workers, tune=tune,
+                 batches_in_memory=batches_in_memory)
+  return _climb.hill_climb(measure, space=space, trial_batches=lambda s: 10, clock=clock,
+                           **kwargs)
 
 
 def test_climbs_both_knobs_to_the_best_setting():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock)
+  result = _run_climb(_fake_measure(clock, _peak), clock)
   grid = [(w, t) for w in range(5) for t in _tuner.THREAD_LADDER]
   assert result.setting == max(grid, key=lambda s: _peak(*s)) == (2, 1)
-  assert result.stopped == "converged" and result.start == (0, 16)
+  assert result.stopped == "converged" and result.start == S(0, 16)
   assert len(result.trials) < len(grid)  # climbed, did not sweep
 
 
@@ -76,39 +91,35 @@ def _plateau(w: int, t: int) -> float:
 
 
 def test_seeds_carry_the_climb_across_a_plateau():
-  workers, threads = _tuner.choices((0, 16), max_workers=2, max_read_threads=16)
+  space = _space(max_workers=2)
   clock = FakeClock()
-  plain = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
-                            worker_choices=workers, thread_choices=threads, budget_s=1e9,
-                            max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  plain = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+                            budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
+                            clock=clock)
   assert _plateau(*plain.setting) == 45.0  # stuck on the plateau
   clock = FakeClock()
-  seeded = _tuner.hill_climb(_fake_measure(clock, _plateau), start=(0, 16),
-                             worker_choices=workers, thread_choices=threads, budget_s=1e9,
-                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock,
-                             seeds=_tuner.seed_settings(workers, threads, cpus=2))
-  grid = [(w, t) for w in workers for t in threads]
+  seeded = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
+                             budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
+                             clock=clock, seeds=_climb.seed_settings(S(), space, cpus=2))
+  grid = [(w, t) for w in space.values["worker_count"] for t in space.values["read_threads"]]
   assert seeded.setting == max(grid, key=lambda s: _plateau(*s))
   assert [t.phase for t in seeded.trials[1:3]] == ["seed", "seed"]
 
 
 def test_workers_only_would_miss_the_best():
   clock = FakeClock()
-  workers, _ = _tuner.choices((0, 16), max_workers=4, max_read_threads=16)
-  result = _tuner.hill_climb(_fake_measure(clock, _peak), start=(0, 16),
-                             worker_choices=workers, thread_choices=[16], budget_s=1e9,
-                             max_batches=10**9, trial_batches=lambda s: 10, clock=clock)
+  result = _run_climb(_fake_measure(clock, _peak), clock, tune=("workers",))
   assert result.setting == (2, 16) and _peak(2, 16) < _peak(2, 1)
 
 
 @pytest.mark.parametrize("budget_s", [0.0, 0.1, 3.0, 7.0, 15.0])
 def test_time_budget_is_respected(budget_s):
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
+  result = _run_climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
   assert result.seconds <= budget_s
   if budget_s == 0:
     assert result.trials == () and result.stopped == "no budget"
-    assert result.setting == (0, 16)
+    assert result.settings == S(0, 16)
   else:
     assert result.stopped == "budget" and result.trials
 
@@ -116,7 +127,7 @@ def test_time_budget_is_respected(budget_s):
 def test_max_workers_and_max_batches_are_respected():
   clock = FakeClock()
   measure = _fake_measure(clock, lambda w, t: 10.0 + 5 * w)  # more workers always faster
-  result = _climb(measure, clock, max_workers=3, max_batches=75)
+  result = _run_climb(measure, clock, max_workers=3, max_batches=75)
   assert max(t.worker_count for t in result.trials) <= 3
   assert result.batches <= 75 and len(result.trials) == 7
   assert result.stopped == "max_batches"
@@ -124,33 +135,33 @@ def test_max_workers_and_max_batches_are_respected():
 
 def test_a_fast_enough_start_is_not_climbed_from():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
+  result = _run_climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
   assert len(result.trials) == 1 and result.stopped == "fast enough"
-  assert result.setting == (0, 16)
+  assert result.settings == S(0, 16)
 
 
 def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
   clock = FakeClock()
   flat = _fake_measure(clock, lambda w, t: 10.0, noise=lambda i: 0.03 * (i % 3 - 1))
-  result = _climb(flat, clock, start=(1, 4))
-  assert result.setting == (1, 4)
+  result = _run_climb(flat, clock, start=(1, 4))
+  assert result.settings == S(1, 4)
 
 
 def test_top_two_are_remeasured_alternately():
   clock = FakeClock()
-  result = _climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
-  confirm = [t.setting for t in result.trials if t.phase == "confirm"]
+  result = _run_climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
+  confirm = [t.settings for t in result.trials if t.phase == "confirm"]
   assert len(confirm) == 4 and confirm[0] == confirm[3] != confirm[1] == confirm[2]
-  assert result.setting in confirm
+  assert result.settings in confirm
 
 
 def test_each_trial_is_logged_at_debug(caplog):
   clock = FakeClock()
   with caplog.at_level(logging.DEBUG, logger="tunedjax.input_pipeline"):
-    result = _climb(_fake_measure(clock, _peak), clock)
+    result = _run_climb(_fake_measure(clock, _peak), clock)
   trial_lines = [r for r in caplog.records if "tuning trial" in r.getMessage()]
   assert len(trial_lines) == len(result.trials)
-  assert "best: workers=2 read_threads=1" in caplog.text
+  assert "best: workers=2 read_threads=1 prefetch_buffer=2" in caplog.text
   assert "chosen" in result.table()
 
 
@@ -222,13 +233,13 @@ def test_loader_auto_tuning_does_not_move_the_stream(cache_dir):
                    max_workers=0, tuning_steps=40, tuning_budget_s=10)
   result = auto.tune()
   assert result is not None and not result.from_cache and auto.position == 0
-  assert (auto.worker_count, auto.read_threads) == result.setting
+  assert auto.settings == result.settings
   for _ in range(5):
     np.testing.assert_array_equal(next(auto), next(plain))
   restarted = ip.Loader(src, batch_size=6, seed=2, max_workers=0, tuning_steps=40,
                         tuning_budget_s=10)
   next(restarted)
-  assert restarted.tuning.from_cache and restarted.tuning.setting == result.setting
+  assert restarted.tuning.from_cache and restarted.tuning.settings == result.settings
 
 
 def test_config_enable_tunes_even_given_ints(cache_dir):
@@ -237,7 +248,7 @@ def test_config_enable_tunes_even_given_ints(cache_dir):
     loader = ip.Loader(np.arange(100.0), batch_size=4, worker_count=0, read_threads=4,
                        tuning_budget_s=10)
     result = loader.tune(cache=False)
-  assert result is not None and result.start == (0, 4)
+  assert result is not None and result.start == S(0, 4)
   assert all(t.batches <= 30 and t.worker_count == 0 for t in result.trials)
 
 
@@ -251,9 +262,12 @@ def test_only_the_auto_knob_is_tuned(cache_dir):
 @pytest.mark.slow
 def test_real_trial_with_a_worker_process(cache_dir):
   result = ip.tune_worker_count(np.arange(400.0), batch_size=4, worker_count=1,
-                                read_threads=0, max_workers=1, max_read_threads=0,
-                                tuning_steps=40, budget_s=30, cache=False)
-  assert result.trials[0].setting == (1, 0) and result.trials[0].startup_s > 0
+                                read_threads=0, prefetch_buffer=1, max_workers=1,
+                                max_read_threads=0, max_prefetch_buffer=2, tuning_steps=40,
+                                budget_s=30, cache=False)
+  assert result.trials[0].settings == S(1, 0, 1) and result.trials[0].startup_s > 0
+  # the first round also steps the worker's buffer, with a real worker
+  assert {t.prefetch_buffer for t in result.trials if t.worker_count} == {1, 2}
   assert result.seconds <= 30 + 2
   assert all(t.batches <= 40 for t in result.trials)
 
@@ -270,3 +284,147 @@ def test_consumer_seconds_bound_the_measured_rate(cache_dir):
                                 max_read_threads=0, tuning_steps=12, budget_s=10,
                                 consumer_s=0.004, cache=False)
   assert result.trials and all(t.batches_per_s <= 1 / 0.004 for t in result.trials)
+
+
+# --- the per-worker prefetch buffer: searched, bounded by memory, cached ---------
+
+
+def _buffered_peak(w, t, b):
+  """The best at 2 workers, 1 thread, a buffer of 8; each buffer step pays ~10%."""
+  buffer_gain = 3.0 * (3.0 - abs(math.log2(b) - 3.0)) if w else 0.0
+  return _peak(w, t) - 3.0 * (w - 2) ** 2 + buffer_gain
+
+
+_buffered_peak.with_buffer = True
+ALL = ("workers", "read_threads", "prefetch_buffer")
+
+
+def test_the_buffer_is_climbed_with_the_other_knobs():
+  clock = FakeClock()
+  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2))
+  assert result.settings == S(2, 1, 8)
+  assert {t.prefetch_buffer for t in result.trials} > {2, 8}
+  # without workers the buffer does nothing: no trial varies it there
+  assert {t.prefetch_buffer for t in result.trials if t.worker_count == 0} == {2}
+  clock = FakeClock()
+  fixed = _run_climb(_fake_measure(clock, _buffered_peak), clock, start=S(0, 16, 2))
+  assert fixed.settings == S(2, 1, 2) and {t.prefetch_buffer for t in fixed.trials} == {2}
+
+
+def test_the_climb_keeps_the_buffers_within_the_memory_budget():
+  clock = FakeClock()
+  # 12 batches fit: 2 workers may keep 6 each, not 8 (the unbounded best)
+  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2),
+                  batches_in_memory=12)
+  assert all(t.worker_count * t.prefetch_buffer <= 12 for t in result.trials)
+  assert result.settings == S(2, 1, 4)
+
+
+class _FakeMeasure:
+  """Stands in for `_tuner._measure_real`: records what the tuner asked for."""
+
+  def __init__(self, speed):
+    self.speed, self.seen, self.datasets = speed, [], []
+
+  def __call__(self, ds, **kwargs):
+    self.datasets.append(ds)
+
+    def measure(settings, deadline):
+      self.seen.append(settings)
+      knobs = (settings.worker_count, settings.read_threads, settings.prefetch_buffer)
+      return ip.Trial(settings, batches_per_s=self.speed(*knobs), batches=10,
+                      startup_s=0.0, seconds=0.01)
+
+    return measure
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+  fake = _FakeMeasure(_buffered_peak)
+  monkeypatch.setattr(_tuner, "_measure_real", fake)
+  return fake
+
+
+_IMAGES = np.random.default_rng(1).normal(size=(64, 8, 8, 3)).astype(np.float32)
+_BATCH_BYTES = 4 * 8 * 8 * 3 * 4  # batch_size 4, float32
+
+
+def _tune(**kwargs):
+  kwargs = {"batch_size": 4, "max_workers": 4, "max_read_threads": 16, "tuning_steps": 20,
+            "budget_s": 60, **kwargs}
+  return ip.tune_worker_count(_IMAGES, **kwargs)
+
+
+def test_tuning_measures_a_batch_and_bounds_the_buffers_by_it(cache_dir, fake_measure):
+  result = _tune(memory_budget=12 * _BATCH_BYTES, cache=False)
+  assert fake_measure.seen and all(
+      s.worker_count * s.prefetch_buffer * _BATCH_BYTES <= 12 * _BATCH_BYTES
+      for s in fake_measure.seen)
+  assert len({s.prefetch_buffer for s in fake_measure.seen}) > 1  # the buffer was searched
+  assert result.settings == S(2, 1, 4)
+  roomy = _tune(memory_budget=10**9, cache=False)
+  assert roomy.settings == S(2, 1, 8)
+  assert _tune(max_prefetch_buffer=4, memory_budget=10**9, cache=False).prefetch_buffer == 4
+
+
+def test_the_default_budget_is_a_fraction_of_available_memory(cache_dir, fake_measure,
+                                                             monkeypatch):
+  monkeypatch.setattr(_settings, "available_memory", lambda: 40 * _BATCH_BYTES)
+  _tune(cache=False)  # 10 batches: a quarter of the 40 available
+  assert max(s.worker_count * s.prefetch_buffer for s in fake_measure.seen
+             if s.worker_count) <= 40 * _settings.MEMORY_FRACTION
+
+
+def test_the_chosen_buffer_round_trips_through_the_cache(cache_dir, fake_measure):
+  first = _tune()
+  assert not first.from_cache and first.settings == S(2, 1, 8)
+  (entry,) = tj.autotune.Cache().entries("dataloader")
+  assert entry.value["prefetch_buffer"] == 8 and entry.value["batch_bytes"] == _BATCH_BYTES
+  assert entry.value["trials"][0] == {**S().to_dict(),
+                                      "batches_per_s": round(first.trials[0].batches_per_s, 3)}
+  measured = len(fake_measure.seen)
+  again = _tune()
+  assert again.from_cache and again.settings == first.settings
+  assert len(fake_measure.seen) == measured  # nothing measured
+  # With less memory now, the cached buffer is lowered to fit (not re-measured).
+  tight = _tune(memory_budget=8 * _BATCH_BYTES)
+  assert tight.from_cache and tight.settings == S(2, 1, 4)
+
+
+def test_an_entry_from_before_the_buffer_converts_and_a_bad_one_is_a_miss(
+    cache_dir, fake_measure):
+  cache = tj.autotune.Cache()
+  key = _tuner.cache_key(
+      _dataset.as_source(_IMAGES), batch_size=4, transforms=[], shuffle=True,
+      drop_remainder=True, start=S(), tune=ALL, consumer=None, consumer_s=None,
+      maxima={"worker_count": 4, "read_threads": 16,
+              "prefetch_buffer": _tuner.DEFAULT_MAX_PREFETCH_BUFFER})
+  old = {"worker_count": 3, "read_threads": 1, "batches_per_s": 12.5, "seconds": 4.0,
+         "trials": [[0, 16, 10.0], [3, 1, 12.5]]}  # the two-value format
+  cache.put("dataloader", key, old)
+  converted = _tune(cache=cache)
+  assert converted.from_cache and converted.settings == S(3, 1, 2)
+  assert not fake_measure.seen
+  for bad in ({**old, "prefetch_buffer": 0}, {**old, "prefetch_buffer": "x"},
+              {"read_threads": 1, "batches_per_s": 1.0}, {**old, "batch_bytes": -1}):
+    cache.put("dataloader", key, bad)
+    with pytest.warns(UserWarning, match="invalid 'dataloader' entry"):
+      retuned = _tune(cache=tj.autotune.Cache())
+    assert not retuned.from_cache and retuned.trials
+
+
+def test_a_loader_tunes_the_buffer_only_along_with_another_knob(cache_dir):
+  assert not ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1).needs_tuning
+  loader = ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1)
+  assert loader.settings == S(2, 1, 2) and loader.tuning is None
+  assert ip.Loader(np.arange(8), batch_size=2, worker_count=2, read_threads=1,
+                   prefetch_buffer=5).prefetch_buffer == 5
+  assert ip.Loader(np.arange(8), batch_size=2, worker_count="auto").needs_tuning
+
+
+def test_the_loader_runs_with_the_settings_it_tuned(cache_dir, fake_measure):
+  loader = ip.Loader(_IMAGES, batch_size=4, max_workers=4, tuning_steps=20,
+                     tuning_budget_s=60)
+  result = loader.tune(cache=False)
+  assert result.settings == loader.settings == S(2, 1, 8)
+  assert "prefetch_buffer=8" in repr(loader) and "prefetch_buffer" in result.table()

@@ -1,4 +1,4 @@
-"""Loader with worker processes: same data for 0-3 workers, resumes across
+"""Loader with worker processes: same data for 0-3 workers and any buffer, resumes across
 worker counts, reports failing records, and leaves no process behind.
 
 Each worker process takes about a second to start here, so these tests share
@@ -74,11 +74,11 @@ def _loader(workers, **kwargs):
 
 
 @pytest.mark.slow
-def test_same_batches_for_0_to_3_workers_and_resume_from_2_into_3():
+def test_same_batches_for_0_to_3_workers_any_buffer_and_resume_from_2_into_3():
   total, k = 14, 5  # 90 records, 11 batches per epoch: crosses an epoch
-  with _loader(0) as l0:
+  with _loader(0, prefetch_buffer=7) as l0:
     reference = [next(l0) for _ in range(total)]
-  with _loader(1) as l1:
+  with _loader(1, prefetch_buffer=1) as l1:
     assert _equal([next(l1) for _ in range(total)], reference)
   with _loader(2) as l2:
     first = [next(l2) for _ in range(k)]
@@ -87,7 +87,7 @@ def test_same_batches_for_0_to_3_workers_and_resume_from_2_into_3():
     assert len(_worker_pids()) == 2
   assert _equal(first + rest, reference)
   assert state["position"] == k
-  with _loader(3) as l3:
+  with _loader(3, prefetch_buffer=4) as l3:
     l3.set_state(state)
     assert _equal([next(l3) for _ in range(total - k)], reference[k:])
     assert len(_worker_pids()) == 3

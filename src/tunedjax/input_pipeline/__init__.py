@@ -1,9 +1,10 @@
 """Input pipeline: a grain loader that tunes its parallelism and resumes exactly.
 
-`Loader` batches any random-access source in an order that no worker or
-thread count changes, checkpoints as a position in global batches, measures
-its best (worker processes, read threads) when asked (`tune_worker_count`,
-kept in the persistent tuning cache), and leaves no worker process behind.
+`Loader` batches any random-access source in an order that no setting
+changes, checkpoints as a position in global batches, measures its best
+`LoaderSettings` (worker processes, read threads, batches each worker keeps
+ready within a memory budget) when asked (`tune_worker_count`, kept in the
+persistent tuning cache), and leaves no worker process behind.
 
 Example:
   >>> import numpy as np
@@ -24,14 +25,16 @@ from __future__ import annotations
 
 from tunedjax.input_pipeline._dataset import TransformError as TransformError
 from tunedjax.input_pipeline._loader import Loader as Loader
+from tunedjax.input_pipeline._settings import LoaderSettings as LoaderSettings
 from tunedjax.input_pipeline._state import LoaderState as LoaderState
 from tunedjax.input_pipeline._state import StateError as StateError
-from tunedjax.input_pipeline._tuner import Trial as Trial
-from tunedjax.input_pipeline._tuner import TuningResult as TuningResult
+from tunedjax.input_pipeline._climb import Trial as Trial
+from tunedjax.input_pipeline._climb import TuningResult as TuningResult
 from tunedjax.input_pipeline._tuner import tune_worker_count as tune_worker_count
 
 __all__ = [
     "Loader",
+    "LoaderSettings",
     "LoaderState",
     "StateError",
     "TransformError",

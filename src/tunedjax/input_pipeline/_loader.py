@@ -14,8 +14,10 @@ from tunedjax._errors import ConfigError
 from tunedjax._errors import TunedJaxError
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
+from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _state
 from tunedjax.input_pipeline import _tuner
+from tunedjax.input_pipeline._settings import LoaderSettings
 
 log = logging.getLogger("tunedjax.input_pipeline")
 
@@ -39,19 +41,24 @@ class Loader:
 
   A grain pipeline: records are shuffled (anew each epoch), transformed and
   batched on grain's `MapDataset` side, then read by `worker_count` worker
-  processes with `read_threads` threads each. Because batch ``i`` is a pure
-  function of ``i``, the same seed gives the same batches in the same order
-  whatever the worker and thread counts, and a checkpoint (`get_state`) is a
-  position in global batches that restores under any worker count.
+  processes with `read_threads` threads each, each worker keeping
+  `prefetch_buffer` batches ready (together: its `settings`, a
+  `LoaderSettings`). Because batch ``i`` is a pure function of ``i``, the
+  same seed gives the same batches in the same order whatever the settings,
+  and a checkpoint (`get_state`) is a position in global batches that
+  restores under any worker count.
 
   When a knob is ``"auto"``, or the config's ``dataloader.enable`` is on, the
-  loader measures the best (worker processes, read threads) on a random
-  subset of the records before the first batch (`tune_worker_count`, bounded
-  by `tuning_budget_s`, reading at most `tuning_steps` batches per trial), or reuses the choice the
-  persistent tuning cache holds for this host and pipeline. Integers with
-  ``dataloader.enable`` off are used as given. Tuning never reads from, or
-  moves, the training stream. Call `tune` first to include the training step
-  in the measurement (`consumer=` / `consumer_s=`).
+  loader measures the best `LoaderSettings` on a random subset of the
+  records before the first batch (`tune_worker_count`, bounded by
+  `tuning_budget_s`, reading at most `tuning_steps` batches per trial; the
+  per-worker buffer also by the memory its batches take), or reuses the
+  choice the persistent tuning cache holds for this host and pipeline.
+  Integers with ``dataloader.enable`` off are used as given. The
+  `prefetch_buffer` only matters with worker processes: ``"auto"`` tunes it
+  along with the worker or thread count, and alone means 2 batches. Tuning
+  never reads from, or moves, the training stream. Call `tune` first to
+  include the training step in the measurement (`consumer=` / `consumer_s=`).
 
   Worker processes exit when the loader is closed (`close`, ``with``, garbage
   collection, interpreter exit) and when this process dies, even by SIGKILL.
@@ -70,11 +77,13 @@ class Loader:
     drop_remainder: drop each epoch's last, short batch.
     worker_count: worker processes, or "auto" to measure.
     read_threads: read threads per process, or "auto" to measure.
+    prefetch_buffer: batches each worker process keeps ready (grain's
+      ``per_worker_buffer_size``), or "auto" to measure it with the others.
     tuning_steps: batches the tuner reads per trial, at most (None: the
       config's, 500 by default).
     max_workers: the most workers to try (None: config, else the CPU count).
     tuning_budget_s: seconds the tuner may take; 0 turns measuring off
-      ("auto" then means 0 workers and 16 read threads).
+      ("auto" then means 0 workers, 16 read threads and a buffer of 2).
 
   Example:
     >>> loader = Loader(np.arange(10), batch_size=4, shuffle=False, worker_count=0,
@@ -88,7 +97,8 @@ class Loader:
   def __init__(self, source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
                shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                drop_remainder: bool = True, worker_count: int | str = AUTO,
-               read_threads: int | str = AUTO, tuning_steps: int | None = None,
+               read_threads: int | str = AUTO, prefetch_buffer: int | str = AUTO,
+               tuning_steps: int | None = None,
                max_workers: int | None = None, tuning_budget_s: float = 60.0):
     self._iterator: Any = None
     self._closed = False
@@ -101,8 +111,10 @@ class Loader:
       raise ConfigError(f"Loader(seed=...) must be below 2**32, got {seed!r}.")
     self._num_epochs = _check_int("num_epochs", num_epochs, 1, optional=True)
     self._drop_remainder = bool(drop_remainder)
-    self._requested = (_check_int("worker_count", worker_count, 0, auto=True),
-                       _check_int("read_threads", read_threads, 0, auto=True))
+    given = {"worker_count": worker_count, "read_threads": read_threads,
+             "prefetch_buffer": prefetch_buffer}
+    self._requested = {k.name: _check_int(k.name, given[k.name], k.low, auto=True)
+                       for k in _settings.KNOBS}
     self._tuning_steps = _check_int("tuning_steps", tuning_steps, 1, optional=True)
     self._max_workers = _check_int("max_workers", max_workers, 0, optional=True)
     if not isinstance(tuning_budget_s, (int, float)) or tuning_budget_s < 0:
@@ -121,7 +133,7 @@ class Loader:
           f"{self._batch_size} with drop_remainder={self._drop_remainder}; lower "
           "batch_size or pass drop_remainder=False.")
     self._position = 0
-    self._setting: tuple[int, int] | None = None
+    self._settings: LoaderSettings | None = None
     self._tuning: _tuner.TuningResult | None = None
 
   # --- what the loader yields ------------------------------------------------
@@ -159,27 +171,30 @@ class Loader:
     if self._tuning_budget_s <= 0:
       return ()
     if get_config().dataloader.enable:
-      return _tuner.KNOBS
-    return tuple(k for k, v in zip(_tuner.KNOBS, self._requested) if v == AUTO)
+      return _settings.TUNE_NAMES
+    auto = [k for k in _settings.KNOBS if self._requested[k.name] == AUTO]
+    if not any(k.alone for k in auto):  # e.g. only the buffer: not worth a tuning
+      return ()
+    return tuple(k.tune_name for k in auto)
 
   @property
   def needs_tuning(self) -> bool:
-    """Whether the worker and thread counts are still to be chosen by `tune`
-    (measured, or read from the cache) under the active config."""
-    return self._setting is None and bool(self._knobs_to_tune())
+    """Whether the settings are still to be chosen by `tune` (measured, or
+    read from the cache) under the active config."""
+    return self._settings is None and bool(self._knobs_to_tune())
 
-  def _start_setting(self) -> tuple[int, int]:
-    w, t = self._requested
-    return (0 if w == AUTO else w, _tuner.DEFAULT_READ_THREADS if t == AUTO else t)
+  def _start_settings(self) -> LoaderSettings:
+    return LoaderSettings(**{name: v for name, v in self._requested.items() if v != AUTO})
 
   def tune(self, *, consumer: Callable[[Any], Any] | None = None,
            consumer_s: float | None = None,
            cache: Any = True) -> _tuner.TuningResult | None:
-    """Chooses the worker and thread counts now (measured, or from the cache).
+    """Chooses the settings now (measured, or from the cache).
 
     Runs by itself before the first batch; call it first to measure with the
-    training step included. Returns None when nothing is tuned (both knobs
-    given as ints and ``dataloader.enable`` off, or `tuning_budget_s` 0).
+    training step included. Returns None when nothing is tuned (the worker
+    and thread counts given as ints and ``dataloader.enable`` off, or
+    `tuning_budget_s` 0).
     The training stream does not move.
 
     Args:
@@ -192,37 +207,44 @@ class Loader:
     """
     knobs = self._knobs_to_tune()
     if not knobs:
-      self._setting = self._start_setting()
+      self._settings = self._start_settings()
       return None
     self._stop()
     self._tuning = _tuner.tune_worker_count(
         self._source, batch_size=self._batch_size, transforms=self._transforms,
         shuffle=self._shuffle, seed=self._seed, drop_remainder=self._drop_remainder,
-        worker_count=self._start_setting()[0], read_threads=self._start_setting()[1],
+        **self._start_settings().to_dict(),
         max_workers=self._max_workers, tuning_steps=self._tuning_steps,
         budget_s=self._tuning_budget_s, consumer=consumer, consumer_s=consumer_s,
         cache=cache, tune=knobs)
-    self._setting = self._tuning.setting
-    log.info("Loader: worker_count=%d read_threads=%d (%s)", *self._setting,
+    self._settings = self._tuning.settings
+    log.info("Loader: %s (%s)", self._settings,
              "cached" if self._tuning.from_cache else
              f"tuned in {self._tuning.seconds:.1f} s")
     return self._tuning
 
-  def _resolved(self) -> tuple[int, int]:
-    if self._setting is None:
+  @property
+  def settings(self) -> LoaderSettings:
+    """The `LoaderSettings` used (tunes first if needed)."""
+    if self._settings is None:
       self.tune()
-    assert self._setting is not None
-    return self._setting
+    assert self._settings is not None
+    return self._settings
 
   @property
   def worker_count(self) -> int:
     """The worker processes used (tunes first if needed)."""
-    return self._resolved()[0]
+    return self.settings.worker_count
 
   @property
   def read_threads(self) -> int:
     """The read threads per process used (tunes first if needed)."""
-    return self._resolved()[1]
+    return self.settings.read_threads
+
+  @property
+  def prefetch_buffer(self) -> int:
+    """The batches each worker keeps ready (tunes first if needed)."""
+    return self.settings.prefetch_buffer
 
   @property
   def tuning(self) -> _tuner.TuningResult | None:
@@ -241,9 +263,8 @@ class Loader:
     if self._iterator is None:
       if self._position >= len(self._dataset):
         raise StopIteration
-      workers, threads = self._resolved()
-      self._iterator = _processes.open_iterator(
-          self._dataset[self._position:], workers=workers, read_threads=threads)
+      self._iterator = _processes.open_iterator(self._dataset[self._position:],
+                                                self.settings)
       _processes.register(self)
     try:
       batch = next(self._iterator)
@@ -266,8 +287,8 @@ class Loader:
   def get_state(self) -> dict[str, Any]:
     """The position (batches consumed) and what identifies the stream.
 
-    Independent of worker and thread counts: restore it into a loader with
-    any. Plain ints and bools, for JSON or an orbax checkpoint.
+    Independent of the settings (worker and thread counts, buffers): restore
+    it into a loader with any. Plain ints and bools, for JSON or an orbax checkpoint.
     """
     return self._state().to_dict()
 
@@ -307,7 +328,7 @@ class Loader:
       self._stop()
 
   def __repr__(self) -> str:
-    setting = ("untuned" if self._setting is None
-               else f"worker_count={self._setting[0]}, read_threads={self._setting[1]}")
+    setting = ("untuned" if self._settings is None else
+               ", ".join(f"{k}={v}" for k, v in self._settings.to_dict().items()))
     return (f"Loader({len(self._source)} records, batch_size={self._batch_size}, "
             f"position={self._position}, {setting})")

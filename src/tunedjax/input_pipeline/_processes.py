@@ -27,6 +27,8 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from tunedjax.input_pipeline._settings import LoaderSettings
+
 WATCHDOG_INTERVAL_S = 0.1
 
 
@@ -160,55 +162,58 @@ def is_running(pid: int) -> bool:
   return not os.path.isdir("/proc")
 
 
-def read_options(read_threads: int) -> Any:
-  """grain ReadOptions for `read_threads`: a buffer twice as deep as the threads.
+def grain_options(settings: LoaderSettings) -> tuple[Any, Any]:
+  """grain's (ReadOptions, MultiprocessingOptions) for `settings`.
 
-  grain's default buffer of 500 elements holds 500 *batches* here (batching
-  happens before prefetching): memory for nothing, and a buffer that makes
-  short timing windows read the buffer instead of the pipeline. Twice the
-  threads keeps every thread busy while the consumer takes a batch.
+  The mapping of each knob is its row of the knob table (`_settings.KNOBS`).
+  Read threads get a buffer twice as deep as the threads: grain's default
+  buffer of 500 elements holds 500 *batches* here (batching happens before
+  prefetching), memory for nothing, and a buffer that makes short timing
+  windows read the buffer instead of the pipeline; twice the threads keeps
+  every thread busy while the consumer takes a batch.
+
+  Example:
+    >>> read, mp = grain_options(LoaderSettings(worker_count=2, read_threads=1,
+    ...                                         prefetch_buffer=4))
+    >>> read.num_threads, read.prefetch_buffer_size, mp.num_workers, mp.per_worker_buffer_size
+    (1, 2, 2, 4)
   """
   import grain  # pylint: disable=g-import-not-at-top
-  return grain.ReadOptions(num_threads=read_threads,
-                           prefetch_buffer_size=max(1, 2 * read_threads))
+  kwargs = settings.grain_kwargs()
+  return (grain.ReadOptions(**kwargs["ReadOptions"]),
+          grain.MultiprocessingOptions(**kwargs["MultiprocessingOptions"]))
 
 
-PER_WORKER_BUFFER = 2
-
-
-def buffered_batches(workers: int, read_threads: int) -> int:
+def buffered_batches(settings: LoaderSettings) -> int:
   """How many batches the prefetch buffers can hold before the first read.
 
   Example:
-    >>> buffered_batches(2, 4)
+    >>> buffered_batches(LoaderSettings(worker_count=2, read_threads=4))
     20
   """
-  per_process = max(1, 2 * read_threads)
-  if workers == 0:
-    return per_process
-  return workers * (PER_WORKER_BUFFER + per_process)
+  read, mp = grain_options(settings)
+  if mp.num_workers == 0:
+    return read.prefetch_buffer_size
+  return mp.num_workers * (mp.per_worker_buffer_size + read.prefetch_buffer_size)
 
 
-def open_iterator(ds: Any, *, workers: int, read_threads: int) -> Any:
+def open_iterator(ds: Any, settings: LoaderSettings) -> Any:
   """Starts a grain iterator over the batched MapDataset `ds`.
 
   Args:
     ds: a `grain.MapDataset` of batches (its order fixes the data).
-    workers: worker processes (0: read in this process).
-    read_threads: read threads per process.
+    settings: the worker processes, read threads and per-worker buffer
+      (`grain_options`); 0 workers reads in this process.
 
   Returns:
     A grain `DatasetIterator` of batches (call `.close()` when done).
   """
   import functools  # pylint: disable=g-import-not-at-top
-  import grain  # pylint: disable=g-import-not-at-top
-  it_ds = ds.to_iter_dataset(read_options(read_threads))
-  if workers > 0:
+  read, mp = grain_options(settings)
+  it_ds = ds.to_iter_dataset(read)
+  if mp.num_workers > 0:
     ensure_absl_flags_parsed()
-    it_ds = it_ds.mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=workers,
-                                     per_worker_buffer_size=PER_WORKER_BUFFER),
-        worker_init_fn=functools.partial(worker_init, os.getpid()))
+    it_ds = it_ds.mp_prefetch(mp, worker_init_fn=functools.partial(worker_init, os.getpid()))
   return iter(it_ds)
 
 
