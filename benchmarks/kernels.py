@@ -35,7 +35,7 @@ from jax import lax
 
 import _harness
 from tunedjax import _tuning
-from tunedjax.autotune import _cache, _phases, _select
+from tunedjax.autotune import _select
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -185,15 +185,14 @@ def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: s
                   rounds: int, tune_rounds: int, budget_s: float
                   ) -> dict[str, Any]:
   """Tunes `fn`'s buckets, then times it selected against jax.jit."""
-  counts: dict[str, int] = {}
-  before = _phases.stats().tuning_s
+  reports: list[Any] = []
   selected = jax.jit(_select.select_kernels(
-      fn, cache=cache_dir, rounds=tune_rounds, budget_s=budget_s,
-      on_report=lambda r: counts.update(r.counts())))
+      fn, cache=cache_dir, rounds=tune_rounds, budget_s=budget_s, on_report=reports.append))
   start = time.perf_counter()
   jax.block_until_ready(selected(*args))  # traces: tunes every new bucket
   first_call_s = time.perf_counter() - start
-  tuning_s = _phases.stats().tuning_s - before
+  counts = {k: n for r in reports for k, n in r.counts().items()}
+  tuning_s = sum(r.tuning_s for r in reports)
   t = _harness.interleaved({"xla": _block(jax.jit(fn), args),
                             "selected": _block(selected, args)},
                            baseline="xla", rounds=rounds, warmup=1)
@@ -206,12 +205,11 @@ def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: s
 def warm_rerun(problems: list[tuple[Callable[..., Any], tuple[Any, ...]]],
                cache_dir: str) -> tuple[float, int, int]:
   """Re-traces every problem against the written cache: (tuning s, hits, misses)."""
-  _tuning.default_session().forget_measured()
-  _phases.reset()
-  cache = _cache.Cache(cache_dir)  # a fresh object: reads the file
+  session = _tuning.TuningSession("warm rerun")  # remembers nothing: reads the file
+  cache = _tuning.Cache(cache_dir)  # a fresh object: reads the file
   for fn, args in problems:
-    jax.block_until_ready(jax.jit(_select.select_kernels(fn, cache=cache))(*args))
-  s = _phases.stats()
+    jax.block_until_ready(jax.jit(_select.select_kernels(fn, cache=cache, session=session))(*args))
+  s = session.stats()
   return s.tuning_s, s.hits, s.misses
 
 

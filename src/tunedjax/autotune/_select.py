@@ -34,6 +34,7 @@ import jax
 
 from tunedjax import _tuning
 from tunedjax._config import get_config
+from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _hints, _multihost, _registry, _report, _tuner
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _engine
@@ -295,7 +296,6 @@ def dispatch(op: str, spec: Any, *operands: Any) -> Any:
   """
   family = _registry.op_family(op)
   if not isinstance(spec, family.spec_type):
-    from tunedjax._errors import AutotuneError  # pylint: disable=import-outside-toplevel
     raise AutotuneError(f"dispatch({op!r}, spec, ...): spec must be a "
                         f"{family.spec_type.__name__}, got {type(spec).__name__}.")
   default = _registry.get_kernel(op, family.default).fn
