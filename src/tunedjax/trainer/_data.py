@@ -49,6 +49,21 @@ def is_arrays(data: Any) -> bool:
   return bool(leaves) and None not in sizes and len(sizes) == 1
 
 
+def _record_lengths(data: Any) -> dict[str, int] | None:
+  """``{name: rows}`` when `data` is a dict/tuple of arrays whose numbers of
+  rows differ (records that do not line up), else None."""
+  if isinstance(data, Mapping):
+    items = [(repr(k), v) for k, v in data.items()]
+  elif isinstance(data, tuple):
+    items = [(f"[{i}]", v) for i, v in enumerate(data)]
+  else:
+    return None
+  lengths = {name: _leading(x) for name, x in items}
+  if not items or None in lengths.values() or len(set(lengths.values())) < 2:
+    return None
+  return lengths
+
+
 class BatchStream:
   """Batches with their epoch, and a checkpointable position.
 
@@ -82,6 +97,11 @@ class BatchStream:
                            drop_remainder=drop_remainder, worker_count=0, read_threads=0,
                            tuning_budget_s=0)
       self._owned = True
+    elif (lengths := _record_lengths(data)) is not None:
+      shown = ", ".join(f"{name}: {n}" for name, n in lengths.items())
+      raise TrainerError(
+          f"{what} holds arrays with different numbers of rows ({shown}); every array "
+          "must hold one row per record, so their first dimensions must be equal.")
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes, Mapping)):
       self.loader, self._iterable = None, data
     else:
