@@ -193,7 +193,7 @@ class JitReport:
 
 
 def _check_level(level: Any) -> str | None:
-  if level is None or level in LEVELS:
+  if level is None or (isinstance(level, str) and level in LEVELS):
     return level
   raise _errors.ConfigError(
       f"tunedjax.jit(level=...) must be one of {_errors.format_choices(LEVELS)} "

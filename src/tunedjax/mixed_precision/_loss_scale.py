@@ -58,7 +58,9 @@ def _check_scalar(owner: str, name: str, value: Any, *, integer: bool = False,
   if isinstance(value, (bool, np.bool_)):
     ok = False
   elif isinstance(value, ok_types):
-    ok = math.isfinite(value) and (value > low if strict else value >= low)
+    limit = 2**31 - 1 if integer else float(np.finfo(np.float32).max)  # stored as int32/float32
+    ok = (math.isfinite(value) and abs(value) <= limit
+          and (value > low if strict else value >= low))
   elif isinstance(value, (np.ndarray, jax.Array)):
     dtype_ok = (jnp.issubdtype(value.dtype, jnp.integer) if integer else
                 jnp.issubdtype(value.dtype, jnp.integer)
@@ -72,8 +74,9 @@ def _check_scalar(owner: str, name: str, value: Any, *, integer: bool = False,
   if not ok:
     shown = (f"an array {value.dtype}{list(value.shape)}"
              if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) else repr(value))
-    raise ConfigError(f"{owner}({name}=...) must be {kind} {bound} (finite, a scalar), "
-                      f"got {shown}.")
+    stored = "int32" if integer else "float32"
+    raise ConfigError(f"{owner}({name}=...) must be {kind} {bound} (a finite scalar that "
+                      f"fits {stored}), got {shown}.")
 
 
 def _finite_number(value: Any) -> bool:
@@ -88,7 +91,7 @@ def _check_finite_flag(owner: str, grads_finite: Any) -> Any:
   if not isinstance(flag, (jax.Array, np.ndarray, np.generic)):
     try:
       flag = jnp.asarray(flag)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
       flag = None
   if flag is None or np.shape(flag) != () or flag.dtype != jnp.bool_:
     got = (f"{flag.dtype}{list(np.shape(flag))}" if flag is not None
@@ -232,9 +235,9 @@ class DynamicLossScale:
     _check_scalar(owner, "initial_scale", initial_scale)
     _check_scalar(owner, "counter", counter, integer=True, strict=False)
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-        or growth_interval < 1:
-      raise ConfigError(
-          f"DynamicLossScale growth_interval must be an integer >= 1, got {growth_interval!r}.")
+        or not 1 <= growth_interval < 2**31:
+      raise ConfigError(f"DynamicLossScale growth_interval must be an integer in "
+                        f"[1, 2**31), got {growth_interval!r}.")
     if not (_finite_number(growth_factor) and growth_factor >= 1.0):
       raise ConfigError(f"DynamicLossScale growth_factor must be a finite number >= 1, got "
                         f"{growth_factor!r}.")
@@ -425,6 +428,9 @@ def loss_scale_for(policy: PolicyLike | None = None, config_value: str | None = 
     policy = section.policy if policy is None else policy
     config_value = section.loss_scale if config_value is None else config_value
   policy = get_policy(policy)
+  if not isinstance(config_value, str) or config_value not in LOSS_SCALE_CHOICES:
+    raise ConfigError(f"mixed_precision.loss_scale (config_value=...) must be one of "
+                      f"{format_choices(LOSS_SCALE_CHOICES)}, got {config_value!r}.")
   if config_value == "auto":
     config_value = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
   if config_value == "dynamic":
