@@ -145,7 +145,7 @@ def _check_policy(key: str, value: Any) -> str:
 
 
 def _check_dir(key: str, value: Any) -> str | None:
-  if value is None or (isinstance(value, str) and value):
+  if value is None or (isinstance(value, str) and value and "\x00" not in value):
     return value
   if isinstance(value, os.PathLike):  # Kept as str so that JSON can hold it.
     return _check_dir(key, os.fspath(value))
@@ -457,6 +457,9 @@ def _load_file(path: str | os.PathLike, *, base: Config,
   """Reads a JSON file holding a schema dict; errors name the file."""
   where = os.fspath(path)
   hint = FROM_ENV.format(var=env_var) if env_var else ""
+  if not where or "\x00" in str(where):
+    reason = "that is not a file path (it is empty or holds a NUL character)"
+    raise ConfigError(BAD_FILE.format(path=where, reason=reason) + hint)
   try:
     data = json.loads(pathlib.Path(where).read_text(encoding="utf-8"))
   except OSError as e:

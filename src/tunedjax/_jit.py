@@ -243,7 +243,7 @@ class JitReport:
 
 
 def _check_level(level: Any) -> str | None:
-  if level is None or level in LEVELS:
+  if level is None or (isinstance(level, str) and level in LEVELS):
     return level
   raise _errors.ConfigError(
       f"tunedjax.jit(level=...) must be one of {_errors.format_choices(LEVELS)} "
@@ -298,20 +298,27 @@ def _check_static_and_donated(fun: Callable[..., Any], static_argnums: tuple[int
         "static_argnums/static_argnames.")
 
 
-def enable_compilation_cache(config: Config) -> str:
+def enable_compilation_cache(config: Config) -> str | None:
   """Points JAX's persistent compilation cache at ``<cache dir>/xla`` (level O2).
 
   Thresholds are lowered so that every executable is kept: a restart should
-  find all of them. Leaves a directory the user set themselves alone.
+  find all of them. Leaves a directory the user set themselves alone. A
+  folder that cannot be used (under a regular file, read-only, full) is the
+  tuning cache's decision (`usable_folder`): one `CacheWarning` naming the
+  path and the reason, and this process compiles without a persistent cache.
 
   Returns:
-    The directory in use.
+    The directory in use, or None when it cannot be used.
   """
+  from tunedjax.autotune._cache import usable_folder  # pylint: disable=import-outside-toplevel
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
-  directory = config.cache.resolved_dir / XLA_CACHE_SUBDIR
-  directory.mkdir(parents=True, exist_ok=True)
+  directory = usable_folder(
+      config.cache.resolved_dir / XLA_CACHE_SUBDIR, what="compilation cache (level O2)",
+      consequence="executables are compiled for this process only")
+  if directory is None:
+    return None
   jax.config.update("jax_compilation_cache_dir", str(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -220,3 +220,86 @@ def test_float16_cnn_overflows_backs_off_grows_and_matches_float32():
   assert len(scales) == updates + skipped
   # The same number of applied updates: float16 with loss scaling tracks float32.
   assert abs(got - want) / want < 0.05, (got, want)
+
+
+# --- issue 19: adjust takes a boolean scalar; the schedule's numbers are checked ------------
+
+
+@pytest.mark.parametrize("flag", [
+    jnp.isfinite(jnp.array([1.0, jnp.inf, 2.0])),   # per-element: the careless call
+    np.array([True, True]),
+    jnp.float32(1.0),                                # a number, not a flag
+    [True],
+])
+def test_adjust_needs_a_boolean_scalar(flag):
+  """jmp asserts "Expected boolean scalar"; the scale silently became a vector."""
+  ls = mp.DynamicLossScale(8.0)
+  with pytest.raises(ValueError, match=r"grads_finite=.*boolean scalar") as e:
+    ls.adjust(flag)
+  assert "all_finite" in str(e.value)
+  with pytest.raises(ValueError, match="boolean scalar"):
+    jax.jit(lambda s, f: s.adjust(f))(ls, flag)
+
+
+@pytest.mark.parametrize("flag", [True, np.bool_(False), jnp.bool_(True)])
+def test_adjust_takes_python_and_numpy_booleans(flag):
+  adjusted = mp.DynamicLossScale(8.0, growth_interval=1).adjust(flag)
+  assert adjusted.loss_scale.shape == () and float(adjusted.loss_scale) == (
+      16.0 if flag else 4.0)
+
+
+@pytest.mark.parametrize("kwargs, shows", [
+    ({"initial_scale": -1.0}, "initial_scale"),
+    ({"initial_scale": float("nan")}, "initial_scale"),
+    ({"initial_scale": float("inf")}, "initial_scale"),
+    ({"initial_scale": jnp.ones(3)}, "initial_scale"),
+    ({"initial_scale": "big"}, "initial_scale"),
+    ({"initial_scale": None}, "initial_scale"),
+    ({"counter": -1}, "counter"),
+    ({"counter": 1.5}, "counter"),
+    ({"growth_factor": "2"}, "growth_factor"),
+    ({"growth_factor": float("inf")}, "growth_factor"),
+    ({"min_scale": float("nan")}, "min_scale"),
+    ({"growth_interval": True}, "growth_interval"),
+])
+def test_bad_dynamic_values_name_the_argument(kwargs, shows):
+  with pytest.raises(tj.ConfigError, match=shows):
+    mp.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize("value", [0, -2.0, float("nan"), jnp.ones(2), "1", None, True])
+def test_bad_static_values_name_the_argument(value):
+  with pytest.raises(tj.ConfigError, match="StaticLossScale.value"):
+    mp.StaticLossScale(value)
+
+
+# Ported from jmp's loss_scale_test.py (scale/unscale, adjust up and down, min scale).
+
+
+@pytest.mark.parametrize("cls, scale", [(mp.StaticLossScale, 2), (mp.StaticLossScale, 3),
+                                        (mp.DynamicLossScale, 2.0), (mp.DynamicLossScale, 4.0)])
+def test_jmp_scale_unscale(cls, scale):
+  loss_scale = cls(scale)
+  assert float(loss_scale.scale({"a": jnp.array(1.0)})["a"]) == 1.0 * scale
+  assert float(loss_scale.unscale({"a": jnp.array(1.0 * scale)})["a"]) == 1.0
+
+
+@pytest.mark.parametrize("period, factor", [(20, 2), (30, 3)])
+def test_jmp_adjust_increases_on_finite(period, factor):
+  ls = mp.DynamicLossScale(jnp.float32(10), counter=jnp.int32(0), growth_interval=period,
+                           growth_factor=factor)
+  for i in range(1, period):
+    ls = ls.adjust(jnp.bool_(True))
+    assert float(ls.loss_scale) == 10 and int(ls.counter) == i
+  ls = ls.adjust(jnp.bool_(True))
+  assert float(ls.loss_scale) == 10 * factor and int(ls.counter) == 0
+
+
+@pytest.mark.parametrize("factor, min_scale", [(2, 1.0), (3, 0.37), (2, 0.3125)])
+def test_jmp_adjust_reduces_on_non_finite_down_to_the_minimum(factor, min_scale):
+  ls = mp.DynamicLossScale(np.float32(10), backoff_factor=1 / factor, min_scale=min_scale)
+  for i in range(100):
+    ls = ls.adjust(jnp.bool_(False))
+    np.testing.assert_allclose(ls.loss_scale, max(min_scale, 10 / factor ** (i + 1)),
+                               rtol=1e-5)
+    assert int(ls.counter) == 0

@@ -30,7 +30,9 @@ def test_long_short_and_bare_forms():
   assert long == short == mp.Policy("float32", jnp.bfloat16, np.float32)
   assert long.compute_dtype == jnp.dtype(jnp.bfloat16)
   assert mp.Policy.parse("bf16") == mp.Policy("bfloat16", "bfloat16", "bfloat16")
-  assert mp.Policy.parse(" C = f16 ") == mp.Policy(compute_dtype="float16")  # others float32
+  # jmp's shorthand: params float32, output follows compute.
+  assert mp.Policy.parse(" C = f16 ") == mp.Policy(compute_dtype="float16") == mp.Policy(
+      "float32", "float16", "float16")
 
 
 @given(st.sampled_from(DTYPES), st.sampled_from(DTYPES), st.sampled_from(DTYPES),
@@ -99,3 +101,85 @@ def test_set_config_validates_the_policy_string():
   assert "params|p, compute|c, output|o" in message
   tj.set_config({"mixed_precision": {"policy": "p=f32,c=f16,o=f32"}})
   assert tj.get_config().mixed_precision.policy == "p=f32,c=f16,o=f32"
+
+
+# --- issue 19: the short forms follow jmp's documented shorthand ---------------------------
+# Ported from jmp's policy_test.py (test_get_policy, test_get_policy_mixed,
+# test_get_policy_compute, test_get_policy_almost_dtype, test_policy_cast_to_*,
+# test_policy_with_output_dtype); jmp's `get_policy(str)` is `Policy.parse` here.
+
+JMP_DTYPES = (np.float16, jnp.float16, jnp.bfloat16, np.float32, jnp.float32)
+JMP_NAMES = {np.dtype(np.float16): "float16", np.dtype(jnp.bfloat16): "bfloat16",
+             np.dtype(np.float32): "float32"}
+
+
+@pytest.mark.parametrize("name, dtype", [("float16", np.float16), ("float32", np.float32),
+                                         ("bfloat16", jnp.bfloat16)])
+def test_jmp_get_policy(name, dtype):
+  policy = mp.Policy.parse(name)
+  assert policy.param_dtype == policy.compute_dtype == policy.output_dtype == dtype
+
+
+def test_jmp_get_policy_almost_dtype():
+  with pytest.raises(ValueError, match="Unknown dtype"):
+    mp.Policy.parse("compute_float16")
+
+
+@pytest.mark.parametrize("dtype", JMP_DTYPES)
+def test_jmp_get_policy_mixed(dtype):
+  """jmp: "c=f16" is params full, compute and output f16."""
+  policy = mp.Policy.parse(f"c={JMP_NAMES[np.dtype(dtype)]}")
+  assert policy.param_dtype == jnp.float32
+  assert policy.compute_dtype == dtype and policy.output_dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", JMP_DTYPES)
+def test_jmp_get_policy_compute(dtype):
+  policy = mp.Policy.parse(f"c={JMP_NAMES[np.dtype(dtype)]},o=full")
+  assert policy.param_dtype == jnp.float32 and policy.output_dtype == jnp.float32
+  assert policy.compute_dtype == dtype
+
+
+@pytest.mark.parametrize("text, p, c, o", [
+    ("c=bf16", "float32", "bfloat16", "bfloat16"),   # issue 19: was output float32
+    ("p=f16", "float16", "float16", "float16"),      # issue 19: was compute float32
+    ("p=f16,c=bf16", "float16", "bfloat16", "bfloat16"),
+    ("p=f16,c=f16", "float16", "float16", "float16"),
+    ("o=f16", "float32", "float32", "float16"),
+    ("p=bf16,o=f32", "bfloat16", "bfloat16", "float32"),
+])
+def test_jmp_shorthand_omitted_keys_follow(text, p, c, o):
+  """jmp: params defaults to f32, compute follows params, output follows compute."""
+  assert mp.Policy.parse(text) == mp.Policy(p, c, o)
+  keys = dict(part.split("=") for part in text.split(","))
+  names = {"p": "param_dtype", "c": "compute_dtype", "o": "output_dtype"}
+  assert mp.Policy(**{names[k]: v for k, v in keys.items()}) == mp.Policy(p, c, o)
+
+
+@pytest.mark.parametrize("dtype", JMP_DTYPES)
+@pytest.mark.parametrize("np_", [np, jnp])
+def test_jmp_policy_casts(dtype, np_):
+  policy = mp.Policy(dtype, dtype, dtype)
+  assert policy.param_dtype == policy.compute_dtype == policy.output_dtype == dtype
+  for cast in (policy.cast_to_param, policy.cast_to_compute, policy.cast_to_output):
+    assert cast({"a": np_.ones([])})["a"].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", JMP_DTYPES)
+def test_jmp_policy_with_output_dtype(dtype):
+  policy = mp.Policy(jnp.float32, jnp.float32, jnp.float32).with_dtypes(output_dtype=dtype)
+  assert policy.output_dtype == dtype and policy.compute_dtype == jnp.float32
+
+
+def test_none_is_not_float64():
+  """Issue 19: `jnp.dtype(None)` is float64; an omitted param dtype is float32."""
+  policy = mp.Policy(None, "float32", "float32")
+  assert policy == mp.Policy() and policy.param_dtype == jnp.float32
+  assert mp.Policy(None, None, None) == mp.Policy("float32", "float32", "float32")
+  assert mp.Policy(None, "bf16", None).output_dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("bad", [1.0, 3, True, 2j])
+def test_python_numbers_are_not_dtypes(bad):
+  with pytest.raises(mp.PolicyError, match="param_dtype must be a dtype"):
+    mp.Policy(bad)

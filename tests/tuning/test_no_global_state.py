@@ -29,6 +29,8 @@ ALLOWED = {
     ("tunedjax.autotune._registry", "_REGISTRY"): "the kernel registry (code, not results)",
     ("tunedjax._tuning._cache", "_VALIDATORS"): "each namespace's value check (code)",
     ("tunedjax._tuning._cache", "_DEFAULTS"): "one Cache handle per folder: the file, shared",
+    ("tunedjax._tuning._cache", "_WARNED"): "unusable folders already reported (a log line, "
+                                            "once per process, not a measurement)",
     ("tunedjax._tuning._session", "_DEFAULT"): "the default session itself",
 }
 _MUTABLE = (dict, set, list, bytearray, collections.deque, _tuning.TuningSession)

@@ -19,6 +19,12 @@ repeats nothing. Unlike Paddle's in-memory cache or cuDNN's benchmark cache:
   entry is checked for its structure, and its value by the validator its
   namespace registered (`register_validator`) before anyone uses it.
 * **Bounded.** At most `max_entries` per file; the oldest go first.
+* **Never in the way.** A folder that is missing is created; one that cannot
+  be used (under a regular file, read-only, full, not readable) is reported
+  once, by `folder_problem`'s single decision, with a `CacheWarning` naming
+  the path and the reason, and the cache carries on in memory: what this
+  process tunes is still found by this process, it is only not kept for the
+  next one. `get`, `put`, `put_many` and `entries` never raise `OSError`.
 
 Example:
   >>> import tempfile
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import fcntl
 import json
 import logging
@@ -133,6 +140,130 @@ def _value_problem(namespace: str, value: dict[str, Any]) -> str | None:
   return None
 
 
+# -- the one decision on a folder that cannot be used ----------------------------
+
+_REASONS = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "the operation is not permitted (an immutable or protected path)",
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "the file-size limit was reached",
+    errno.EISDIR: "a folder stands where the cache file should be",
+    errno.ENAMETOOLONG: "the path is too long",
+    errno.ELOOP: "the path has a symbolic-link loop",
+}
+_WARNED: set[tuple[str, str]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _not_a_folder(path: pathlib.Path) -> str:
+  """Why `path` cannot be a folder: it, or a parent of it, is a file."""
+  for part in (path, *path.parents):
+    try:
+      if part.exists() and not part.is_dir():
+        return ("it is a regular file, not a folder" if part == path
+                else f"{part} is a regular file, not a folder")
+    except OSError:
+      continue
+  return "a part of the path is not a folder"
+
+
+def describe_problem(path: str | os.PathLike[str], err: OSError) -> str:
+  """The reason an `OSError` on `path` makes a cache unusable, in plain words.
+
+  Example:
+    >>> import errno
+    >>> describe_problem("/ro/cache", OSError(errno.EROFS, "Read-only file system"))
+    'it is on a read-only file system (Read-only file system)'
+  """
+  path = pathlib.Path(path)
+  if err.errno in (errno.ENOTDIR, errno.EEXIST):
+    reason = _not_a_folder(path)
+  else:
+    reason = _REASONS.get(err.errno, type(err).__name__)
+  detail = err.strerror or str(err)
+  return f"{reason} ({detail})" if detail and detail != reason else reason
+
+
+def warn_unusable(path: str | os.PathLike[str], err: OSError | str, *,
+                  what: str = "tuning cache",
+                  consequence: str = "results are kept in memory for this process "
+                                     "only") -> None:
+  """Warns, once per folder and reason, that a cache folder cannot be used.
+
+  Every cache of tunedjax reports here: the tuning cache (kernels, layout,
+  input pipeline, the CLI) and JAX's compilation cache of level O2.
+
+  Args:
+    path: the folder (or file) that failed.
+    err: the `OSError`, or the reason as a sentence part.
+    what: which cache, for the message.
+    consequence: what happens instead, for the message.
+  """
+  reason = describe_problem(path, err) if isinstance(err, OSError) else err
+  key = (str(path), reason)
+  with _WARNED_LOCK:
+    if key in _WARNED:
+      return
+    _WARNED.add(key)
+  warnings.warn(
+      f"The {what} folder {str(path)!r} cannot be used: {reason}. The {consequence}; "
+      "point $TUNEDJAX_CACHE_DIR or set_config({'cache': {'dir': ...}}) at a "
+      "writable folder to keep them across runs.", CacheWarning, stacklevel=3)
+  log.warning("%s %s unusable: %s", what, path, reason)
+
+
+def folder_problem(path: str | os.PathLike[str], *, write: bool = True) -> OSError | None:
+  """Creates the folder `path` if missing; returns why it cannot be used, or None.
+
+  With `write`, a probe file is created and removed, so that a read-only
+  mount, an immutable folder or missing permissions show now (a check of
+  the mode bits would prove nothing to root).
+
+  Example:
+    >>> import tempfile
+    >>> folder_problem(tempfile.mkdtemp()) is None
+    True
+  """
+  path = pathlib.Path(path)
+  try:
+    if write:
+      path.mkdir(parents=True, exist_ok=True)
+      fd, probe = tempfile.mkstemp(dir=path, prefix=".tunedjax-probe-")
+      os.close(fd)
+      os.unlink(probe)
+    elif path.exists() and not path.is_dir():
+      raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+  except FileExistsError as err:  # mkdir of a path that is a file
+    return NotADirectoryError(errno.ENOTDIR, err.strerror, str(path))
+  except OSError as err:
+    return err
+  return None
+
+
+def usable_folder(path: str | os.PathLike[str], *, what: str = "tuning cache",
+                  consequence: str = "results are kept in memory for this process "
+                                     "only") -> pathlib.Path | None:
+  """The folder `path`, created if missing, or None (with one warning) if unusable.
+
+  The single decision on a cache folder that is missing, not a folder,
+  read-only or full: callers never see an `OSError`, and carry on without
+  the folder when this returns None.
+
+  Example:
+    >>> import tempfile, pathlib
+    >>> usable_folder(pathlib.Path(tempfile.mkdtemp()) / "new").name
+    'new'
+  """
+  path = pathlib.Path(path).expanduser()
+  problem = folder_problem(path)
+  if problem is not None:
+    warn_unusable(path, problem, what=what, consequence=consequence)
+    return None
+  return path
+
+
 class _Parsed(NamedTuple):
   entries: dict[tuple[str, str], CacheEntry]
   problem: str | None  # why the whole file cannot be used, if it cannot
@@ -172,7 +303,8 @@ class Cache:
     dir: the cache folder; None for ``get_config().cache.resolved_dir``
       (``$TUNEDJAX_CACHE_DIR`` or ``~/.cache/tunedjax``).
     readonly: read but never write (for a cluster's shared, curated cache);
-      None for ``get_config().cache.readonly``.
+      None for ``get_config().cache.readonly``. What this process stores is
+      still kept in memory, for this process.
     fingerprint: the device the timings belong to; None for this process's
       default backend.
     max_entries: the most entries the file keeps; the oldest go first.
@@ -200,6 +332,10 @@ class Cache:
     self._lock = threading.Lock()
     self._stamp: tuple[int, int] | None = None
     self._entries: dict[tuple[str, str], CacheEntry] = {}
+    # Entries stored by this process that are not (yet) in the file: readonly
+    # mode, or a folder that cannot be written. Merged into every read, and
+    # into the next write that succeeds.
+    self._memory: dict[tuple[str, str], CacheEntry] = {}
     self._warned: set[str] = set()
 
   def __repr__(self) -> str:
@@ -216,9 +352,16 @@ class Cache:
   def _file_stamp(self) -> tuple[int, int] | None:
     try:
       st = self.path.stat()
-    except FileNotFoundError:
+    except OSError:  # missing, or a path that cannot hold it: read() says why
       return None
     return (st.st_mtime_ns, st.st_size)
+
+  def _unusable(self, err: OSError, *, reading: bool = False) -> None:
+    where = self.dir if err.errno in (errno.ENOTDIR, errno.EEXIST) or not reading else self.path
+    warn_unusable(where, err, consequence=(
+        "tuning cache is not read: what this process tunes is kept in memory for "
+        "this process only" if reading else
+        "results are kept in memory for this process only"))
 
   def _read_file(self) -> dict[tuple[str, str], CacheEntry]:
     """The file's valid entries; moves an unusable file aside (with a warning)."""
@@ -227,8 +370,7 @@ class Cache:
     except FileNotFoundError:
       return {}
     except OSError as err:
-      self._warn_once(f"Cannot read the tuning cache {self.path} ({err}); "
-                      "tuning from scratch.")
+      self._unusable(err, reading=True)
       return {}
     parsed = _parse(raw, self.fingerprint)
     if parsed.problem is None:
@@ -249,7 +391,13 @@ class Cache:
     if stamp != self._stamp or stamp is None:
       self._entries = self._read_file()
       self._stamp = self._file_stamp()
-    return self._entries
+    if not self._memory:
+      return self._entries
+    merged = dict(self._entries)
+    for k, entry in self._memory.items():
+      if k not in merged or merged[k].created <= entry.created:
+        merged[k] = entry
+    return merged
 
   def get(self, namespace: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
     """Returns the value stored under `key`, or None on a miss.
@@ -279,8 +427,15 @@ class Cache:
 
   @contextlib.contextmanager
   def _exclusive(self) -> Iterator[None]:
-    """Holds this thread's lock and an exclusive lock on ``<file>.lock``."""
-    self.dir.mkdir(parents=True, exist_ok=True)
+    """Holds this thread's lock and an exclusive lock on ``<file>.lock``.
+
+    Raises:
+      OSError: if the folder cannot be created or the lock file opened.
+    """
+    try:
+      self.dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the folder should be
+      raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(self.dir)) from None
     with self._lock, open(self.path.with_name(self.path.name + ".lock"), "a") as f:
       fcntl.flock(f.fileno(), fcntl.LOCK_EX)
       try:
@@ -312,8 +467,11 @@ class Cache:
           value: Mapping[str, Any]) -> None:
     """Stores `value` under `key`, merged with what other processes wrote.
 
-    Does nothing in readonly mode. The write is atomic: readers see the old
-    file or the new one, never a part.
+    The write is atomic: readers see the old file or the new one, never a
+    part. In readonly mode, or when the folder cannot be written (missing
+    permissions, a read-only or full disk, a path under a regular file), the
+    entry is kept in memory for this process, with one `CacheWarning` naming
+    the folder and the reason; no `OSError` escapes.
 
     Raises:
       TunedJaxError: if `key` or `value` is not a JSON object of plain values.
@@ -322,11 +480,7 @@ class Cache:
 
   def put_many(self, namespace: str,
                items: list[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> None:
-    """Stores several entries with one locked read-merge-write."""
-    if self.readonly:
-      log.debug("Tuning cache %s is readonly; not storing %d entries.",
-                self.path, len(items))
-      return
+    """Stores several entries with one locked read-merge-write (see `put`)."""
     now = time.time()
     new = []
     for key, value in items:
@@ -340,19 +494,42 @@ class Cache:
         raise TunedJaxError(f"A tuning-cache entry must be plain JSON ({err}): "
                             f"key {key!r}, value {value!r}.") from None
       new.append(CacheEntry(namespace, json.loads(canonical), value, now))
-    with self._exclusive():
-      entries = self._read_file()
-      for entry in new:
-        entries[(entry.namespace, _canonical(entry.key))] = entry
-      self._write(entries)
+    new_entries = {(e.namespace, _canonical(e.key)): e for e in new}
+    if self.readonly:
+      log.debug("Tuning cache %s is readonly; keeping %d entries in memory.",
+                self.path, len(new))
+      with self._lock:
+        self._memory.update(new_entries)
+      return
+    try:
+      with self._exclusive():
+        entries = self._read_file()
+        entries.update(self._memory)
+        entries.update(new_entries)
+        self._write(entries)
+        self._memory.clear()
+    except OSError as err:
+      self._unusable(err)
+      with self._lock:
+        self._memory.update(new_entries)
 
   def clear(self) -> int:
-    """Deletes this device's file; returns how many entries it held."""
-    with self._exclusive():
-      count = len(self._read_file())
-      with contextlib.suppress(FileNotFoundError):
-        self.path.unlink()
-      self._entries, self._stamp = {}, None
+    """Deletes this device's file; returns how many entries it held.
+
+    Raises:
+      TunedJaxError: if the file cannot be deleted (naming it and why).
+    """
+    try:
+      with self._exclusive():
+        count = len(self._read_file())
+        with contextlib.suppress(FileNotFoundError):
+          self.path.unlink()
+        self._entries, self._stamp = {}, None
+        count += len(self._memory)
+        self._memory.clear()
+    except OSError as err:
+      raise TunedJaxError(f"Cannot clear the tuning cache {str(self.path)!r}: "
+                          f"{describe_problem(self.dir, err)}.") from None
     return count
 
   # -- moving caches between machines -------------------------------------------
@@ -363,8 +540,12 @@ class Cache:
     data = {"format": FORMAT, "version": FORMAT_VERSION,
             "fingerprint": self.fingerprint.to_dict(),
             "entries": [e._asdict() for e in entries]}
-    pathlib.Path(path).write_text(json.dumps(data, indent=1, sort_keys=True),
-                                  encoding="utf-8")
+    try:
+      pathlib.Path(path).write_text(json.dumps(data, indent=1, sort_keys=True),
+                                    encoding="utf-8")
+    except OSError as err:
+      raise TunedJaxError(f"Cannot export the tuning cache to {str(path)!r}: "
+                          f"{describe_problem(path, err)}.") from None
     return len(entries)
 
 
@@ -382,7 +563,8 @@ def import_file(path: str | os.PathLike[str], dir: str | os.PathLike[str] | None
     were merged, and why any were skipped.
 
   Raises:
-    TunedJaxError: if the file cannot be read or is not a tuning-cache file.
+    TunedJaxError: if the file cannot be read or is not a tuning-cache file,
+      or the folder `dir` cannot be written.
   """
   try:
     data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
@@ -399,6 +581,10 @@ def import_file(path: str | os.PathLike[str], dir: str | os.PathLike[str] | None
     raise TunedJaxError(f"{str(path)!r} has format version {data.get('version')!r}; "
                         f"this tunedjax reads {FORMAT_VERSION}.")
   cache = Cache(dir, fingerprint=fingerprint)
+  unusable = folder_problem(cache.dir)
+  if unusable is not None:  # importing into memory only would keep nothing
+    raise TunedJaxError(f"Cannot import into the tuning cache folder {str(cache.dir)!r}: "
+                        f"{describe_problem(cache.dir, unusable)}.")
   problems: list[str] = []
   by_namespace: dict[str, list[tuple[dict, dict]]] = {}
   for i, raw in enumerate(data.get("entries") or []):

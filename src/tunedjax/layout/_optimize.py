@@ -43,7 +43,7 @@ _NO_PASS = rewrite.Pass("layout-unchanged")
 
 
 def _check_mode(mode: str) -> str:
-  if mode not in MODES:
+  if not isinstance(mode, str) or mode not in MODES:
     raise _errors.LayoutError(
         f"layout mode must be one of {_errors.format_choices(MODES)}, got {mode!r}"
         f"{_errors.did_you_mean(str(mode), MODES)}.")
@@ -228,4 +228,7 @@ def optimize(f: Callable[..., Any], *, target: str = "auto", mode: str = "heuris
   """
   if not callable(f):
     raise TypeError(f"layout.optimize expects a function, got {f!r}.")
+  if platform is not None and (not isinstance(platform, str) or not platform):
+    raise _errors.LayoutError(f"layout.optimize(platform=...) must be None or a platform "
+                              f"name such as 'cpu', 'gpu' or 'tpu', got {platform!r}.")
   return Optimized(f, check_target(target), _check_mode(mode), platform)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -45,6 +46,61 @@ def _as_i32(value: Any) -> Any:
   if isinstance(value, (int, np.ndarray, np.generic, jax.Array)):
     return jnp.asarray(value, jnp.int32)
   return value
+
+
+def _check_scalar(owner: str, name: str, value: Any, *, integer: bool = False,
+                  low: float = 0.0, strict: bool = True) -> None:
+  """Raises `ConfigError` unless `value` is a finite real scalar above `low`
+  (at or above it when not `strict`); a traced value is checked by type only."""
+  kind = "an integer" if integer else "a number"
+  bound = f"{'>' if strict else '>='} {low:g}"
+  ok_types = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+  if isinstance(value, (bool, np.bool_)):
+    ok = False
+  elif isinstance(value, ok_types):
+    limit = 2**31 - 1 if integer else float(np.finfo(np.float32).max)  # stored as int32/float32
+    ok = (math.isfinite(value) and abs(value) <= limit
+          and (value > low if strict else value >= low))
+  elif isinstance(value, (np.ndarray, jax.Array)):
+    dtype_ok = (jnp.issubdtype(value.dtype, jnp.integer) if integer else
+                jnp.issubdtype(value.dtype, jnp.integer)
+                or jnp.issubdtype(value.dtype, jnp.floating))
+    ok = value.shape == () and dtype_ok
+    if ok and not isinstance(value, jax.core.Tracer):
+      number = float(value)
+      ok = math.isfinite(number) and (number > low if strict else number >= low)
+  else:
+    ok = False
+  if not ok:
+    shown = (f"an array {value.dtype}{list(value.shape)}"
+             if isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) else repr(value))
+    stored = "int32" if integer else "float32"
+    raise ConfigError(f"{owner}({name}=...) must be {kind} {bound} (a finite scalar that "
+                      f"fits {stored}), got {shown}.")
+
+
+def _finite_number(value: Any) -> bool:
+  """Whether `value` is a finite Python or NumPy real number (not a bool)."""
+  return (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, (bool, np.bool_)) and math.isfinite(value))
+
+
+def _check_finite_flag(owner: str, grads_finite: Any) -> Any:
+  """`grads_finite` as a boolean scalar array, or a ValueError naming it."""
+  flag = grads_finite
+  if not isinstance(flag, (jax.Array, np.ndarray, np.generic)):
+    try:
+      flag = jnp.asarray(flag)
+    except (TypeError, ValueError, OverflowError):
+      flag = None
+  if flag is None or np.shape(flag) != () or flag.dtype != jnp.bool_:
+    got = (f"{flag.dtype}{list(np.shape(flag))}" if flag is not None
+           else f"{grads_finite!r} (type {type(grads_finite).__name__})")
+    raise ValueError(
+        f"{owner}.adjust(grads_finite=...) expects a boolean scalar, got {got}: pass "
+        "mp.all_finite(grads), not a per-element jnp.isfinite(grads), which would "
+        "turn the loss scale into an array.")
+  return flag
 
 
 def _scale_tree(tree: Any, factor: Any) -> Any:
@@ -120,8 +176,7 @@ class StaticLossScale:
   loss_scale: jax.Array
 
   def __init__(self, value: float | jax.Array):
-    if isinstance(value, (int, float)) and not value > 0:
-      raise ConfigError(f"StaticLossScale value must be > 0, got {value!r}.")
+    _check_scalar("StaticLossScale", "value", value)
     object.__setattr__(self, "loss_scale", _as_f32(value))
 
   def scale(self, tree: Any) -> Any:
@@ -176,16 +231,22 @@ class DynamicLossScale:
                growth_interval: int = 2000, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, min_scale: float = 1.0,
                counter: int | jax.Array = 0):
-    if not (isinstance(growth_interval, int) and growth_interval >= 1):
+    owner = "DynamicLossScale"
+    _check_scalar(owner, "initial_scale", initial_scale)
+    _check_scalar(owner, "counter", counter, integer=True, strict=False)
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+        or not 1 <= growth_interval < 2**31:
+      raise ConfigError(f"DynamicLossScale growth_interval must be an integer in "
+                        f"[1, 2**31), got {growth_interval!r}.")
+    if not (_finite_number(growth_factor) and growth_factor >= 1.0):
+      raise ConfigError(f"DynamicLossScale growth_factor must be a finite number >= 1, got "
+                        f"{growth_factor!r}.")
+    if not (_finite_number(backoff_factor) and 0.0 < backoff_factor < 1.0):
       raise ConfigError(
-          f"DynamicLossScale growth_interval must be an integer >= 1, got {growth_interval!r}.")
-    if not growth_factor >= 1.0:
-      raise ConfigError(f"DynamicLossScale growth_factor must be >= 1, got {growth_factor!r}.")
-    if not 0.0 < backoff_factor < 1.0:
-      raise ConfigError(
-          f"DynamicLossScale backoff_factor must be in (0, 1), got {backoff_factor!r}.")
-    if not min_scale > 0.0:
-      raise ConfigError(f"DynamicLossScale min_scale must be > 0, got {min_scale!r}.")
+          f"DynamicLossScale backoff_factor must be a number in (0, 1), got {backoff_factor!r}.")
+    if not (_finite_number(min_scale) and min_scale > 0.0):
+      raise ConfigError(f"DynamicLossScale min_scale must be a finite number > 0, got "
+                        f"{min_scale!r}.")
     object.__setattr__(self, "loss_scale", _as_f32(initial_scale))
     object.__setattr__(self, "counter", _as_i32(counter))
     object.__setattr__(self, "growth_interval", growth_interval)
@@ -207,7 +268,13 @@ class DynamicLossScale:
 
     Args:
       grads_finite: a boolean scalar, e.g. `all_finite(grads)`.
+
+    Raises:
+      ValueError: if `grads_finite` is not a boolean scalar (a per-element
+        ``jnp.isfinite(grads)`` would silently make the scale an array; jmp
+        asserts the same).
     """
+    grads_finite = _check_finite_flag("DynamicLossScale", grads_finite)
     grow = self.counter >= self.growth_interval - 1
     grown = self.loss_scale * self.growth_factor
     grown = jnp.where(grow & jnp.isfinite(grown), grown, self.loss_scale)
@@ -360,6 +427,9 @@ def loss_scale_for(policy: PolicyLike | None = None, config_value: str | None = 
     policy = section.policy if policy is None else policy
     config_value = section.loss_scale if config_value is None else config_value
   policy = get_policy(policy)
+  if not isinstance(config_value, str) or config_value not in LOSS_SCALE_CHOICES:
+    raise ConfigError(f"mixed_precision.loss_scale (config_value=...) must be one of "
+                      f"{format_choices(LOSS_SCALE_CHOICES)}, got {config_value!r}.")
   if config_value == "auto":
     config_value = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
   if config_value == "dynamic":

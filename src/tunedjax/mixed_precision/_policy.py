@@ -3,6 +3,15 @@
 The vocabulary is jmp's and Flax's (`param_dtype`, `compute_dtype`,
 `output_dtype`); a policy has a string form that `Policy.parse` reads and
 `str(policy)` writes back.
+
+Short forms follow jmp's documented shorthand, so that code ported from jmp
+keeps its numerics: a missing ``params`` is float32, a missing ``compute``
+follows ``params`` and a missing ``output`` follows ``compute``. So
+``"c=bf16"`` is ``params=float32,compute=bfloat16,output=bfloat16`` and
+``"p=f16"`` is float16 throughout; the constructor's omitted (or None)
+arguments follow the same rule. One difference is kept: ``"half"`` is always
+float16 here (jmp picks bfloat16 on TPU), because a pass may rewrite for a
+platform other than the one it runs on.
 """
 
 from __future__ import annotations
@@ -49,7 +58,9 @@ _VALID_DTYPES = "float32 (f32), bfloat16 (bf16), float16 (f16) or float64 (f64)"
 GRAMMAR = (
     "a policy string is either one dtype for all three (e.g. 'bfloat16'), or "
     "comma-separated key=dtype pairs with keys params|p, compute|c, "
-    "output|o (a missing key means float32), e.g. "
+    "output|o (as in jmp, a missing params is float32, a missing compute follows "
+    "params and a missing output follows compute: 'c=bf16' means "
+    "'params=float32,compute=bfloat16,output=bfloat16'), e.g. "
     "'params=float32,compute=bfloat16,output=float32' or 'p=f32,c=bf16,o=f32'; "
     f"dtypes: {_VALID_DTYPES}")
 
@@ -78,9 +89,13 @@ def canonical_dtype(value: DTypeLike, *, what: str = "dtype") -> np.dtype:
   """
   if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
     return jnp.dtype(_DTYPE_NAMES[value.strip().lower()])
+  if value is None or isinstance(value, (bool, int, float, complex)):
+    # jnp.dtype(None) is float64 and jnp.dtype(1.0) float64: never a silent guess.
+    raise PolicyError(f"{what} must be a dtype or a dtype name, got {value!r}. Valid "
+                      f"dtypes: {_VALID_DTYPES}.")
   try:
     dtype = jnp.dtype(value)
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     hint = did_you_mean(value, _DTYPE_NAMES) if isinstance(value, str) else ""
     raise PolicyError(f"Unknown {what} {value!r}{hint}. Valid dtypes: "
                       f"{_VALID_DTYPES}.") from e
@@ -112,7 +127,9 @@ class Policy:
     output_dtype: the dtype the function's floating outputs are cast to.
 
   Each field accepts a dtype or a name ("bfloat16", "bf16", "f32", ...) and
-  is stored as a NumPy dtype; only floating dtypes are valid.
+  is stored as a NumPy dtype; only floating dtypes are valid. A field left
+  out (or None) follows jmp's rule: `param_dtype` defaults to float32,
+  `compute_dtype` to `param_dtype` and `output_dtype` to `compute_dtype`.
 
   Example:
     >>> p = Policy.parse("p=f32,c=bf16,o=f32")
@@ -120,16 +137,24 @@ class Policy:
     'params=float32,compute=bfloat16,output=float32'
     >>> Policy.parse(str(p)) == p
     True
+    >>> str(Policy(compute_dtype="bf16"))  # the output follows the compute dtype
+    'params=float32,compute=bfloat16,output=bfloat16'
   """
 
-  param_dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
-  compute_dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
-  output_dtype: np.dtype = dataclasses.field(default=np.dtype("float32"))
+  param_dtype: np.dtype = None  # type: ignore[assignment]
+  compute_dtype: np.dtype = None  # type: ignore[assignment]
+  output_dtype: np.dtype = None  # type: ignore[assignment]
 
   def __post_init__(self) -> None:
+    follows = {"param_dtype": np.dtype("float32"), "compute_dtype": None,
+               "output_dtype": None}
+    previous = None
     for f in dataclasses.fields(self):
-      object.__setattr__(self, f.name,
-                         canonical_dtype(getattr(self, f.name), what=f.name))
+      value = getattr(self, f.name)
+      if value is None:
+        value = follows[f.name] if follows[f.name] is not None else previous
+      previous = canonical_dtype(value, what=f.name)
+      object.__setattr__(self, f.name, previous)
 
   @classmethod
   def parse(cls, text: str) -> Policy:
@@ -138,6 +163,9 @@ class Policy:
     Args:
       text: "params=float32,compute=bfloat16,output=float32", the short
         form "p=f32,c=bf16,o=f32", or one dtype for all three ("bf16").
+        Keys may be left out, as in jmp: params defaults to float32, compute
+        to params, output to compute ("c=bf16" computes and returns
+        bfloat16; "p=f16" is float16 throughout).
 
     Returns:
       The `Policy`.
@@ -148,6 +176,8 @@ class Policy:
     Example:
       >>> Policy.parse("bf16").output_dtype
       dtype(bfloat16)
+      >>> str(Policy.parse("c=bf16,o=f32"))
+      'params=float32,compute=bfloat16,output=float32'
     """
     if not isinstance(text, str):
       raise PolicyError(f"A policy string must be a str, got {text!r} "

@@ -39,8 +39,18 @@ class Callback:
 class CallbackList:
   """Calls each callback in turn."""
 
-  def __init__(self, callbacks: Sequence[Callback]):
-    self.callbacks = list(callbacks)
+  def __init__(self, callbacks: Sequence[Callback] | None):
+    if callbacks is None:
+      callbacks = ()
+    elif isinstance(callbacks, Callback):
+      callbacks = (callbacks,)
+    try:
+      if isinstance(callbacks, (str, bytes, Mapping)):
+        raise TypeError
+      self.callbacks = list(callbacks)
+    except TypeError:
+      raise TrainerError(f"callbacks must be a list of tunedjax.trainer.Callback "
+                         f"instances, got {callbacks!r}.") from None
     bad = [c for c in self.callbacks if not isinstance(c, Callback)]
     if bad:
       raise TrainerError(f"callbacks must be tunedjax.trainer.Callback instances, got "

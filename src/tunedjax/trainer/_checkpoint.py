@@ -145,12 +145,16 @@ class Checkpointer:
     if max_to_keep is not None and (
         isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
         or max_to_keep < 1):
-      raise ValueError("Checkpointer max_to_keep must be a positive int or None "
-                       f"(keep every step), got {max_to_keep!r}.")
+      raise ValueError("Checkpointer max_to_keep (the Trainer's max_checkpoints) must be "
+                       f"a positive int or None (keep every step), got {max_to_keep!r}.")
     if (isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int)
         or save_interval_steps < 1):
       raise ValueError("Checkpointer save_interval_steps must be a positive int, "
                        f"got {save_interval_steps!r}.")
+    if (not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory)
+        or "\x00" in str(os.fspath(directory))):
+      raise TypeError("Checkpointer directory (the Trainer's checkpoint_dir) must be a "
+                      f"folder path (str or os.PathLike), got {directory!r}.")
     self.directory = pathlib.Path(directory).expanduser().absolute()
     if self.directory.exists() and not self.directory.is_dir():
       raise NotADirectoryError(

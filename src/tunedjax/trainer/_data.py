@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from tunedjax._errors import TunedJaxError, format_choices
 from tunedjax.input_pipeline import Loader
 from tunedjax.trainer._model import TrainerError
 
@@ -49,6 +50,21 @@ def is_arrays(data: Any) -> bool:
   return bool(leaves) and None not in sizes and len(sizes) == 1
 
 
+def _record_lengths(data: Any) -> dict[str, int] | None:
+  """``{name: rows}`` when `data` is a dict/tuple of arrays whose numbers of
+  rows differ (records that do not line up), else None."""
+  if isinstance(data, Mapping):
+    items = [(repr(k), v) for k, v in data.items()]
+  elif isinstance(data, tuple):
+    items = [(f"[{i}]", v) for i, v in enumerate(data)]
+  else:
+    return None
+  lengths = {name: _leading(x) for name, x in items}
+  if not items or None in lengths.values() or len(set(lengths.values())) < 2:
+    return None
+  return lengths
+
+
 class BatchStream:
   """Batches with their epoch, and a checkpointable position.
 
@@ -78,10 +94,22 @@ class BatchStream:
         raise TrainerError(f"{what} is arrays: pass batch_size= to say how many records "
                            "make a batch.")
       # Records in memory: nothing to decode, so nothing for workers to do.
-      self.loader = Loader(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                           drop_remainder=drop_remainder, worker_count=0, read_threads=0,
-                           tuning_budget_s=0)
+      try:
+        self.loader = Loader(data, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                             drop_remainder=drop_remainder, worker_count=0, read_threads=0,
+                             tuning_budget_s=0)
+      except TunedJaxError as e:  # say which argument: train_data, eval data, ...
+        raise TrainerError(f"{what} (with batch_size={batch_size!r}): {e}") from None
       self._owned = True
+    elif isinstance(data, ARRAY_TYPES + (np.generic,)) and np.ndim(data) == 0:
+      raise TrainerError(f"{what} is a scalar ({describe(data)}), not records: pass an "
+                         "array with one row per record, a dict/tuple of them, a Loader "
+                         "or an iterable of batches.")
+    elif (lengths := _record_lengths(data)) is not None:
+      shown = ", ".join(f"{name}: {n}" for name, n in lengths.items())
+      raise TrainerError(
+          f"{what} holds arrays with different numbers of rows ({shown}); every array "
+          "must hold one row per record, so their first dimensions must be equal.")
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes, Mapping)):
       self.loader, self._iterable = None, data
     else:
@@ -230,6 +258,9 @@ class Placement:
     mesh = Mesh(mesh.devices, mesh.axis_names,
                 axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     names = tuple(mesh.axis_names)
+    if axis is not None and not isinstance(axis, str):
+      raise TrainerError(f"data_axis must be None or the name of a mesh axis "
+                         f"({format_choices(names)}), got {axis!r}.")
     if axis is None:
       axis = "data" if "data" in names else names[0]
     if axis not in names:
