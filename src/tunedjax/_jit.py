@@ -310,11 +310,10 @@ def enable_compilation_cache(config: Config) -> str | None:
   Returns:
     The directory in use, or None when it cannot be used.
   """
-  from tunedjax.autotune._cache import usable_folder  # pylint: disable=import-outside-toplevel
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
-  directory = usable_folder(
+  directory = _tuning.usable_folder(
       config.cache.resolved_dir / XLA_CACHE_SUBDIR, what="compilation cache (level O2)",
       consequence="executables are compiled for this process only")
   if directory is None:

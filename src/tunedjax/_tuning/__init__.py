@@ -9,7 +9,9 @@ names below, never another tuner's private modules.
 - **Where results live**: `Cache` (one JSON file per `DeviceFingerprint`,
   locked, atomic), `resolve_cache` (the one meaning of ``cache=``: None the
   default cache, False none), `register_validator` (each namespace checks
-  its values before use), `import_file`.
+  its values before use), `import_file`, and `usable_folder` /
+  `warn_unusable`: the one decision on a folder that cannot be used (missing,
+  under a file, read-only, full), warned once, the tuner carrying on in memory.
 - **What a result depends on**: `device_fingerprint`, `host_cpu`,
   `canonical_platform`.
 - **How to measure**: `time_interleaved` (rotated rounds, GC off), `median`,
@@ -33,6 +35,8 @@ from tunedjax._tuning._cache import default_cache as default_cache
 from tunedjax._tuning._cache import import_file as import_file
 from tunedjax._tuning._cache import register_validator as register_validator
 from tunedjax._tuning._cache import resolve_cache as resolve_cache
+from tunedjax._tuning._cache import usable_folder as usable_folder
+from tunedjax._tuning._cache import warn_unusable as warn_unusable
 from tunedjax._tuning._fingerprint import CpuInfo as CpuInfo
 from tunedjax._tuning._fingerprint import DeviceFingerprint as DeviceFingerprint
 from tunedjax._tuning._fingerprint import device_fingerprint as device_fingerprint

@@ -427,9 +427,9 @@ def loss_scale_for(policy: PolicyLike | None = None, config_value: str | None = 
     policy = section.policy if policy is None else policy
     config_value = section.loss_scale if config_value is None else config_value
   policy = get_policy(policy)
-  if not isinstance(config_value, str) or config_value not in LOSS_SCALE_CHOICES:
+  if not isinstance(config_value, str) or config_value not in LOSS_SCALES:
     raise ConfigError(f"mixed_precision.loss_scale (config_value=...) must be one of "
-                      f"{format_choices(LOSS_SCALE_CHOICES)}, got {config_value!r}.")
+                      f"{format_choices(LOSS_SCALES)}, got {config_value!r}.")
   if config_value == "auto":
     config_value = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
   if config_value == "dynamic":
