@@ -46,6 +46,7 @@ from tunedjax.autotune import _phases
 from tunedjax.autotune._select import kernel_pass
 from tunedjax.layout._report import LayoutReport
 from tunedjax.mixed_precision._autocast import autocast_pass
+from tunedjax.rewrite import _compat
 from tunedjax.rewrite._cleanup import cleanup_pass
 
 logger = logging.getLogger("tunedjax.jit")
@@ -542,6 +543,41 @@ class Jitted(Generic[P, R]):
   def memory_analysis(self, *args: Any, **kwargs: Any) -> MemoryFigures | None:
     """The compiled program's memory figures for `args` (None if not reported)."""
     return MemoryFigures.from_compiled(self.lower(*args, **kwargs).compile())
+
+  def export(self, *args: Any, platforms: Sequence[str] | None = None,
+             disabled_checks: Sequence[Any] = (), **kwargs: Any) -> Any:
+    """The rewritten function as a `jax.export.Exported`, for serving or a check.
+
+    With ``tj.jit(f, platform="gpu")`` the passes rewrite for the GPU (its
+    layouts, its kernels) on any machine, and the program is lowered for CUDA
+    without a GPU. `args` may be arrays or `jax.ShapeDtypeStruct`s. The
+    Pallas convolution's Triton call, which kernel selection may have put in,
+    is allowed (`jax.export` refuses custom calls without a stability
+    guarantee): such an export runs only with the jaxlib that made it.
+
+    Args:
+      *args: the arguments, as for a call.
+      platforms: JAX lowering platforms (``"cuda"``, ``"rocm"``, ``"tpu"``,
+        ``"cpu"``); default: the one for ``platform`` (``"gpu"`` is CUDA), or
+        JAX's default backend.
+      disabled_checks: more `jax.export.DisabledSafetyCheck`s.
+      **kwargs: keyword arguments, as for a call.
+
+    Returns:
+      A `jax.export.Exported`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, tunedjax as tj
+      >>> f = tj.jit(lambda x: jnp.tanh(x) * 2, platform="gpu")
+      >>> f.export(jax.ShapeDtypeStruct((3,), jnp.float32)).platforms
+      ('cuda',)
+    """
+    if platforms is None:
+      platform = self._platform or jax.default_backend()
+      platforms = [_compat.lowering_platform(platform)]
+    checks = [*disabled_checks, *_compat.tunedjax_custom_call_checks(platforms)]
+    return jax.export.export(self._jitted(), platforms=platforms,
+                             disabled_checks=checks)(*args, **kwargs)
 
 
 @overload

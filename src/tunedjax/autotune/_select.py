@@ -83,6 +83,15 @@ def forget_tuned() -> None:
     _TUNED.clear()
 
 
+@functools.lru_cache(maxsize=None)
+def _measurable(platform: str) -> bool:
+  """Whether this process has a `platform` device to time kernels on."""
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
 def decide(spec: _registry.ConvSpec, platform: str, *, cache: CacheLike = None,
            options: _tuner.TuneOptions = _tuner.TuneOptions(),
            config: Any = None) -> tuple[str, str]:
@@ -98,6 +107,9 @@ def decide(spec: _registry.ConvSpec, platform: str, *, cache: CacheLike = None,
   Returns:
     ``(kernel name, why)``, why being one of ``"hint"``, ``"only xla"``,
     ``"observe"``, ``"hit"``, ``"tuned"``, ``"miss"`` (apply phase: xla),
+    ``"no gpu here"`` (rewriting for a platform this process has no device
+    of, e.g. to export: nothing can be timed, and this device's cache does
+    not hold that platform's timings: xla),
     ``"not applicable"`` (a cached winner that cannot run this member of
     a pow2 bucket: xla).
   """
@@ -112,6 +124,8 @@ def decide(spec: _registry.ConvSpec, platform: str, *, cache: CacheLike = None,
     return hinted, "hint"
   if names == [_tuner.DEFAULT]:
     return _tuner.DEFAULT, "only xla"
+  if not _measurable(platform):  # rewriting for another machine (an export): no timings
+    return _tuner.DEFAULT, f"no {platform} here"
   phase = _phases.current_phase(config)
   if phase == _phases.OBSERVE:
     return _tuner.DEFAULT, "observe"

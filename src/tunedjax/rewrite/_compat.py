@@ -6,7 +6,8 @@ values, the per-equation context, converting an element type while keeping a
 weak type) is wrapped here, with the names of the higher-order primitives, so
 that a JAX upgrade touches this file only.
 
-Supported: jax 0.10.x (Python 3.11, CI) and 0.11.x (the GPU image).
+Supported: jax 0.10.x (Python 3.11, CI), 0.11.x (the GPU image) and 0.12.x
+(Python 3.12, CI).
 """
 
 from __future__ import annotations
@@ -145,3 +146,32 @@ def wrap_custom_rule(name: str, params: dict[str, Any],
 def typeof(x: Any) -> Any:
   """The abstract value of `x` (an array, tracer or Python scalar)."""
   return jax.typeof(x)
+
+
+def triton_compiler_params() -> Any:
+  """`pallas_call` compiler params that pick the Triton GPU backend.
+
+  jax 0.10 and 0.11 lower a `pallas_call` without compiler params to Mosaic
+  GPU (``jax_pallas_use_mosaic_gpu`` defaults to True; the flag is gone in
+  0.12), which has no rule for a ``dot`` in a kernel written for Triton.
+  """
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+  return pltriton.CompilerParams()
+
+
+# Custom calls that tunedjax's own kernels put in a program and that
+# `jax.export` has no stability guarantee for, by lowering platform.
+_TUNEDJAX_CUSTOM_CALLS = {"cuda": ("__gpu$xla.gpu.triton",), "rocm": ("__gpu$xla.gpu.triton",)}
+_LOWERING_PLATFORMS = {"gpu": "cuda"}
+
+
+def lowering_platform(platform: str) -> str:
+  """The `jax.export` platform for a tunedjax platform ("gpu" lowers for CUDA)."""
+  name = str(platform).lower()
+  return _LOWERING_PLATFORMS.get(name, name)
+
+
+def tunedjax_custom_call_checks(platforms: Sequence[str]) -> list[Any]:
+  """The `jax.export.DisabledSafetyCheck`s that let tunedjax's kernels be exported."""
+  targets = dict.fromkeys(t for p in platforms for t in _TUNEDJAX_CUSTOM_CALLS.get(p, ()))
+  return [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
