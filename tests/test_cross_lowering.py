@@ -115,7 +115,9 @@ def lowering_failures(platform: str, specs=None) -> tuple[list[str], set[str]]:
       both = jax.value_and_grad(lambda l, r, f=fwd: (f(l, r).astype(jnp.float32) ** 2).sum(),
                                 argnums=(0, 1))
       try:
-        _export(both, TARGETS[platform], *args)
+        module = _export(both, TARGETS[platform], *args).mlir_module()
+        if kernel.name == "pallas" and TRITON not in module:
+          raise AssertionError("no Triton call: the kernel was lowered in interpret mode")
       except Exception as e:  # pylint: disable=broad-except  # the test reports them all
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         failures.append(f"{kernel.name} for {TARGETS[platform]} on lhs "

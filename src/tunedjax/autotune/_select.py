@@ -32,7 +32,7 @@ from tunedjax._config import get_config
 from tunedjax.autotune import _cache as cache_lib
 from tunedjax.autotune import _hints, _multihost, _phases, _registry, _tuner
 from tunedjax.autotune._bucket import NAMESPACE, bucket_key, describe
-from tunedjax.rewrite import _engine
+from tunedjax.rewrite import _compat, _engine
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -222,7 +222,10 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
     want = eqn.outvars[0].aval
     try:
       kernel = _registry.get_kernel(OP, name).fn
-      out = _run_kernel(ctx, lambda lhs, rhs: kernel(lhs, rhs, spec), list(invals), post)
+      # Explicitly sharded operands (jax 0.11+ meshes): the kernel runs on Auto axes.
+      out = _compat.on_auto_axes(
+          lambda lhs, rhs: _run_kernel(ctx, lambda l, r: kernel(l, r, spec), [lhs, rhs], post),
+          invals, want)
       got = jax.typeof(out)
       if got.shape != want.shape or got.dtype != want.dtype:
         raise TypeError(f"it returned {got.str_short()} for {want.str_short()}")

@@ -21,6 +21,7 @@ import jax.extend.core as jex_core
 import jax.extend.linear_util as lu
 import jax.extend.source_info_util as source_info_util
 # The only imports of jax._src in tunedjax.
+from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
@@ -30,6 +31,9 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 DropVar = jex_core.DropVar
 Var = jex_core.Var
+# Raised when an operation's output sharding cannot be inferred on Explicit
+# mesh axes (not exported by `jax.errors` in jax 0.10-0.12).
+ShardingTypeError = _core.ShardingTypeError
 
 # Higher-order primitives whose sub-jaxprs are code to rewrite, by the names
 # they carry across the supported JAX versions, mapped to the params that hold
@@ -175,3 +179,38 @@ def tunedjax_custom_call_checks(platforms: Sequence[str]) -> list[Any]:
   """The `jax.export.DisabledSafetyCheck`s that let tunedjax's kernels be exported."""
   targets = dict.fromkeys(t for p in platforms for t in _TUNEDJAX_CUSTOM_CALLS.get(p, ()))
   return [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+
+
+def _explicit_axes(avals: Sequence[Any]) -> tuple[str, ...]:
+  """The Explicit mesh axes the types of `avals` are sharded over (jax 0.11+:
+  `jax.make_mesh` makes Explicit axes by default)."""
+  axes: dict[str, None] = {}
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  for aval in avals:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is None or spec is None or explicit is None:
+      continue
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    for entry in spec:
+      for name in (entry if isinstance(entry, tuple) else (entry,)):
+        if name is not None and types.get(name) == explicit:
+          axes[name] = None
+  return tuple(axes)
+
+
+def on_auto_axes(fn: Callable[..., Any], args: Sequence[Any], out_aval: Any) -> Any:
+  """Runs `fn(*args)` with the args' Explicit mesh axes made Auto (`auto_axes`).
+
+  A kernel that replaces one equation (a convolution as reshapes and
+  matmuls) would otherwise have to say the output sharding of every reshape
+  and every contraction over a sharded dim, as explicit sharding demands;
+  under Auto axes XLA propagates them, as for an unsharded program, and the
+  result gets the sharding the replaced equation's output has (`out_aval`).
+  Without explicitly sharded args, just `fn(*args)`.
+  """
+  axes = _explicit_axes([typeof(a) for a in args])
+  if not axes:
+    return fn(*args)
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_aval.sharding)(*args)
