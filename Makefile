@@ -60,8 +60,8 @@ bench-smoke: $(STAMP)
 # The Python 3.12 wheels the GPU image lacks (it has jax 0.11 with CUDA, flax,
 # optax, orbax-checkpoint), into .whl/ (git-ignored, carried to the device
 # machine; under 64 MiB). BENCHMARKS.md gives the device command that installs them.
-device-wheels: $(STAMP)
-	$(PY) benchmarks/device_wheels.py .whl
+device-wheels:
+	PYTHON=$(PYTHON) .ci/device-wheels .whl
 
 clean-venv:
 	rm -rf $(VENV) $(VENV312)

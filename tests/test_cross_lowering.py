@@ -52,7 +52,8 @@ def _sds(shape, dtype):
 def _export(fn, platform, *args):
   """Exports `jax.jit(fn)` for `platform` (a jax.export name)."""
   checks = _compat.tunedjax_custom_call_checks([platform])
-  return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+  with _compat.lowering_for([platform]):
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
 
 
 # --- the convolutions: every kind the kernels handle, forward and backward ------------

@@ -545,7 +545,8 @@ class Jitted(Generic[P, R]):
     return MemoryFigures.from_compiled(self.lower(*args, **kwargs).compile())
 
   def export(self, *args: Any, platforms: Sequence[str] | None = None,
-             disabled_checks: Sequence[Any] = (), **kwargs: Any) -> Any:
+             disabled_checks: Sequence[Any] = (), device_kind: str | None = None,
+             **kwargs: Any) -> Any:
     """The rewritten function as a `jax.export.Exported`, for serving or a check.
 
     With ``tj.jit(f, platform="gpu")`` the passes rewrite for the GPU (its
@@ -561,6 +562,8 @@ class Jitted(Generic[P, R]):
         ``"cpu"``); default: the one for ``platform`` (``"gpu"`` is CUDA), or
         JAX's default backend.
       disabled_checks: more `jax.export.DisabledSafetyCheck`s.
+      device_kind: the GPU to lower Triton kernels for when this machine has
+        none (default ``"NVIDIA H100"`` for CUDA), e.g. ``"NVIDIA A100"``.
       **kwargs: keyword arguments, as for a call.
 
     Returns:
@@ -576,8 +579,9 @@ class Jitted(Generic[P, R]):
       platform = self._platform or jax.default_backend()
       platforms = [_compat.lowering_platform(platform)]
     checks = [*disabled_checks, *_compat.tunedjax_custom_call_checks(platforms)]
-    return jax.export.export(self._jitted(), platforms=platforms,
-                             disabled_checks=checks)(*args, **kwargs)
+    with _compat.lowering_for(platforms, device_kind):
+      return jax.export.export(self._jitted(), platforms=platforms,
+                               disabled_checks=checks)(*args, **kwargs)
 
 
 @overload

@@ -214,3 +214,29 @@ def on_auto_axes(fn: Callable[..., Any], args: Sequence[Any], out_aval: Any) -> 
   if not axes:
     return fn(*args)
   return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_aval.sharding)(*args)
+
+
+# The GPU a program is lowered for when this process has none: Triton kernels
+# are lowered for its compute capability.
+DEFAULT_GPU_KIND = "NVIDIA H100"
+
+
+def lowering_for(platforms: Sequence[str], device_kind: str | None = None
+                 ) -> contextlib.AbstractContextManager[Any]:
+  """A context in which tracing and lowering target `platforms`' devices.
+
+  jax 0.12 lowers a Triton `pallas_call` only for a known GPU: the local one,
+  or the abstract device of `jax.sharding.use_abstract_mesh` (jax 0.10 and
+  0.11 lowered it without one). For a CUDA or ROCm lowering on a machine
+  without a GPU, this sets that abstract device (`device_kind`, default
+  `DEFAULT_GPU_KIND` for CUDA); otherwise it does nothing.
+  """
+  gpu = [p for p in platforms if p in ("cuda", "rocm")]
+  local_gpu = jax.default_backend() == "gpu"
+  if not gpu or (local_gpu and device_kind is None):
+    return contextlib.nullcontext()
+  kind = device_kind or (DEFAULT_GPU_KIND if gpu[0] == "cuda" else None)
+  if kind is None:
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
