@@ -1,8 +1,8 @@
 """The ``pallas`` conv kernel: an implicit-GEMM convolution in Pallas.
 
-Written for the GPU's Triton backend (asked for explicitly: jax 0.10-0.11
-lower a plain ``pallas_call`` to Mosaic GPU by default, which has no rule for
-its ``dot``); on CPU Pallas runs only in interpret mode, 3.5-22x slower than
+Written for the GPU's Triton backend (asked for explicitly: jax 0.10 lowers
+a plain ``pallas_call`` to Mosaic GPU by default, which has no rule for its
+``dot``); on CPU Pallas runs only in interpret mode, 3.5-22x slower than
 XLA, so the kernel is applicable on "gpu" only and its correctness is tested
 on CPU with ``interpret=True``. By default the choice between Triton and
 interpret mode is made when the program is lowered, for the platform it is

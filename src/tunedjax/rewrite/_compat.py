@@ -155,9 +155,10 @@ def typeof(x: Any) -> Any:
 def triton_compiler_params() -> Any:
   """`pallas_call` compiler params that pick the Triton GPU backend.
 
-  jax 0.10 and 0.11 lower a `pallas_call` without compiler params to Mosaic
-  GPU (``jax_pallas_use_mosaic_gpu`` defaults to True; the flag is gone in
-  0.12), which has no rule for a ``dot`` in a kernel written for Triton.
+  jax 0.10 lowers a `pallas_call` without compiler params to Mosaic GPU
+  (``jax_pallas_use_mosaic_gpu`` defaults to True; the flag is gone in 0.11),
+  which has no rule for a ``dot`` in a kernel written for Triton. jax 0.12
+  warns that the Triton backend is deprecated; it still lowers.
   """
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
   return pltriton.CompilerParams()
@@ -225,9 +226,9 @@ def lowering_for(platforms: Sequence[str], device_kind: str | None = None
                  ) -> contextlib.AbstractContextManager[Any]:
   """A context in which tracing and lowering target `platforms`' devices.
 
-  jax 0.12 lowers a Triton `pallas_call` only for a known GPU: the local one,
-  or the abstract device of `jax.sharding.use_abstract_mesh` (jax 0.10 and
-  0.11 lowered it without one). For a CUDA or ROCm lowering on a machine
+  jax 0.11 and 0.12 lower a Triton `pallas_call` only for a known GPU: the
+  local one, or the abstract device of `jax.sharding.use_abstract_mesh` (jax
+  0.10 lowered it without one). For a CUDA or ROCm lowering on a machine
   without a GPU, this sets that abstract device (`device_kind`, default
   `DEFAULT_GPU_KIND` for CUDA); otherwise it does nothing.
   """
