@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tunedjax-installed
 
-.PHONY: test demo notebooks bench bench-smoke clean-venv
+.PHONY: test test-py312 demo notebooks bench bench-smoke device-wheels clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,23 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# CI's second environment: the suite on Python 3.12 with the newest JAX the pin
+# allows, in its own venv. .ci/find-python312 finds the interpreter (PATH, pyenv)
+# and says so when there is none; PYTHON312=/path/to/python3.12 overrides it.
+VENV312 ?= .venv312
+PY312 := $(VENV312)/bin/python
+STAMP312 := $(VENV312)/.tunedjax-installed
+
+$(STAMP312): pyproject.toml
+	@test -x $(PY312) || { python312=$$(.ci/find-python312) && $$python312 -m venv $(VENV312); }
+	$(PY312) -m pip install --quiet --upgrade pip
+	$(PY312) -m pip install --quiet --upgrade -e '.[test,demo]'
+	@touch $(STAMP312)
+
+test-py312: $(STAMP312)
+	@$(PY312) -c "import sys, jax, jaxlib, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax', flax.__version__)"
+	$(PY312) -m pytest
 
 # The same training twice, default and with set_config(None), side by side
 # (under 3 minutes on 2 cores). Run it again: the second run tunes nothing.
@@ -40,5 +57,11 @@ bench: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 
+# The Python 3.12 wheels the GPU image lacks (it has jax 0.11 with CUDA, flax,
+# optax, orbax-checkpoint), into .whl/ (git-ignored, carried to the device
+# machine; under 64 MiB). BENCHMARKS.md gives the device command that installs them.
+device-wheels:
+	PYTHON=$(PYTHON) .ci/device-wheels .whl
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV312)

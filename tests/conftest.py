@@ -31,9 +31,31 @@ def rng() -> np.random.Generator:
   return np.random.default_rng(0)
 
 
-@pytest.fixture
-def mesh8() -> jax.sharding.Mesh:
-  """A one-axis mesh ('data') over the 8 host CPU devices."""
+def _mesh8(axis_type: jax.sharding.AxisType | None = None) -> jax.sharding.Mesh:
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (tests/conftest.py sets 8 host CPU devices)")
-  return jax.make_mesh((8,), ("data",))
+  types = None if axis_type is None else (axis_type,)
+  return jax.make_mesh((8,), ("data",), axis_types=types)
+
+
+@pytest.fixture
+def mesh8() -> jax.sharding.Mesh:
+  """A one-axis mesh ('data') over the 8 host CPU devices, as `jax.make_mesh`
+  makes it: an Explicit axis (jax 0.10 to 0.12), as a user's would be."""
+  return _mesh8()
+
+
+@pytest.fixture
+def mesh8_auto() -> jax.sharding.Mesh:
+  """`mesh8` with an Auto axis, for programs that plain `jax.jit` rejects on an
+  Explicit one since jax 0.11 (the gradient of `take_along_axis` on a sharded
+  batch asks for an `out_sharding`; jax 0.10 resolved it). What tunedjax does
+  on Explicit axes is tested in tests/test_explicit_sharding.py, against
+  plain `jax.jit` on the same inputs."""
+  return _mesh8(jax.sharding.AxisType.Auto)
+
+
+@pytest.fixture
+def mesh8_explicit() -> jax.sharding.Mesh:
+  """`mesh8` with an Explicit axis whatever `jax.make_mesh`'s default."""
+  return _mesh8(jax.sharding.AxisType.Explicit)

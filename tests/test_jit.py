@@ -193,7 +193,8 @@ def test_grad_and_vmap_around_tj_jit():
   assert relative_error(per_example, want) < 1e-4
 
 
-def test_sharded_batch_on_8_devices(mesh8):
+def test_sharded_batch_on_8_devices(mesh8_auto):
+  mesh8 = mesh8_auto  # take_along_axis: see tests/test_explicit_sharding.py for Explicit axes
   step, _, params, batch = cnn_problem()
   sharding = jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec("data"))
   sharded = jax.device_put(batch, sharding)

@@ -46,6 +46,7 @@ from tunedjax.autotune import _hints
 from tunedjax.autotune import _select
 from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
+from tunedjax.rewrite import _compat
 
 logger = logging.getLogger("tunedjax.jit")
 
@@ -559,6 +560,45 @@ class Jitted(Generic[P, R]):
   def memory_analysis(self, *args: Any, **kwargs: Any) -> MemoryFigures | None:
     """The compiled program's memory figures for `args` (None if not reported)."""
     return MemoryFigures.from_compiled(self.lower(*args, **kwargs).compile())
+
+  def export(self, *args: Any, platforms: Sequence[str] | None = None,
+             disabled_checks: Sequence[Any] = (), device_kind: str | None = None,
+             **kwargs: Any) -> Any:
+    """The rewritten function as a `jax.export.Exported`, for serving or a check.
+
+    With ``tj.jit(f, platform="gpu")`` the passes rewrite for the GPU (its
+    layouts, its kernels) on any machine, and the program is lowered for CUDA
+    without a GPU. `args` may be arrays or `jax.ShapeDtypeStruct`s. The
+    Pallas convolution's Triton call, which kernel selection may have put in,
+    is allowed (`jax.export` refuses custom calls without a stability
+    guarantee): such an export runs only with the jaxlib that made it.
+
+    Args:
+      *args: the arguments, as for a call.
+      platforms: JAX lowering platforms (``"cuda"``, ``"rocm"``, ``"tpu"``,
+        ``"cpu"``); default: the one for ``platform`` (``"gpu"`` is CUDA), or
+        JAX's default backend.
+      disabled_checks: more `jax.export.DisabledSafetyCheck`s.
+      device_kind: the GPU to lower Triton kernels for when this machine has
+        none (default ``"NVIDIA H100"`` for CUDA), e.g. ``"NVIDIA A100"``.
+      **kwargs: keyword arguments, as for a call.
+
+    Returns:
+      A `jax.export.Exported`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, tunedjax as tj
+      >>> f = tj.jit(lambda x: jnp.tanh(x) * 2, platform="gpu")
+      >>> f.export(jax.ShapeDtypeStruct((3,), jnp.float32)).platforms
+      ('cuda',)
+    """
+    if platforms is None:
+      platform = self._platform or jax.default_backend()
+      platforms = [_compat.lowering_platform(platform)]
+    checks = [*disabled_checks, *_compat.tunedjax_custom_call_checks(platforms)]
+    with _compat.lowering_for(platforms, device_kind):
+      return jax.export.export(self._jitted(), platforms=platforms,
+                               disabled_checks=checks)(*args, **kwargs)
 
 
 @overload

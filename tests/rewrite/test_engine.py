@@ -72,7 +72,8 @@ def test_identity_pass_under_vmap(case_name):
 
 
 @pytest.mark.parametrize("case_name", CASES)
-def test_identity_pass_with_sharded_batch(case_name, mesh8):
+def test_identity_pass_with_sharded_batch(case_name, mesh8_auto):
+  mesh8 = mesh8_auto  # Explicit axes: tests/test_explicit_sharding.py
   case, _ = make(case_name)
   params = jax.device_put(case.params, NamedSharding(mesh8, P()))
   batch = jax.device_put(case.batch, NamedSharding(mesh8, P("data")))

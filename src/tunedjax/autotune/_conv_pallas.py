@@ -1,8 +1,13 @@
 """The ``pallas`` conv kernel: an implicit-GEMM convolution in Pallas.
 
-Written for the GPU (Triton) backend; on CPU Pallas runs only in interpret
-mode, 3.5-22x slower than XLA, so the kernel is applicable on "gpu" only and
-its correctness is tested on CPU with ``interpret=True``.
+Written for the GPU's Triton backend (asked for explicitly: jax 0.10 lowers
+a plain ``pallas_call`` to Mosaic GPU by default, which has no rule for its
+``dot``); on CPU Pallas runs only in interpret mode, 3.5-22x slower than
+XLA, so the kernel is applicable on "gpu" only and its correctness is tested
+on CPU with ``interpret=True``. By default the choice between Triton and
+interpret mode is made when the program is lowered, for the platform it is
+lowered for, so a program traced on CPU and exported for CUDA
+(``tj.jit(f, platform="gpu")``, `jax.export`) holds the Triton kernel.
 
 The input is padded (padding and lhs dilation, in plain JAX) and its spatial
 dims flattened, so that every kernel tap ``(kh, kw)`` reads the input at a
@@ -47,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tunedjax.autotune import _conv_layout as layout
+from tunedjax.rewrite import _compat
 
 if TYPE_CHECKING:
   from tunedjax.autotune._conv_spec import ConvSpec
@@ -139,19 +145,30 @@ def _forward(lhs: Any, rhs: Any, spec: ConvSpec, interpret: bool) -> Any:
       out_specs=pl.BlockSpec((None, BLOCK_M, block_o),
                              lambda b, m, j: (b, m, j)),
       interpret=interpret,
+      compiler_params=None if interpret else _compat.triton_compiler_params(),
       name="tunedjax_conv_implicit_gemm",
   )(x, w)
   y = y[:, :m_total].reshape(n, ho, wq, op)[:, :, :wo, :o]
   return layout.out_from_channels_last(y, spec)
 
 
+def _forward_for_platform(lhs: Any, rhs: Any, spec: ConvSpec, interpret: bool | None) -> Any:
+  """`_forward`, with ``interpret=None`` decided by the platform lowered for."""
+  if interpret is not None:
+    return _forward(lhs, rhs, spec, interpret)
+  compiled = functools.partial(_forward, spec=spec, interpret=False)
+  return lax.platform_dependent(
+      lhs, rhs, cuda=compiled, rocm=compiled,
+      default=functools.partial(_forward, spec=spec, interpret=True))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _conv(lhs, rhs, spec, interpret):
-  return _forward(lhs, rhs, spec, interpret)
+  return _forward_for_platform(lhs, rhs, spec, interpret)
 
 
 def _conv_fwd(lhs, rhs, spec, interpret):
-  return _forward(lhs, rhs, spec, interpret), (lhs, rhs)
+  return _forward_for_platform(lhs, rhs, spec, interpret), (lhs, rhs)
 
 
 def _conv_bwd(spec, interpret, residuals, cot):
@@ -174,15 +191,14 @@ def conv_pallas(lhs: Any, rhs: Any, spec: ConvSpec, *,
     lhs: the equation's input.
     rhs: the equation's kernel.
     spec: the convolution (must be `applicable` apart from the platform).
-    interpret: run Pallas in interpret mode; default: unless the default
-      backend is a GPU.
+    interpret: run Pallas in interpret mode (True) or compile it with Triton
+      (False); default: Triton when the program is lowered for a GPU
+      (CUDA or ROCm), interpret mode elsewhere.
 
   Returns:
     The equation's output.
   """
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  return _conv(lhs, rhs, spec, bool(interpret))
+  return _conv(lhs, rhs, spec, None if interpret is None else bool(interpret))
 
 
 def supports(spec: ConvSpec) -> bool:

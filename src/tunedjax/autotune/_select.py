@@ -37,7 +37,7 @@ from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _hints, _multihost, _registry, _report, _tuner
 from tunedjax.autotune._bucket import bucket_key
-from tunedjax.rewrite import _engine
+from tunedjax.rewrite import _compat, _engine
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -104,6 +104,15 @@ def active_selection() -> Selection | None:
   return _ACTIVE.get()
 
 
+@functools.lru_cache(maxsize=None)
+def _measurable(platform: str) -> bool:
+  """Whether this process has a `platform` device to time kernels on."""
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
 def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple[str, str]:
   """Chooses the kernel for one site and counts the choice.
 
@@ -113,7 +122,10 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     selection: the platform, config, session, cache and options to decide with.
 
   Returns:
-    ``(kernel name, why)``; why is one of `_report.REASONS`.
+    ``(kernel name, why)``; why is one of `_report.REASONS`, or ``"no gpu
+    here"`` (rewriting for a platform this process has no device of, e.g. to
+    export: nothing can be timed, and this device's cache does not hold
+    that platform's timings: the default).
   """
   config, session, default = selection.config, selection.session, family.default
   candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
@@ -130,6 +142,8 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     return hinted, _report.HINT
   if names == [default]:
     return default, _report.ONLY_DEFAULT
+  if not _measurable(selection.platform):  # rewriting for another machine (an export)
+    return default, f"no {selection.platform} here"
   phase = session.phase(config)
   if phase == _tuning.OBSERVE:
     return default, _report.OBSERVE
@@ -187,15 +201,21 @@ def _run_kernel(ctx: _engine.Context | None, fn: Callable[..., Any], invals: lis
 
 def _apply(family: _registry.OpFamily, spec: Any, selection: Selection, operands: list[Any],
            want: Any, run_default: Callable[[], Any], ctx: _engine.Context | None = None,
-           post: _engine.Pass | None = None) -> Any:
-  """Decides a site and runs its kernel; the default on any failure (never worse)."""
+           post: _engine.Pass | None = None, out_aval: Any = None) -> Any:
+  """Decides a site and runs its kernel; the default on any failure (never worse).
+
+  With `out_aval` (a replaced equation's output), explicitly sharded operands
+  (jax 0.11+ meshes) run the kernel on Auto axes and the result gets the
+  equation's output sharding (`_compat.on_auto_axes`).
+  """
   name, why = decide(family, spec, selection)
   if name == family.default:
     _count(selection, family.name, name, why)
     return run_default()
   try:
     kernel = _registry.get_kernel(family.name, name).fn
-    out = _run_kernel(ctx, lambda *a: kernel(*a, spec), list(operands), post)
+    run = lambda *ops: _run_kernel(ctx, lambda *a: kernel(*a, spec), list(ops), post)
+    out = run(*operands) if out_aval is None else _compat.on_auto_axes(run, operands, out_aval)
     got = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), out)
     if got != want:
       raise TypeError(f"it returned {got} for {want}")
@@ -255,7 +275,8 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
       want = [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
       out = _apply(family, spec, selection, list(invals),
                    want[0] if len(want) == 1 else tuple(want),
-                   lambda: ctx.default(eqn, invals), ctx=ctx, post=post)
+                   lambda: ctx.default(eqn, invals), ctx=ctx, post=post,
+                   out_aval=eqn.outvars[0].aval if len(want) == 1 else None)
       if isinstance(out, list):  # the default's outputs
         return out
       return list(out) if isinstance(out, tuple) else [out]

@@ -6,7 +6,8 @@ values, the per-equation context, converting an element type while keeping a
 weak type) is wrapped here, with the names of the higher-order primitives, so
 that a JAX upgrade touches this file only.
 
-Supported: jax 0.10.x (Python 3.11, CI) and 0.11.x (the GPU image).
+Supported: jax 0.10.x (Python 3.11, CI), 0.11.x (the GPU image) and 0.12.x
+(Python 3.12, CI).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.extend.core as jex_core
 import jax.extend.linear_util as lu
 import jax.extend.source_info_util as source_info_util
 # The only imports of jax._src in tunedjax.
+from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
@@ -29,6 +31,9 @@ JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 DropVar = jex_core.DropVar
 Var = jex_core.Var
+# Raised when an operation's output sharding cannot be inferred on Explicit
+# mesh axes (not exported by `jax.errors` in jax 0.10-0.12).
+ShardingTypeError = _core.ShardingTypeError
 
 # Higher-order primitives whose sub-jaxprs are code to rewrite, by the names
 # they carry across the supported JAX versions, mapped to the params that hold
@@ -277,3 +282,94 @@ def with_jvp_rule(params: dict[str, Any],
     return new.jaxpr, list(new.consts), out_zeros
 
   return {**params, "jvp_jaxpr_fun": lu.wrap_init(rewritten_thunk, debug_info=thunk.debug_info)}
+
+
+def triton_compiler_params() -> Any:
+  """`pallas_call` compiler params that pick the Triton GPU backend.
+
+  jax 0.10 lowers a `pallas_call` without compiler params to Mosaic GPU
+  (``jax_pallas_use_mosaic_gpu`` defaults to True; the flag is gone in 0.11),
+  which has no rule for a ``dot`` in a kernel written for Triton. jax 0.12
+  warns that the Triton backend is deprecated; it still lowers.
+  """
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+  return pltriton.CompilerParams()
+
+
+# Custom calls that tunedjax's own kernels put in a program and that
+# `jax.export` has no stability guarantee for, by lowering platform.
+_TUNEDJAX_CUSTOM_CALLS = {"cuda": ("__gpu$xla.gpu.triton",), "rocm": ("__gpu$xla.gpu.triton",)}
+_LOWERING_PLATFORMS = {"gpu": "cuda"}
+
+
+def lowering_platform(platform: str) -> str:
+  """The `jax.export` platform for a tunedjax platform ("gpu" lowers for CUDA)."""
+  name = str(platform).lower()
+  return _LOWERING_PLATFORMS.get(name, name)
+
+
+def tunedjax_custom_call_checks(platforms: Sequence[str]) -> list[Any]:
+  """The `jax.export.DisabledSafetyCheck`s that let tunedjax's kernels be exported."""
+  targets = dict.fromkeys(t for p in platforms for t in _TUNEDJAX_CUSTOM_CALLS.get(p, ()))
+  return [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+
+
+def _explicit_axes(avals: Sequence[Any]) -> tuple[str, ...]:
+  """The Explicit mesh axes the types of `avals` are sharded over (jax 0.11+:
+  `jax.make_mesh` makes Explicit axes by default)."""
+  axes: dict[str, None] = {}
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  for aval in avals:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is None or spec is None or explicit is None:
+      continue
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    for entry in spec:
+      for name in (entry if isinstance(entry, tuple) else (entry,)):
+        if name is not None and types.get(name) == explicit:
+          axes[name] = None
+  return tuple(axes)
+
+
+def on_auto_axes(fn: Callable[..., Any], args: Sequence[Any], out_aval: Any) -> Any:
+  """Runs `fn(*args)` with the args' Explicit mesh axes made Auto (`auto_axes`).
+
+  A kernel that replaces one equation (a convolution as reshapes and
+  matmuls) would otherwise have to say the output sharding of every reshape
+  and every contraction over a sharded dim, as explicit sharding demands;
+  under Auto axes XLA propagates them, as for an unsharded program, and the
+  result gets the sharding the replaced equation's output has (`out_aval`).
+  Without explicitly sharded args, just `fn(*args)`.
+  """
+  axes = _explicit_axes([typeof(a) for a in args])
+  if not axes:
+    return fn(*args)
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_aval.sharding)(*args)
+
+
+# The GPU a program is lowered for when this process has none: Triton kernels
+# are lowered for its compute capability.
+DEFAULT_GPU_KIND = "NVIDIA H100"
+
+
+def lowering_for(platforms: Sequence[str], device_kind: str | None = None
+                 ) -> contextlib.AbstractContextManager[Any]:
+  """A context in which tracing and lowering target `platforms`' devices.
+
+  jax 0.11 and 0.12 lower a Triton `pallas_call` only for a known GPU: the
+  local one, or the abstract device of `jax.sharding.use_abstract_mesh` (jax
+  0.10 lowered it without one). For a CUDA or ROCm lowering on a machine
+  without a GPU, this sets that abstract device (`device_kind`, default
+  `DEFAULT_GPU_KIND` for CUDA); otherwise it does nothing.
+  """
+  gpu = [p for p in platforms if p in ("cuda", "rocm")]
+  local_gpu = jax.default_backend() == "gpu"
+  if not gpu or (local_gpu and device_kind is None):
+    return contextlib.nullcontext()
+  kind = device_kind or (DEFAULT_GPU_KIND if gpu[0] == "cuda" else None)
+  if kind is None:
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
