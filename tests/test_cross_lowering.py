@@ -33,6 +33,7 @@ from jax import lax
 import tunedjax as tj
 from tunedjax import layout
 from tunedjax.autotune import _registry as reg
+from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune import _conv_pallas
 from tunedjax.autotune._hints import HintWarning
 from tunedjax.rewrite import _compat
@@ -83,9 +84,9 @@ def _conv1d(x, w):
 
 
 @functools.lru_cache(maxsize=None)
-def conv_specs() -> tuple[reg.ConvSpec, ...]:
+def conv_specs() -> tuple[ConvSpec, ...]:
   """The ConvSpecs of `_net`'s and a 1-D conv's train step, in every dtype."""
-  specs: dict[reg.ConvSpec, None] = {}
+  specs: dict[ConvSpec, None] = {}
   for dtype in DTYPES:
     programs = [(_net, _net_args(dtype)),
                 (_conv1d, (_sds((2, 4, 20), dtype), _sds((8, 4, 5), dtype)))]
@@ -93,7 +94,7 @@ def conv_specs() -> tuple[reg.ConvSpec, ...]:
       closed = jax.make_jaxpr(jax.value_and_grad(fn, argnums=(0, 1)))(*args)
       for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "conv_general_dilated":
-          specs[reg.ConvSpec.from_equation(eqn)] = None
+          specs[ConvSpec.from_equation(eqn)] = None
   return tuple(specs)
 
 
@@ -171,7 +172,7 @@ def test_a_kernel_marked_applicable_that_cannot_lower_fails_the_check():
 
 
 def _pallas_spec(dtype=jnp.float32):
-  return reg.ConvSpec.from_arrays(_sds((2, 9, 9, 8), dtype), _sds((3, 3, 8, 16), dtype),
+  return ConvSpec.from_arrays(_sds((2, 9, 9, 8), dtype), _sds((3, 3, 8, 16), dtype),
                                   window_strides=(2, 2), padding="SAME",
                                   dimension_numbers=NHWC)
 
@@ -285,7 +286,7 @@ def test_layout_preferences_differ_by_target_platform(tmp_path):
 def test_kernel_selection_with_each_hint_exports(platform, tmp_path):
   step, params, batch = _cnn_step()
   cache = tmp_path / "cache"
-  specs = [reg.ConvSpec.from_equation(e)
+  specs = [ConvSpec.from_equation(e)
            for e in jax.make_jaxpr(step)(params, batch).jaxpr.eqns
            if e.primitive.name == "conv_general_dilated"]
   for kernel in reg.kernels("conv"):

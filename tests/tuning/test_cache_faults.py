@@ -28,9 +28,9 @@ import tunedjax as tj
 from tunedjax import cli
 from tunedjax import input_pipeline as ip
 from tunedjax._errors import CacheWarning
-from tunedjax.autotune import _cache
-from tunedjax.autotune._cache import Cache
-from tunedjax.autotune._fingerprint import device_fingerprint
+from tunedjax._tuning import _cache
+from tunedjax._tuning._cache import Cache
+from tunedjax._tuning._fingerprint import device_fingerprint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEY = {"op": "conv", "lhs_shape": [8, 56, 56, 64], "dtype": "float32"}
@@ -181,8 +181,8 @@ def test_loader_tuning_with_a_cache_it_cannot_write(tmp_path, blocker, fault):
 
 _FAULT_SCRIPT = textwrap.dedent("""
     import errno, json, os, resource, signal, sys, warnings
-    from tunedjax.autotune._cache import Cache
-    from tunedjax.autotune._fingerprint import DeviceFingerprint
+    from tunedjax._tuning._cache import Cache
+    from tunedjax._tuning._fingerprint import DeviceFingerprint
     folder, fault = sys.argv[1], sys.argv[2]
     fp = DeviceFingerprint.from_dict(json.loads(sys.argv[3]))
     key = {key!r}; key2 = {key2!r}; key3 = {key3!r}; value = {value!r}
