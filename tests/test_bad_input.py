@@ -125,6 +125,10 @@ LEFT = {
     ("predict", "batch_size"): lambda v: not (isinstance(v, int) and v > 0),
     ("Loader", "transforms"): lambda v: not isinstance(v, (list, tuple)),
     ("Trainer", "metrics"): lambda v: not isinstance(v, (dict, type(None))),
+    ("Trainer", "seed"): lambda v: isinstance(v, int) and v >= 2**32,
+    ("Loader", "worker_count"): _ambiguous_array,
+    ("Loader", "read_threads"): _ambiguous_array,
+    ("fit", "resume"): _ambiguous_array,
 }
 # Where the message names the value by another name than the argument's.
 ALIASES = {"precision": ("policy",), "source": ("records",), "autotune": ("configuration",)}
@@ -301,7 +305,7 @@ LOADER_ARGS = ("source", "batch_size", "transforms", "shuffle", "seed", "num_epo
 _LOADER_BASE = dict(batch_size=4, worker_count=0, read_threads=0, tuning_budget_s=0)
 
 
-@settings(max_examples=3 * EXAMPLES)
+@settings(max_examples=2 * EXAMPLES)
 @given(_argument(LOADER_ARGS))
 def test_loader_arguments(arg):
   name, value = arg
@@ -362,6 +366,7 @@ def test_fit_arguments(trainer, name, value):
     kwargs.pop("steps")
     if isinstance(value, int) and value > 0:
       kwargs["epochs"] = trainer.step // 2 + value  # 2 steps an epoch: a few more
+  assume(not _left("fit", name, value))
   train_data = kwargs.pop("train_data")
   before = trainer.step
   ok, history = attempt(lambda: trainer.fit(train_data, **kwargs), name)
@@ -439,6 +444,10 @@ def test_cli_arguments(words, tmp_path_factory):
     ("predict", "batch_size", _Thing()),
     ("Loader", "transforms", None),
     ("Trainer", "metrics", True),
+    ("Trainer", "seed", 2**64),
+    ("Loader", "worker_count", np.zeros((0, 0))),
+    ("Loader", "read_threads", np.zeros(2)),
+    ("fit", "resume", np.zeros(2)),
 ])
 def test_left_for_their_owners(entry, name, value, trainer):
   assert _left(entry, name, value)
@@ -447,6 +456,9 @@ def test_left_for_their_owners(entry, name, value, trainer):
                                autotune=False, **{name: value}), name)
   elif entry == "Loader":
     attempt(lambda: ip.Loader(np.arange(8.0), **{**_LOADER_BASE, name: value}), name)
+  elif entry == "fit":
+    attempt(lambda: trainer.fit(DATA, batch_size=8, steps=trainer.step, **{name: value}),
+            name)
   elif name == "batch_size":
     attempt(lambda: trainer.predict(DATA["x"], batch_size=value), name)
   else:
