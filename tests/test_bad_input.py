@@ -109,6 +109,10 @@ def _ambiguous_array(value) -> bool:
   return isinstance(value, np.ndarray) and value.size != 1
 
 
+def _huge(value) -> bool:
+  return isinstance(value, int) and value > 4096
+
+
 def _not_records(value) -> bool:
   return not (isinstance(value, np.ndarray) and value.ndim >= 1)
 
@@ -126,8 +130,12 @@ LEFT = {
     ("Loader", "transforms"): lambda v: not isinstance(v, (list, tuple)),
     ("Trainer", "metrics"): lambda v: not isinstance(v, (dict, type(None))),
     ("Trainer", "seed"): lambda v: isinstance(v, int) and v >= 2**32,
-    ("Loader", "worker_count"): _ambiguous_array,
-    ("Loader", "read_threads"): _ambiguous_array,
+    # A huge count is accepted: read_threads=2**64 hangs the first next(); the
+    # worker count would start that many processes (not run here, for that reason).
+    ("Loader", "worker_count"): lambda v: _ambiguous_array(v) or _huge(v),
+    ("Loader", "read_threads"): lambda v: _ambiguous_array(v) or _huge(v),
+    ("Trainer", "progress"): _ambiguous_array,
+    ("Loader", "num_epochs"): lambda v: isinstance(v, int) and v >= 2**63,
     ("fit", "resume"): _ambiguous_array,
 }
 # Where the message names the value by another name than the argument's.
@@ -312,6 +320,8 @@ def test_loader_arguments(arg):
   assume(not _left("Loader", name, value))
   if name in ("worker_count", "max_workers") and isinstance(value, int) and value > 0:
     value = -value  # worker processes are slow to start; their number is tested elsewhere
+  if name == "tuning_budget_s" and isinstance(value, float) and value == math.inf:
+    value = -math.inf  # valid (tune without a time limit), but slow
   source = np.arange(24.0).reshape(12, 2)
   kwargs = {"source": source, **_LOADER_BASE, name: value}
   ok, loader = attempt(lambda: ip.Loader(**kwargs), name, *ALIASES.get(name, ()))
@@ -359,6 +369,8 @@ SMALL_INTS = st.one_of(JUNK, st.integers(-2, 2))
 @given(st.sampled_from(["train_data", "epochs", "steps", "batch_size", "eval_data",
                         "eval_every", "callbacks", "resume"]), SMALL_INTS)
 def test_fit_arguments(trainer, name, value):
+  if name in ("steps", "epochs") and isinstance(value, int) and value > 2:
+    value = -value  # a huge count is valid: it would train for ever
   kwargs = {"train_data": DATA, "batch_size": 8, "steps": trainer.step + 1, name: value}
   if name == "steps" and isinstance(value, int) and not isinstance(value, bool):
     kwargs["steps"] = trainer.step + value  # at most two steps more
@@ -445,6 +457,8 @@ def test_cli_arguments(words, tmp_path_factory):
     ("Loader", "transforms", None),
     ("Trainer", "metrics", True),
     ("Trainer", "seed", 2**64),
+    ("Trainer", "progress", np.zeros((0, 0))),
+    ("Loader", "num_epochs", 2**64),
     ("Loader", "worker_count", np.zeros((0, 0))),
     ("Loader", "read_threads", np.zeros(2)),
     ("fit", "resume", np.zeros(2)),
@@ -455,7 +469,7 @@ def test_left_for_their_owners(entry, name, value, trainer):
     attempt(lambda: tj.Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, progress=False,
                                autotune=False, **{name: value}), name)
   elif entry == "Loader":
-    attempt(lambda: ip.Loader(np.arange(8.0), **{**_LOADER_BASE, name: value}), name)
+    attempt(lambda: next(ip.Loader(np.arange(8.0), **{**_LOADER_BASE, name: value})), name)
   elif entry == "fit":
     attempt(lambda: trainer.fit(DATA, batch_size=8, steps=trainer.step, **{name: value}),
             name)
