@@ -31,6 +31,7 @@ from tunedjax._version import __version__
 from tunedjax.autotune import device_fingerprint
 from tunedjax.autotune._cache import Cache
 from tunedjax.autotune._cache import CacheEntry
+from tunedjax.autotune._cache import describe_problem
 from tunedjax.autotune._cache import import_file
 
 # Distributions whose versions a bug report needs; "not installed" if absent.
@@ -361,6 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
   except TunedJaxError as err:
     print(f"tunedjax {args.command}: error: {err}", file=sys.stderr)
+    return 1
+  except OSError as err:  # a file the command reads or writes: say which and why
+    where = f" {err.filename}" if err.filename else ""
+    print(f"tunedjax {args.command}: error:{where}: {describe_problem(err.filename or '.', err)}",
+          file=sys.stderr)
     return 1
 
 
