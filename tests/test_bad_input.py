@@ -24,7 +24,6 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -35,6 +34,7 @@ from tunedjax import input_pipeline as ip
 from tunedjax import layout
 from tunedjax import mixed_precision as mp
 from tunedjax._errors import TunedJaxError
+from tunedjax.mixed_precision._policy import canonical_dtype
 from tests.trainer import models as m
 
 SRC = pathlib.Path(tj.__file__).resolve().parent
@@ -206,7 +206,7 @@ def test_policy_fields(arg):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       assert jnp.issubdtype(getattr(policy, field), jnp.floating)
     if value is not None:
-      assert getattr(policy, name) == mp._policy.canonical_dtype(value)  # pylint: disable=protected-access
+      assert getattr(policy, name) == canonical_dtype(value)
     assert mp.Policy.parse(str(policy)) == policy
 
 
