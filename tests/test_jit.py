@@ -403,3 +403,10 @@ def test_the_kernel_phase_retraces_only_when_kernel_selection_is_on():
     assert len(f.report(memory=False)) == 3  # one program per phase of selection
   finally:
     tj.autotune.default_session().reset()
+
+
+def test_platform_and_session_are_checked_up_front():
+  with pytest.raises(tj.ConfigError, match=r"Unknown platform 'gpx'.*'cpu'"):
+    tj.jit(lambda x: x, platform="gpx")
+  with pytest.raises(TypeError, match="session=.*TuningSession"):
+    tj.jit(lambda x: x, session="mine")

@@ -678,6 +678,8 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
     if not callable(f):
       raise TypeError(f"tunedjax.jit expects a function, got {f!r}.")
     _check_static_and_donated(f, **options)
+    if platform is not None:
+      _tuning.canonical_platform(platform)  # an unknown name: a ConfigError listing the valid ones
     if session is not None and not isinstance(session, _tuning.TuningSession):
       raise TypeError(f"tunedjax.jit(session=...) must be a tunedjax.autotune.TuningSession "
                       f"or None, got {session!r}.")

@@ -30,6 +30,7 @@ from tunedjax._jit import XLA_CACHE_SUBDIR
 from tunedjax._version import __version__
 from tunedjax._tuning import Cache
 from tunedjax._tuning import CacheEntry
+from tunedjax._tuning import describe_problem
 from tunedjax._tuning import device_fingerprint
 from tunedjax._tuning import import_file
 
@@ -361,6 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.run(args)
   except TunedJaxError as err:
     print(f"tunedjax {args.command}: error: {err}", file=sys.stderr)
+    return 1
+  except OSError as err:  # a file the command reads or writes: say which and why
+    where = f" {err.filename}" if err.filename else ""
+    print(f"tunedjax {args.command}: error:{where}: {describe_problem(err.filename or '.', err)}",
+          file=sys.stderr)
     return 1
 
 

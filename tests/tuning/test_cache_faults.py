@@ -396,3 +396,14 @@ def test_reasons_are_plain_words(tmp_path):
                                  ).startswith("the disk is full")
   assert _cache.describe_problem(tmp_path, OSError(errno.EROFS, "Read-only file system")
                                  ).startswith("it is on a read-only file system")
+
+
+def test_cli_clear_all_on_a_folder_it_cannot_write(tmp_path, capsys):
+  """`cache clear --all` deletes files itself: an OSError becomes exit status 1."""
+  folder = tmp_path / "cache"
+  Cache(folder).put("conv", KEY, VALUE)
+  with _immutable(folder):
+    assert cli.main(["cache", "clear", "--all", "--dir", str(folder)]) == 1
+  err = capsys.readouterr().err
+  assert "tunedjax cache: error:" in err and "not permitted" in err
+  assert Cache(folder).get("conv", KEY) == VALUE

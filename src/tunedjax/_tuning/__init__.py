@@ -32,6 +32,7 @@ from tunedjax._tuning._cache import Cache as Cache
 from tunedjax._tuning._cache import CacheEntry as CacheEntry
 from tunedjax._tuning._cache import CacheLike as CacheLike
 from tunedjax._tuning._cache import default_cache as default_cache
+from tunedjax._tuning._cache import describe_problem as describe_problem
 from tunedjax._tuning._cache import import_file as import_file
 from tunedjax._tuning._cache import register_validator as register_validator
 from tunedjax._tuning._cache import resolve_cache as resolve_cache

@@ -21,10 +21,12 @@ repeats nothing. Unlike Paddle's in-memory cache or cuDNN's benchmark cache:
 * **Bounded.** At most `max_entries` per file; the oldest go first.
 * **Never in the way.** A folder that is missing is created; one that cannot
   be used (under a regular file, read-only, full, not readable) is reported
-  once, by `folder_problem`'s single decision, with a `CacheWarning` naming
-  the path and the reason, and the cache carries on in memory: what this
-  process tunes is still found by this process, it is only not kept for the
-  next one. `get`, `put`, `put_many` and `entries` never raise `OSError`.
+  once, by one function (`warn_unusable`; `usable_folder` for a folder that
+  must be writable up front, as JAX's compilation cache of level O2), with a
+  `CacheWarning` naming the path and the reason, and the cache carries on in
+  memory: what this process tunes is still found by this process, it is only
+  not kept for the next one. `get`, `put`, `put_many` and `entries` never
+  raise `OSError`.
 
 Example:
   >>> import tempfile

@@ -244,9 +244,11 @@ class DynamicLossScale:
     if not (_finite_number(backoff_factor) and 0.0 < backoff_factor < 1.0):
       raise ConfigError(
           f"DynamicLossScale backoff_factor must be a number in (0, 1), got {backoff_factor!r}.")
-    if not (_finite_number(min_scale) and min_scale > 0.0):
-      raise ConfigError(f"DynamicLossScale min_scale must be a finite number > 0, got "
-                        f"{min_scale!r}.")
+    _check_scalar(owner, "min_scale", min_scale)
+    if not isinstance(initial_scale, jax.core.Tracer) and float(initial_scale) < min_scale:
+      raise ConfigError(f"DynamicLossScale min_scale={min_scale!r} is above "
+                        f"initial_scale={float(initial_scale)!r}: backing off would raise "
+                        "the scale. Pass a min_scale <= initial_scale.")
     object.__setattr__(self, "loss_scale", _as_f32(initial_scale))
     object.__setattr__(self, "counter", _as_i32(counter))
     object.__setattr__(self, "growth_interval", growth_interval)

@@ -211,7 +211,7 @@ class BatchChecker:
   def check(self, batch: Any, index: int) -> None:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     bad = [x for x in leaves if not hasattr(x, "shape") or np.ndim(x) == 0]
-    if bad:
+    if bad or not leaves:
       raise TrainerError(f"Batch {index} of {self.what} has leaves that are not arrays "
                          f"with a batch dimension: {describe(batch)}.")
     types = [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves]
@@ -277,7 +277,7 @@ class Placement:
     if size % max(local, 1):
       raise TrainerError(
           f"{what}: a batch of {size} records cannot be split evenly over the {self.shards} "
-          f"devices of the mesh's {self.axis!r} axis; use a batch size divisible by "
+          f"devices of the mesh's {self.axis!r} axis; use a batch_size divisible by "
           f"{local}, or pass mesh= with fewer devices.")
 
   def put(self, tree: Any, *, stacked: bool = False) -> Any:
