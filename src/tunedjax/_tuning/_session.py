@@ -309,18 +309,14 @@ class TuningSession:
             value: Mapping[str, Any]) -> None:
     """Remembers `value` in this session and writes it to `cache` (if any).
 
-    A cache that cannot be written (a read-only or full disk) gets a warning
-    from the cache itself; the value is still kept for this session.
+    A cache that cannot be written (a read-only or full disk) warns once and
+    keeps the value in memory (`Cache` never raises `OSError`); it is kept
+    for this session either way.
     """
     with self._lock:
       self._measured[_memo_key(cache, namespace, key)] = dict(value)
-    if cache is None:
-      return
-    try:
+    if cache is not None:  # an unusable folder warns there and keeps the entry in memory
       cache.put(namespace, key, value)
-    except OSError as e:  # an unwritable folder must not stop training
-      logger.warning("tunedjax: could not write the tuning cache %s (%s); the result "
-                     "is kept for this run only.", getattr(cache, "path", cache), e)
 
   def forget_measured(self) -> None:
     """Forgets what this session measured (the cache files are kept)."""
