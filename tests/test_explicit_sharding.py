@@ -26,6 +26,7 @@ from tests.rewrite import cases
 from tunedjax import rewrite
 from tunedjax.rewrite import _compat
 from tunedjax.autotune import _registry as reg
+from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune._hints import HintWarning
 
 CASES = {c.__name__: c for c in cases.ALL_CASES}
@@ -137,7 +138,7 @@ def test_tj_jit_on_explicit_axes_as_jax_jit(name, mesh8_explicit, shared_cache):
   assert not [k for k in kernels if "failed" in k], kernels  # no kernel fell back to xla
   hint = sections.get("kernel", {}).get("hints", {}).get("conv")
   if hint is not None:
-    specs = [reg.ConvSpec.from_equation(e) for e in jax.make_jaxpr(step)(params, batch).eqns
+    specs = [ConvSpec.from_equation(e) for e in jax.make_jaxpr(step)(params, batch).eqns
              if e.primitive.name == "conv_general_dilated"]
     if any(reg.get_kernel("conv", hint).applicable(s, "cpu") for s in specs):
       assert kernels.get(f"conv {hint} (hint)"), kernels
