@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from tunedjax._errors import TunedJaxError
+from tunedjax._errors import ConfigError, TunedJaxError
 
 
 class TransformError(TunedJaxError):
@@ -246,8 +246,8 @@ def check_transforms(transforms: Sequence[Any]) -> tuple[Any, ...]:
       transforms, (grain.transforms.Map, grain.transforms.RandomMap)):
     transforms = (transforms,)  # one transform
   if not isinstance(transforms, (list, tuple)):
-    raise TunedJaxError(NOT_A_LIST.format(value=_short(transforms),
-                                          type_name=type(transforms).__name__))
+    raise ConfigError(NOT_A_LIST.format(value=_short(transforms),
+                                        type_name=type(transforms).__name__))
   out = tuple(transforms)
   for position, t in enumerate(out):
     ok = isinstance(t, (grain.transforms.Map, grain.transforms.RandomMap)) or (

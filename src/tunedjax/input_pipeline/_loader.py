@@ -48,7 +48,7 @@ def _check_int(name: str, value: Any, low: int, *, high: int | None = None,
     return value
   if _is_int(value) and value >= low and (high is None or value <= high):
     return int(value)
-  allowed = (f"an int from {low} to {high}" if high is not None else f"an int >= {low}")
+  allowed = f"an int >= {low}" + (f" and <= {high}" if high is not None else "")
   allowed += (" or 'auto'" if auto else "") + (" or None" if optional else "")
   raise ConfigError(f"Loader({name}=...) must be {allowed}{why}, got {_show(value)}.")
 
@@ -98,13 +98,15 @@ class Loader:
     seed: the seed of the shuffle and of random transforms.
     num_epochs: epochs to yield; None (default) for an endless stream.
     drop_remainder: drop each epoch's last, short batch.
-    worker_count: worker processes, or "auto" to measure.
-    read_threads: read threads per process, or "auto" to measure.
+    worker_count: worker processes (at most 1024), or "auto" to measure.
+    read_threads: read threads per process (at most 256), or "auto" to measure.
     prefetch_buffer: batches each worker process keeps ready (grain's
-      ``per_worker_buffer_size``), or "auto" to measure it with the others.
+      ``per_worker_buffer_size``, at most 1024), or "auto" to measure it
+      with the others.
     tuning_steps: batches the tuner reads per trial, at most (None: the
       config's, 500 by default).
-    max_workers: the most workers to try (None: config, else the CPU count).
+    max_workers: the most workers to try (None: config, else the CPU count;
+      at most 1024).
     tuning_budget_s: seconds the tuner may take; 0 turns measuring off
       ("auto" then means 0 workers, 16 read threads and a buffer of 2).
 

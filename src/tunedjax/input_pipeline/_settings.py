@@ -174,8 +174,8 @@ class Knob:
     return getattr(LoaderSettings(), self.name)
 
   def describe_range(self) -> str:
-    """The valid values in words, for error messages: "an int from 0 to 256"."""
-    return f"an int from {self.low} to {self.high}"
+    """The valid values in words, for error messages: "an int >= 0 and <= 256"."""
+    return f"an int >= {self.low} and <= {self.high}"
 
 
 THREAD_LADDER = (0, 1, 2, 4, 8, 16)

@@ -94,7 +94,7 @@ def predict_batches(x_or_data: Any, batch_size: int | None) -> Iterator[Any]:
   """
   what = "predict(x_or_data=...)"
   accepted = ("an array or a dict/tuple of arrays with one row per record, or an "
-              "iterable of batches (a list, a Loader)")
+              "iterable of batches (a list, a generator)")
   if is_arrays(x_or_data):
     size = int(jax.tree_util.tree_leaves(x_or_data)[0].shape[0])
     if size == 0:

@@ -133,7 +133,7 @@ class Trainer:
       a stacked batch (whole-loop sinking, as MindSpore's O2): one dispatch
       per k steps, for models whose steps are short.
     seed: seed of a linen model's initialisation and of its per-step RNG
-      streams, and of the shuffle when `fit` is given arrays.
+      streams, and of the shuffle when `fit` is given arrays (0 to 2**32 - 1).
     progress: True for a tqdm bar in terminals and notebooks and plain log
       lines elsewhere; False for nothing; or a `Progress` mode ("bar", "log").
     example_batch: a batch to initialise a linen module with.
