@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from tunedjax._errors import TunedJaxError
+from tunedjax._errors import ConfigError, TunedJaxError
 
 
 class TransformError(TunedJaxError):
@@ -64,11 +64,21 @@ BAD_TRANSFORM = (
     "transforms change which records form a batch and are not supported: "
     "filter the source and use Loader(batch_size=...)."
 )
+NOT_A_LIST = (
+    "Loader(transforms=...) must be a list or tuple of per-record transforms "
+    "(grain.transforms.Map, grain.transforms.RandomMap or plain callables of one "
+    "record), or one of them; () for none. Got {value} (type {type_name})."
+)
 BAD_SOURCE = (
     "Loader(source=...) needs random access: a grain data source, a sequence "
     "(anything with __len__ and __getitem__), a NumPy array, or a dict/tuple "
     "of arrays with the same first dimension; got {value!r} (type {type_name})."
 )
+
+
+def _short(value: Any) -> str:
+  shown = repr(value)
+  return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def name_of(obj: Any) -> str:
@@ -232,8 +242,12 @@ def check_transforms(transforms: Sequence[Any]) -> tuple[Any, ...]:
     >>> check_transforms([np.sqrt])
     (<ufunc 'sqrt'>,)
   """
-  if callable(transforms) or isinstance(transforms, grain.transforms.Map):
-    transforms = (transforms,)
+  if callable(transforms) or isinstance(
+      transforms, (grain.transforms.Map, grain.transforms.RandomMap)):
+    transforms = (transforms,)  # one transform
+  if not isinstance(transforms, (list, tuple)):
+    raise ConfigError(NOT_A_LIST.format(value=_short(transforms),
+                                        type_name=type(transforms).__name__))
   out = tuple(transforms)
   for position, t in enumerate(out):
     ok = isinstance(t, (grain.transforms.Map, grain.transforms.RandomMap)) or (

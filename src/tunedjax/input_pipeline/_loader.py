@@ -24,16 +24,39 @@ log = logging.getLogger("tunedjax.input_pipeline")
 AUTO = "auto"
 
 
-def _check_int(name: str, value: Any, low: int, *, auto: bool = False,
-               optional: bool = False) -> Any:
-  if auto and value == AUTO:
+def _show(value: Any) -> str:
+  """`value` for an error message: its repr (shortened), with its type unless plain."""
+  shown = repr(value)
+  if len(shown) > 80:
+    shown = shown[:77] + "..."
+  if isinstance(value, (bool, int, float, str, type(None))):
+    return shown
+  return f"{shown} (type {type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int(name: str, value: Any, low: int, *, high: int | None = None,
+               auto: bool = False, optional: bool = False, why: str = "") -> Any:
+  """`value` as an int from `low` to `high`, or "auto"/None where allowed;
+  otherwise a `ConfigError` that names the argument and the valid values."""
+  if auto and isinstance(value, str) and value == AUTO:
     return value
   if optional and value is None:
     return value
-  if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low:
+  if _is_int(value) and value >= low and (high is None or value <= high):
     return int(value)
-  allowed = f"an int >= {low}" + (" or 'auto'" if auto else "") + (" or None" if optional else "")
-  raise ConfigError(f"Loader({name}=...) must be {allowed}, got {value!r}.")
+  allowed = f"an int >= {low}" + (f" and <= {high}" if high is not None else "")
+  allowed += (" or 'auto'" if auto else "") + (" or None" if optional else "")
+  raise ConfigError(f"Loader({name}=...) must be {allowed}{why}, got {_show(value)}.")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise ConfigError(f"Loader({name}=...) must be True or False, got {_show(value)}.")
 
 
 class Loader:
@@ -75,13 +98,15 @@ class Loader:
     seed: the seed of the shuffle and of random transforms.
     num_epochs: epochs to yield; None (default) for an endless stream.
     drop_remainder: drop each epoch's last, short batch.
-    worker_count: worker processes, or "auto" to measure.
-    read_threads: read threads per process, or "auto" to measure.
+    worker_count: worker processes (at most 1024), or "auto" to measure.
+    read_threads: read threads per process (at most 256), or "auto" to measure.
     prefetch_buffer: batches each worker process keeps ready (grain's
-      ``per_worker_buffer_size``), or "auto" to measure it with the others.
+      ``per_worker_buffer_size``, at most 1024), or "auto" to measure it
+      with the others.
     tuning_steps: batches the tuner reads per trial, at most (None: the
       config's, 500 by default).
-    max_workers: the most workers to try (None: config, else the CPU count).
+    max_workers: the most workers to try (None: config, else the CPU count;
+      at most 1024).
     tuning_budget_s: seconds the tuner may take; 0 turns measuring off
       ("auto" then means 0 workers, 16 read threads and a buffer of 2).
 
@@ -105,26 +130,22 @@ class Loader:
     self._source = _dataset.as_source(source)
     self._batch_size = _check_int("batch_size", batch_size, 1)
     self._transforms = _dataset.check_transforms(transforms)
-    self._shuffle = bool(shuffle)
-    self._seed = _check_int("seed", seed, 0)
-    if self._seed >= 2**32:
-      raise ConfigError(f"Loader(seed=...) must be below 2**32, got {seed!r}.")
-    self._num_epochs = _check_int("num_epochs", num_epochs, 1, optional=True)
-    self._drop_remainder = bool(drop_remainder)
+    self._shuffle = _check_bool("shuffle", shuffle)
+    self._seed = _check_int("seed", seed, 0, high=2**32 - 1)
+    self._drop_remainder = _check_bool("drop_remainder", drop_remainder)
     given = {"worker_count": worker_count, "read_threads": read_threads,
              "prefetch_buffer": prefetch_buffer}
-    self._requested = {k.name: _check_int(k.name, given[k.name], k.low, auto=True)
+    self._requested = {k.name: _check_int(k.name, given[k.name], k.low, high=k.high,
+                                          auto=True)
                        for k in _settings.KNOBS}
     self._tuning_steps = _check_int("tuning_steps", tuning_steps, 1, optional=True)
-    self._max_workers = _check_int("max_workers", max_workers, 0, optional=True)
-    if not isinstance(tuning_budget_s, (int, float)) or tuning_budget_s < 0:
-      raise ConfigError(f"Loader(tuning_budget_s=...) must be a number >= 0, got "
-                        f"{tuning_budget_s!r}.")
+    self._max_workers = _check_int("max_workers", max_workers, 0,
+                                   high=_settings.knob("worker_count").high, optional=True)
+    if (isinstance(tuning_budget_s, bool) or not isinstance(tuning_budget_s, (int, float))
+        or not tuning_budget_s >= 0):
+      raise ConfigError(f"Loader(tuning_budget_s=...) must be a number of seconds >= 0 "
+                        f"(0: no tuning), got {_show(tuning_budget_s)}.")
     self._tuning_budget_s = float(tuning_budget_s)
-    self._dataset = _dataset.build(
-        self._source, batch_size=self._batch_size, transforms=self._transforms,
-        shuffle=self._shuffle, seed=self._seed, num_epochs=self._num_epochs,
-        drop_remainder=self._drop_remainder)
     self._per_epoch = (len(self._source) // self._batch_size if self._drop_remainder
                        else -(-len(self._source) // self._batch_size))
     if self._per_epoch == 0:
@@ -132,6 +153,15 @@ class Loader:
           f"Loader: {len(self._source)} records make no batch of batch_size="
           f"{self._batch_size} with drop_remainder={self._drop_remainder}; lower "
           "batch_size or pass drop_remainder=False.")
+    # The stream's batches are indexed by a C ssize_t (grain's dataset length).
+    self._num_epochs = _check_int(
+        "num_epochs", num_epochs, 1, high=sys.maxsize // self._per_epoch, optional=True,
+        why=f" (None: endless; all epochs' batches, {self._per_epoch} an epoch, must "
+            "number at most 2**63 - 1)")
+    self._dataset = _dataset.build(
+        self._source, batch_size=self._batch_size, transforms=self._transforms,
+        shuffle=self._shuffle, seed=self._seed, num_epochs=self._num_epochs,
+        drop_remainder=self._drop_remainder)
     self._position = 0
     self._settings: LoaderSettings | None = None
     self._tuning: _tuner.TuningResult | None = None

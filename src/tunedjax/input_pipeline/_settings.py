@@ -63,9 +63,9 @@ class LoaderSettings:
   def __post_init__(self) -> None:
     for knob in KNOBS:
       value = getattr(self, knob.name)
-      if not _is_int(value) or value < knob.low:
-        raise ValueError(f"LoaderSettings({knob.name}=...) must be an int >= {knob.low}, "
-                         f"got {value!r}.")
+      if not _is_int(value) or not knob.low <= value <= knob.high:
+        raise ValueError(f"LoaderSettings({knob.name}=...) must be {knob.describe_range()}, "
+                         f"got {_show(value)}.")
       object.__setattr__(self, knob.name, int(value))
 
   def replace(self, **changes: int) -> LoaderSettings:
@@ -142,6 +142,9 @@ class Knob:
     name: the `LoaderSettings` field (and the `Loader` keyword).
     tune_name: its name in ``tune=`` (and the cache key).
     low: the smallest valid value.
+    high: the largest valid value: far above any useful setting, it turns a
+      typo such as ``2**64`` into a clear error instead of a loader that
+      starts that many threads or processes, or prefetches for ever.
     values: the values a climb steps over, given the most it may try.
     jump_to_lowest: whether neighbours include the lowest value (the ends of
       a knob can both beat the values in between).
@@ -157,6 +160,7 @@ class Knob:
   name: str
   tune_name: str
   low: int
+  high: int
   values: Callable[[int], list[int]]
   grain: Callable[[int], dict[str, dict[str, int]]]
   jump_to_lowest: bool = False
@@ -169,8 +173,18 @@ class Knob:
     """The `LoaderSettings` default of this knob."""
     return getattr(LoaderSettings(), self.name)
 
+  def describe_range(self) -> str:
+    """The valid values in words, for error messages: "an int >= 0 and <= 256"."""
+    return f"an int >= {self.low} and <= {self.high}"
+
 
 THREAD_LADDER = (0, 1, 2, 4, 8, 16)
+# The largest valid value of each knob (`Knob.high`): grain starts that many
+# read threads (and prefetches twice as many batches), worker processes, or
+# keeps that many batches per worker.
+MAX_READ_THREADS = 256
+MAX_WORKER_COUNT = 1024
+MAX_PREFETCH_BUFFER = 1024
 WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BUFFER_LADDER = (1, 2, 4, 8, 16, 32, 64)
 
@@ -184,14 +198,14 @@ def _up_to(ladder: Sequence[int], most: int, *, with_most: bool = False) -> list
 
 # In the order neighbours step them.
 KNOBS: tuple[Knob, ...] = (
-    Knob("read_threads", "read_threads", low=0,
+    Knob("read_threads", "read_threads", low=0, high=MAX_READ_THREADS,
          values=lambda most: _up_to(THREAD_LADDER, most), jump_to_lowest=True,
          grain=lambda n: {"ReadOptions": {"num_threads": n,
                                           "prefetch_buffer_size": max(1, 2 * n)}}),
-    Knob("worker_count", "workers", low=0,
+    Knob("worker_count", "workers", low=0, high=MAX_WORKER_COUNT,
          values=lambda most: _up_to(WORKER_LADDER, most, with_most=True),
          grain=lambda n: {"MultiprocessingOptions": {"num_workers": n}}),
-    Knob("prefetch_buffer", "prefetch_buffer", low=1,
+    Knob("prefetch_buffer", "prefetch_buffer", low=1, high=MAX_PREFETCH_BUFFER,
          values=lambda most: _up_to(BUFFER_LADDER, most), alone=False,
          applies=lambda s: s.worker_count > 0,
          cap=lambda s, batches: batches // max(1, s.worker_count),
@@ -339,6 +353,16 @@ def default_memory_budget() -> int | None:
   """`MEMORY_FRACTION` of the memory available now, or None if unknown."""
   available = available_memory()
   return None if available is None else int(available * MEMORY_FRACTION)
+
+
+def _show(value: Any) -> str:
+  """`value` for an error message: its repr, and its type when that is not plain."""
+  shown = repr(value)
+  if len(shown) > 80:
+    shown = shown[:77] + "..."
+  if isinstance(value, (bool, int, float, str, type(None))):
+    return shown
+  return f"{shown} (type {type(value).__name__})"
 
 
 def _is_int(value: Any) -> bool:

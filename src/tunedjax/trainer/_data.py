@@ -65,6 +65,65 @@ def _record_lengths(data: Any) -> dict[str, int] | None:
   return lengths
 
 
+def _mismatch(what: str, lengths: Mapping[str, int]) -> TrainerError:
+  shown = ", ".join(f"{name}: {n}" for name, n in lengths.items())
+  return TrainerError(
+      f"{what} holds arrays with different numbers of rows ({shown}); every array "
+      "must hold one row per record, so their first dimensions must be equal.")
+
+
+def _short(value: Any) -> str:
+  shown = repr(value)
+  shown = shown if len(shown) <= 80 else shown[:77] + "..."
+  return f"{shown} (type {type(value).__name__})"
+
+
+def predict_batches(x_or_data: Any, batch_size: int | None) -> Iterator[Any]:
+  """The batches `Trainer.predict` runs: `x_or_data`'s records split into
+  batches of `batch_size` (all at once when None), or its batches checked one
+  by one as they come.
+
+  Raises:
+    TrainerError: `x_or_data` is neither records nor an iterable of batches,
+      holds no records, or a batch has a leaf that is not an array with a
+      batch dimension.
+
+  Example:
+    >>> [b.shape for b in predict_batches(np.zeros((5, 2)), 2)]
+    [(2, 2), (2, 2), (1, 2)]
+  """
+  what = "predict(x_or_data=...)"
+  accepted = ("an array or a dict/tuple of arrays with one row per record, or an "
+              "iterable of batches (a list, a generator)")
+  if is_arrays(x_or_data):
+    size = int(jax.tree_util.tree_leaves(x_or_data)[0].shape[0])
+    if size == 0:
+      raise TrainerError(f"{what} holds no records (0 rows): nothing to predict.")
+    step = size if batch_size is None else batch_size
+    return iter([jax.tree_util.tree_map(lambda a, i=i: a[i:i + step], x_or_data)
+                 for i in range(0, size, step)])
+  if isinstance(x_or_data, ARRAY_TYPES + (np.generic,)):
+    raise TrainerError(f"{what} is a scalar ({describe(x_or_data)}), not records: pass "
+                       f"{accepted}.")
+  if (lengths := _record_lengths(x_or_data)) is not None:
+    raise _mismatch(what, lengths)
+  if (isinstance(x_or_data, (str, bytes, Mapping)) or not isinstance(x_or_data, Iterable)):
+    raise TrainerError(f"{what} must be {accepted}; got {_short(x_or_data)}.")
+  return _checked_batches(x_or_data, what)
+
+
+def _checked_batches(batches: Iterable[Any], what: str) -> Iterator[Any]:
+  for index, batch in enumerate(batches):
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves or any(not isinstance(x, ARRAY_TYPES) or x.ndim == 0 for x in leaves):
+      raise TrainerError(
+          f"Batch {index} of {what} is not arrays with a batch dimension: got "
+          f"{_short(batch)}. An iterable x_or_data must yield batches (arrays, or "
+          "dicts/tuples of arrays, one row per record); pass records as one array "
+          "(or a dict/tuple of arrays) with batch_size= to have them split.")
+    yield batch
+
+
 class BatchStream:
   """Batches with their epoch, and a checkpointable position.
 
@@ -106,10 +165,7 @@ class BatchStream:
                          "array with one row per record, a dict/tuple of them, a Loader "
                          "or an iterable of batches.")
     elif (lengths := _record_lengths(data)) is not None:
-      shown = ", ".join(f"{name}: {n}" for name, n in lengths.items())
-      raise TrainerError(
-          f"{what} holds arrays with different numbers of rows ({shown}); every array "
-          "must hold one row per record, so their first dimensions must be equal.")
+      raise _mismatch(what, lengths)
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes, Mapping)):
       self.loader, self._iterable = None, data
     else:

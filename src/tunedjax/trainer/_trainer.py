@@ -24,11 +24,14 @@ import optax
 from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
+from tunedjax._errors import format_choices
 from tunedjax._jit import jit as tj_jit
+from tunedjax.mixed_precision._policy import canonical_dtype
 from tunedjax.trainer import _step
 from tunedjax.trainer._callbacks import Callback, CallbackList
 from tunedjax.trainer._checkpoint import Checkpointer
-from tunedjax.trainer._data import BatchChecker, BatchStream, Placement, is_arrays
+from tunedjax.trainer._data import (BatchChecker, BatchStream, Placement, is_arrays,
+                                    predict_batches)
 from tunedjax.trainer._history import History
 from tunedjax.trainer._model import TrainerError, adapt, split_loss_output, takes_keyword
 from tunedjax.trainer._progress import Progress
@@ -59,13 +62,36 @@ def _resolve_config(autotune_option: Any, policy: mp.Policy | None) -> Config:
     return get_config()
 
 
+def _show(value: Any) -> str:
+  """`value` for an error message: its repr (shortened), with its type unless plain."""
+  shown = repr(value)
+  if len(shown) > 80:
+    shown = shown[:77] + "..."
+  if isinstance(value, (bool, int, float, str, type(None))):
+    return shown
+  return f"{shown} (type {type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_positive(name: str, value: Any, *, optional: bool = False) -> Any:
   if optional and value is None:
     return value
-  if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1:
+  if _is_int(value) and value >= 1:
     return int(value)
   raise TrainerError(f"{name} must be an int >= 1{' or None' if optional else ''}, "
-                     f"got {value!r}.")
+                     f"got {_show(value)}.")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TrainerError(f"{name} must be True or False, got {_show(value)}.")
+
+
+_PROGRESS_MODES = ("auto", "bar", "log", "off")
 
 
 class Trainer:
@@ -107,7 +133,7 @@ class Trainer:
       a stacked batch (whole-loop sinking, as MindSpore's O2): one dispatch
       per k steps, for models whose steps are short.
     seed: seed of a linen model's initialisation and of its per-step RNG
-      streams, and of the shuffle when `fit` is given arrays.
+      streams, and of the shuffle when `fit` is given arrays (0 to 2**32 - 1).
     progress: True for a tqdm bar in terminals and notebooks and plain log
       lines elsewhere; False for nothing; or a `Progress` mode ("bar", "log").
     example_batch: a batch to initialise a linen module with.
@@ -148,25 +174,31 @@ class Trainer:
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TrainerError(f"optimizer must be an optax GradientTransformation (e.g. "
                          f"optax.adam(1e-3)), got {optimizer!r}.")
+    if metrics is not None and not isinstance(metrics, Mapping):
+      raise TrainerError(f"metrics must be None or a dict {{name: fn(model, batch) -> "
+                         f"scalar}}, got {_show(metrics)}.")
     self.metrics = dict(metrics or {})
+    names = [k for k in self.metrics if not isinstance(k, str)]
+    if names:
+      raise TrainerError(f"metrics must map names (str) to functions fn(model, batch); "
+                         f"these keys are not str: {names}.")
     bad = [k for k, f in self.metrics.items() if not callable(f)]
     if bad:
       raise TrainerError(f"metrics must map names to functions fn(model, batch); these are "
                          f"not callable: {bad}.")
     self.steps_per_execution = _check_positive("steps_per_execution", steps_per_execution)
     self.checkpoint_every = _check_positive("checkpoint_every", checkpoint_every, optional=True)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-      raise TrainerError(f"seed must be an int >= 0, got {seed!r}.")
+    # The seed also shuffles arrays given to `fit` (a Loader's seed: 32 bits).
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+      raise TrainerError(f"seed must be an int from 0 to 2**32 - 1, got {_show(seed)}.")
     self.seed = int(seed)
-    if progress is True:
-      self._progress_mode = "auto"
-    elif progress is False:
-      self._progress_mode = "off"
-    elif progress in ("auto", "bar", "log", "off"):
+    if isinstance(progress, (bool, np.bool_)):
+      self._progress_mode = "auto" if progress else "off"
+    elif isinstance(progress, str) and progress in _PROGRESS_MODES:
       self._progress_mode = str(progress)
     else:
-      raise TrainerError(f"progress must be True, False, 'auto', 'bar', 'log' or 'off', "
-                         f"got {progress!r}.")
+      raise TrainerError(f"progress must be True, False, {format_choices(_PROGRESS_MODES)}, "
+                         f"got {_show(progress)}.")
     self.policy = None if precision is None else mp.get_policy(precision)
     self.config = _resolve_config(autotune, self.policy)
     with config_context(self.config):
@@ -215,18 +247,16 @@ class Trainer:
   def _allreduce(self, dtype: Any) -> _step.AllReduce | None:
     if dtype is None:
       return None
-    if dtype == "compute":
+    if isinstance(dtype, str) and dtype == "compute":
       if self.policy is None:
         raise TrainerError("allreduce_dtype='compute' needs precision= (a policy with a "
                            "compute dtype).")
       dtype = self.policy.compute_dtype
     try:
-      dtype = jnp.dtype(dtype)
-    except TypeError:
-      dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise TrainerError("allreduce_dtype must be None, 'compute' or a floating dtype "
-                         "('bfloat16', 'float16', 'float32').")
+      dtype = canonical_dtype(dtype, what="allreduce_dtype")
+    except mp.PolicyError:
+      raise TrainerError(f"allreduce_dtype must be None, 'compute' or a floating dtype "
+                         f"('bfloat16', 'float16', 'float32'), got {_show(dtype)}.") from None
     return _step.AllReduce(self.placement.mesh, self.placement.axis, dtype)
 
   def _with_metrics(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -295,6 +325,7 @@ class Trainer:
       The `History` of every step so far (this trainer's `history`).
     """
     self.stop_training = False
+    resume = _check_bool("resume", resume)
     epochs = _check_positive("epochs", epochs, optional=True)
     steps = _check_positive("steps", steps, optional=True)
     eval_every = _check_positive("eval_every", eval_every, optional=True)
@@ -432,17 +463,15 @@ class Trainer:
     Returns:
       The outputs, as NumPy arrays.
     """
+    batch_size = _check_positive("predict(batch_size=...)", batch_size, optional=True)
+    if fn is not None and not callable(fn):
+      raise TrainerError(f"predict(fn=...) must be None or a function fn(model, batch), "
+                         f"got {_show(fn)}.")
+    batches = predict_batches(x_or_data, batch_size)  # checks x_or_data
     key = fn
     if key not in self._predictors:
       self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn), session=self.session)
     predict = self._predictors[key]
-    if is_arrays(x_or_data) or isinstance(x_or_data, (np.ndarray, jax.Array)):
-      size = _size(x_or_data)
-      step = batch_size or size
-      batches: Any = [jax.tree_util.tree_map(lambda a, i=i: a[i:i + step], x_or_data)
-                      for i in range(0, size, step)]
-    else:
-      batches = x_or_data
     outs = []
     with self._running():
       for batch in batches:
