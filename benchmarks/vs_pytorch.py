@@ -12,6 +12,9 @@ convolutions, `nn.BatchNorm2d` on batch statistics, `torch.optim.SGD`; eager
 NCHW, eager channels_last, `torch.compile` of both; and, for the diagnosis,
 the same step with batch norm written out in primitive ops as JAX computes
 it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
+MobileNet-style step's batch norms call `tunedjax.autotune._bn_family.batch_norm`
+(the batch-norm op family's call site: the reference under `jax.jit`, the
+tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`. The
 strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
 ``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
 gives the same step.
@@ -98,6 +101,7 @@ from jax import lax  # pylint: disable=wrong-import-position
 import _harness  # pylint: disable=wrong-import-position
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
+from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
 from tunedjax.demo import DemoNet  # pylint: disable=wrong-import-position
 
 if torch is not None:
@@ -124,8 +128,9 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0
 
 
 def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-  mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
-  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
+  # kernels.py's `_bn` through the batch-norm family's call site: under jax.jit the
+  # reference (the same mean, var and normalisation), under tj.jit the tuned kernel.
+  return _bn_family.batch_norm(x, g, b, epsilon=1e-5)
 
 
 def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
