@@ -9,8 +9,8 @@ one implementation of a family: ``fn(*operands, spec)`` plus
 ``applicable(spec, platform)``, and a hash of its module's source so that
 timings measured with old code are not reused.
 
-Convolutions are the built-in family (registered when this module is
-imported, kernels ``xla`` first, the default). `register_op_family` and
+Convolutions and batch norm are the built-in families (registered when this
+module is imported, kernels ``xla`` first, the default). `register_op_family` and
 `register_kernel` add others.
 
 Example:
@@ -23,7 +23,7 @@ Example:
   >>> [k.name for k in applicable_kernels(spec, "cpu")]
   ['xla', 'matmul_1x1']
   >>> [f.name for f in op_families()]
-  ['conv']
+  ['conv', 'batch_norm']
 """
 
 from __future__ import annotations
@@ -389,8 +389,9 @@ def applicable_kernels(spec: Any, platform: str, op: str | None = None,
 
 
 def _register_builtins() -> None:
-  """Registers the built-in families (convolutions) and their kernels."""
+  """Registers the built-in families (convolutions, batch norm) and their kernels."""
   importlib.import_module("tunedjax.autotune._conv_family").register()
+  importlib.import_module("tunedjax.autotune._bn_family").register()
 
 
 _register_builtins()

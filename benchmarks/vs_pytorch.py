@@ -1,0 +1,732 @@
+"""tunedjax against PyTorch on CPU: the same CNN train steps, weights and batch.
+
+Two networks, each as one SGD train step (forward, backward, update):
+
+- the MobileNet-style step of `benchmarks/kernels.py` (3x3 stem, four
+  depthwise 3x3 + BatchNorm + pointwise 1x1 + BatchNorm blocks, batch 32 at
+  64x64), and
+- the demo network (`tunedjax.demo.DemoNet`, width 32, batch 128 at 32x32),
+
+in idiomatic PyTorch (`nn.Conv2d` with `groups` for the depthwise
+convolutions, `nn.BatchNorm2d` on batch statistics, `torch.optim.SGD`; eager
+NCHW, eager channels_last, `torch.compile` of both; and, for the diagnosis,
+the same step with batch norm written out in primitive ops as JAX computes
+it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
+MobileNet-style step's batch norms call `tunedjax.autotune._bn_family.batch_norm`
+(the batch-norm op family's call site: the reference under `jax.jit`, the
+tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`. The
+strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
+``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
+gives the same step.
+
+The script first checks that one step agrees: the loss and every gradient
+of each PyTorch variant and of tunedjax against `jax.jit` (relative error =
+max |a - b| / max |b| per tensor, with 1e-3 of the largest gradient as the
+least scale: see `agreement`; the largest reported, bound 2e-2). Then it
+times the variants interleaved in rounds (`_harness.interleaved`: rotated
+order, the baseline timed twice as an A/A control), quoting medians and the
+median of per-round ratios against PyTorch eager channels_last. Then the
+per-op breakdown: `torch.profiler` for PyTorch (self CPU time per aten op),
+and for JAX the thunk times of the compiled program from `jax.profiler`
+(each HLO instruction's time, grouped by what the instruction is:
+convolutions, reductions, elementwise fusions, copies) plus tunedjax's
+per-bucket kernel times from `autotune.explain`.
+
+torch is an optional extra, never a runtime dependency. Setup, once (the CPU
+build; plain ``pip install torch`` gives a CUDA build that is 5x slower on
+CPU):
+
+  python3.11 -m venv .venv-torch
+  .venv-torch/bin/pip install -e '.[bench-torch]' \\
+      --extra-index-url https://download.pytorch.org/whl/cpu
+  # or, offline, the wheel file: .venv-torch/bin/pip install -e . torch-2.13.0+cpu-*.whl
+
+Run (`--quick`: tiny shapes, the smoke run; `--write`: rewrite this
+benchmark's section of BENCHMARKS.md):
+
+  .venv-torch/bin/python benchmarks/vs_pytorch.py [--quick] [--write] [--rounds N]
+
+Run from any other interpreter without torch, the script re-runs itself with
+``.venv-torch/bin/python`` when that exists, and otherwise times the JAX side
+only and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TORCH_VENV = ROOT / ".venv-torch"
+_REEXEC = "TUNEDJAX_VS_PYTORCH_REEXEC"
+
+
+def _torch_or_reexec() -> Any:
+  """torch, or None; without torch re-runs this script in .venv-torch if it exists."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    return torch
+  except ImportError:
+    pass
+  python = TORCH_VENV / "bin" / "python"
+  if python.exists() and not os.environ.get(_REEXEC):
+    env = dict(os.environ, **{_REEXEC: "1"})
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    print(f"torch is not installed here; re-running with {python}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(str(python), [str(python), *sys.argv], env)
+  return None
+
+
+torch = _torch_or_reexec()
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+import optax  # pylint: disable=wrong-import-position
+from flax import nnx  # pylint: disable=wrong-import-position
+from jax import lax  # pylint: disable=wrong-import-position
+
+import _harness  # pylint: disable=wrong-import-position
+import tunedjax as tj  # pylint: disable=wrong-import-position
+from tunedjax import autotune  # pylint: disable=wrong-import-position
+from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
+from tunedjax.demo import DemoNet  # pylint: disable=wrong-import-position
+
+if torch is not None:
+  from torch import nn  # pylint: disable=ungrouped-imports
+  from torch.nn import functional as F
+
+BASELINE = "PyTorch eager, channels_last"
+AGREEMENT_BOUND = 2e-2
+LR = 0.01
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+# -- the JAX side -------------------------------------------------------------------------
+
+
+def _conv(x, w, stride=1, groups=1):
+  p = w.shape[0] // 2  # PyTorch's padding=k//2 on every side
+  return lax.conv_general_dilated(x, w, (stride, stride), ((p, p), (p, p)),
+                                  dimension_numbers=DN, feature_group_count=groups)
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
+  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
+
+
+def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  # kernels.py's `_bn` through the batch-norm family's call site: under jax.jit the
+  # reference (the same mean, var and normalisation), under tj.jit the tuned kernel.
+  return _bn_family.batch_norm(x, g, b, epsilon=1e-5)
+
+
+def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
+  """`benchmarks/kernels.py`'s MobileNet-style network: (params, loss(params, x, y)).
+
+  The same parameters, initialisation and computation as `kernels.mobilenet`
+  (kept in step with it by hand), with PyTorch's symmetric padding.
+  """
+  c0 = 32
+  params = {"stem": _normal(rng, (3, 3, 3, c0), 0.2), "blocks": [],
+            "head": _normal(rng, (widths[-1], 10), 0.05)}
+  cin = c0
+  for cout in widths:
+    params["blocks"].append({
+        "dw": _normal(rng, (3, 3, 1, cin), 0.3), "g1": jnp.ones(cin), "b1": jnp.zeros(cin),
+        "pw": _normal(rng, (1, 1, cin, cout), 0.1), "g2": jnp.ones(cout),
+        "b2": jnp.zeros(cout)})
+    cin = cout
+
+  def loss(params, x, y):
+    h = jax.nn.relu(_conv(x, params["stem"], 2))
+    for blk, s in zip(params["blocks"], strides):
+      h = jax.nn.relu(_bn(_conv(h, blk["dw"], s, groups=h.shape[-1]), blk["g1"], blk["b1"]))
+      h = jax.nn.relu(_bn(_conv(h, blk["pw"]), blk["g2"], blk["b2"]))
+    logits = h.mean(axis=(1, 2)) @ params["head"]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+
+  return params, loss, strides
+
+
+def mobilenet_step(loss):
+  def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return value, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+  return step
+
+
+def demo_jax(width: int, classes: int = 10):
+  """DemoNet split into (graphdef, params, batch stats) and its SGD step."""
+  model = DemoNet(classes, width=width, seed=0)
+  for block in model.separable:  # the strided depthwise convs: PyTorch's padding=1
+    conv = block.depthwise.conv
+    if conv.strides not in (1, (1, 1)):
+      conv.padding = ((1, 1), (1, 1))
+  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+
+  def loss(params, stats, x, y):
+    m = nnx.merge(graphdef, params, stats, copy=True)
+    logits = m(x)
+    value = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return value, nnx.state(m, nnx.BatchStat)
+
+  def step(params, stats, x, y):
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params, stats, x, y)
+    return value, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads), stats
+
+  return params, stats, step
+
+
+def flat_names(tree: Any) -> dict[str, np.ndarray]:
+  """A pytree's leaves by dotted path ("blocks.0.dw", "stem.conv.kernel")."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    parts = []
+    for k in path:
+      for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+          parts.append(str(getattr(k, attr)))
+          break
+    name = ".".join(p for p in parts if p not in ("value", "raw_value"))
+    out[name] = np.asarray(leaf)
+  return out
+
+
+# -- the PyTorch side -------------------------------------------------------------------------
+
+
+def _bn_primitive(x, bn):
+  """Batch norm in primitive ops, as JAX computes it (no fused aten kernel)."""
+  mean = x.mean(dim=(0, 2, 3), keepdim=True)
+  var = ((x - mean) ** 2).mean(dim=(0, 2, 3), keepdim=True)
+  return (x - mean) * torch.rsqrt(var + bn.eps) * bn.weight.view(1, -1, 1, 1) \
+      + bn.bias.view(1, -1, 1, 1)
+
+
+if torch is not None:
+
+  class TorchMobileNet(nn.Module):
+    """The MobileNet-style network in PyTorch, names as the JAX params'."""
+
+    def __init__(self, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), c0=32,
+                 primitive_bn=False):
+      super().__init__()
+      self.primitive_bn = primitive_bn
+      self.stem = nn.Conv2d(3, c0, 3, 2, 1, bias=False)
+      blocks = []
+      cin = c0
+      for cout, s in zip(widths, strides):
+        blk = nn.Module()
+        blk.dw = nn.Conv2d(cin, cin, 3, s, 1, groups=cin, bias=False)
+        blk.bn1 = nn.BatchNorm2d(cin, eps=1e-5)
+        blk.pw = nn.Conv2d(cin, cout, 1, bias=False)
+        blk.bn2 = nn.BatchNorm2d(cout, eps=1e-5)
+        blocks.append(blk)
+        cin = cout
+      self.blocks = nn.ModuleList(blocks)
+      self.head = nn.Linear(cin, 10, bias=False)
+
+    def _bn(self, x, bn):
+      return _bn_primitive(x, bn) if self.primitive_bn else bn(x)
+
+    def forward(self, x, y):
+      h = F.relu(self.stem(x))
+      for blk in self.blocks:
+        h = F.relu(self._bn(blk.dw(h), blk.bn1))
+        h = F.relu(self._bn(blk.pw(h), blk.bn2))
+      return F.cross_entropy(self.head(h.mean(dim=(2, 3))), y)
+
+  class TorchConvBN(nn.Module):
+    def __init__(self, cin, cout, k, stride=1, groups=1, relu=True, primitive_bn=False):
+      super().__init__()
+      self.conv = nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False)
+      self.norm = nn.BatchNorm2d(cout, eps=1e-5, momentum=0.1)  # flax's momentum 0.9
+      self.relu, self.primitive_bn = relu, primitive_bn
+
+    def forward(self, x):
+      h = self.conv(x)
+      y = _bn_primitive(h, self.norm) if self.primitive_bn else self.norm(h)
+      return F.relu(y) if self.relu else y
+
+  class TorchSeparable(nn.Module):
+    def __init__(self, cin, cout, stride=1, **kw):
+      super().__init__()
+      self.depthwise = TorchConvBN(cin, cin, 3, stride, groups=cin, **kw)
+      self.pointwise = TorchConvBN(cin, cout, 1, relu=False, **kw)
+      self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+      y = self.pointwise(self.depthwise(x))
+      return F.relu(x + y if self.residual else y)
+
+  class TorchBottleneck(nn.Module):
+    def __init__(self, channels, reduced, **kw):
+      super().__init__()
+      self.reduce = TorchConvBN(channels, reduced, 1, **kw)
+      self.conv = TorchConvBN(reduced, reduced, 3, **kw)
+      self.expand = TorchConvBN(reduced, channels, 1, relu=False, **kw)
+
+    def forward(self, x):
+      return F.relu(x + self.expand(self.conv(self.reduce(x))))
+
+  class TorchDemoNet(nn.Module):
+    """`tunedjax.demo.DemoNet` in PyTorch, names as the nnx module's."""
+
+    def __init__(self, classes=10, width=32, primitive_bn=False):
+      super().__init__()
+      w, kw = width, {"primitive_bn": primitive_bn}
+      self.stem = TorchConvBN(3, w, 3, **kw)
+      self.separable = nn.ModuleList([
+          TorchSeparable(w, w, **kw), TorchSeparable(w, 2 * w, 2, **kw),
+          TorchSeparable(2 * w, 2 * w, **kw), TorchSeparable(2 * w, 4 * w, 2, **kw)])
+      self.bottleneck = TorchBottleneck(4 * w, w, **kw)
+      self.head = nn.Linear(4 * w, classes)
+
+    def forward(self, x, y):
+      h = self.stem(x)
+      for block in self.separable:
+        h = block(h)
+      return F.cross_entropy(self.head(self.bottleneck(h).mean(dim=(2, 3))), y)
+
+
+_MOBILE_NAMES = {"g1": "bn1.weight", "b1": "bn1.bias", "g2": "bn2.weight",
+                 "b2": "bn2.bias", "dw": "dw.weight", "pw": "pw.weight"}
+
+
+def torch_name(net: str, name: str) -> str:
+  """The PyTorch parameter a JAX parameter's dotted name stands for."""
+  if net == "mobilenet":
+    head, _, last = name.rpartition(".")
+    if name in ("stem", "head"):
+      return f"{name}.weight"
+    return f"{head}.{_MOBILE_NAMES[last]}"
+  return (name.replace(".kernel", ".weight").replace(".scale", ".weight"))
+
+
+def to_torch_layout(a: np.ndarray) -> np.ndarray:
+  """HWIO -> OIHW for conv kernels, (in, out) -> (out, in) for dense ones."""
+  if a.ndim == 4:
+    return np.ascontiguousarray(a.transpose(3, 2, 0, 1))
+  if a.ndim == 2:
+    return np.ascontiguousarray(a.T)
+  return a
+
+
+def load_torch(model, net: str, params: Mapping[str, np.ndarray]) -> None:
+  state = dict(model.named_parameters())
+  with torch.no_grad():
+    for name, value in params.items():
+      target = state[torch_name(net, name)]
+      target.copy_(torch.from_numpy(np.array(to_torch_layout(value))))
+
+
+def torch_step(model, opt, x, y) -> Callable[[], Any]:
+  def step():
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss
+  return step
+
+
+# -- agreement ---------------------------------------------------------------------------------
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def torch_grads(model, run, net: str, x, y, names) -> tuple[float, dict[str, np.ndarray]]:
+  """One forward and backward of `run` (`model`, or it compiled): (loss, JAX-layout
+  gradients by JAX name)."""
+  model.zero_grad(set_to_none=True)
+  loss = run(x, y)
+  loss.backward()
+  state = dict(model.named_parameters())
+  grads = {}
+  for name in names:
+    g = state[torch_name(net, name)].grad.detach().cpu().numpy()
+    if g.ndim == 4:
+      g = g.transpose(2, 3, 1, 0)
+    elif g.ndim == 2:
+      g = g.T
+    grads[name] = g
+  return float(loss.detach()), grads
+
+
+def agreement(loss_a: float, grads_a: Mapping[str, np.ndarray], loss_b: float,
+              grads_b: Mapping[str, np.ndarray]) -> float:
+  """The largest relative error of the loss and each gradient (b the reference).
+
+  A gradient's error is taken relative to its own largest value, or to 1e-3
+  of the largest gradient of any tensor where that is more: the scale of a
+  batch norm followed (through a ReLU and a convolution) by another batch norm
+  has a gradient that is zero in exact arithmetic (the second one normalises
+  the scale away), so its float32 values (~1e-7) are rounding noise on every
+  side, `jax.jit`'s included.
+  """
+  floor = 1e-3 * max(float(np.max(np.abs(g))) for g in grads_b.values())
+  errs = [abs(loss_a - loss_b) / abs(loss_b)]
+  for n, b in grads_b.items():
+    a, b = np.asarray(grads_a[n], np.float64), np.asarray(b, np.float64)
+    errs.append(float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor)))
+  return max(errs)
+
+
+# -- breakdowns --------------------------------------------------------------------------------
+
+_SKIP_EVENTS = ("ThreadpoolListener", "ThunkExecutor", "end: ")
+
+
+def hlo_kinds(hlo_text: str) -> dict[str, str]:
+  """Each entry instruction's name to what it is (for grouping profile events)."""
+  comps: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m and not line.startswith(" "):
+      current = m.group(1)
+      comps[current] = []
+      continue
+    if current is not None and line.startswith(" "):
+      comps[current].append(line)
+  kinds = {}
+  for lines in comps.values():
+    for line in lines:
+      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([\w\-]+)\(", line)
+      if not m:
+        continue
+      name, opcode = m.group(1), m.group(2)
+      if opcode == "fusion" or "calls=" in line:
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        body = " ".join(comps.get(called.group(1), [])) if called else ""
+        if " convolution(" in body:
+          opcode = "convolution"
+        elif " dot(" in body:
+          opcode = "dot"
+        elif " reduce(" in body or " reduce-window(" in body:
+          opcode = "reduce"
+        elif " transpose(" in body or " copy(" in body:
+          opcode = "transpose" if " multiply(" not in body and " add(" not in body \
+              else "elementwise"
+        else:
+          opcode = "elementwise"
+      kinds[name] = opcode
+  return kinds
+
+
+_JAX_GROUP = {"convolution": "convolutions", "dot": "matmuls (dot)",
+              "reduce": "reductions (batch-norm statistics and their gradients, pooling)",
+              "elementwise": "elementwise fusions (normalise, ReLU, their gradients, SGD)",
+              "transpose": "copies and transposes", "copy": "copies and transposes"}
+
+
+def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
+                steps: int) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+  """ms per step by group, and the top instructions (name, kind, ms per step)."""
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  jax.block_until_ready(fn(*args))
+  folder = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-prof-")
+  with jax.profiler.trace(folder):
+    for _ in range(steps):
+      jax.block_until_ready(fn(*args))
+  (path,) = glob.glob(folder + "/**/*.xplane.pb", recursive=True)
+  totals: collections.Counter[str] = collections.Counter()
+  for plane in ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      if line.name == "python":
+        continue  # the Python tracer; thunks run on PjRt's and Eigen's threads
+      for e in line.events:
+        if not e.name.startswith(_SKIP_EVENTS):
+          totals[e.name] += e.duration_ns / 1e6 / steps
+  kinds = hlo_kinds(hlo_text)
+  groups: collections.Counter[str] = collections.Counter()
+  top = []
+  for name, ms in totals.most_common():
+    kind = kinds.get(name, "other")
+    groups[_JAX_GROUP.get(kind, "other")] += ms
+    top.append((name, kind, ms))
+  return dict(groups), top[:10]
+
+
+def _torch_group(key: str) -> str:
+  k = key.lower()
+  if "conv" in k:
+    return "convolutions"
+  if "batch_norm" in k:
+    return "batch norm (fused aten kernels)"
+  if any(s in k for s in ("addmm", "mm", "linear")):
+    return "matmuls (dot)"
+  if any(s in k for s in ("sum", "mean", "var")):
+    return "reductions (batch-norm statistics and their gradients, pooling)"
+  if any(s in k for s in ("relu", "threshold", "add", "mul", "sub", "div", "rsqrt", "pow",
+                          "sgd", "foreach", "where", "sqrt")):
+    return "elementwise fusions (normalise, ReLU, their gradients, SGD)"
+  if any(s in k for s in ("copy", "contiguous", "clone", "permute", "to_dense",
+                          "reorder")):
+    return "copies and transposes"
+  return "other"
+
+
+def torch_profile(step: Callable[[], Any], steps: int
+                  ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+  """ms per step (self CPU time) by group, and the top aten ops."""
+  from torch import profiler  # pylint: disable=import-outside-toplevel
+  step()
+  with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
+    for _ in range(steps):
+      step()
+  groups: collections.Counter[str] = collections.Counter()
+  rows = []
+  for item in prof.key_averages():
+    ms = item.self_cpu_time_total / 1e3 / steps
+    if ms <= 0 or item.key.startswith(("ProfilerStep", "Optimizer.step", "##")):
+      continue
+    groups[_torch_group(item.key)] += ms
+    rows.append((item.key, _torch_group(item.key).split(" (")[0], ms))
+  rows.sort(key=lambda r: -r[2])
+  return dict(groups), rows[:10]
+
+
+# -- one network -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class NetResult:
+  name: str
+  shape: str
+  timings: Any
+  agreement: dict[str, float]
+  profiles: dict[str, tuple[dict[str, float], list[tuple[str, str, float]]]]
+  buckets: list[Any]
+  tuning_s: float
+  notes: dict[str, str]
+
+
+def _block(fn, args):
+  return lambda: jax.block_until_ready(fn(*args))
+
+
+def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
+  rng = np.random.default_rng(0)
+  if net == "mobilenet":
+    batch, size = (4, 32) if args.quick else (32, 64)
+    params, loss, _ = mobilenet_jax(rng)
+    step = mobilenet_step(loss)
+    jax_args = (params,)
+    label = "MobileNet-style step (`benchmarks/kernels.py`)"
+  else:
+    width, batch, size = (8, 8, 16) if args.quick else (32, 128, 32)
+    params, stats, step = demo_jax(width)
+    jax_args = (params, stats)
+    label = f"demo network (`DemoNet`, width {width})"
+  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
+  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
+  full_args = (*jax_args, x, y)
+  shape = f"batch {batch}, {size}x{size}"
+
+  # JAX: jax.jit and tunedjax (kernel selection on, a fresh session: the first call tunes).
+  xla_step = jax.jit(step)
+  session = autotune.TuningSession()
+  config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
+  with tj.config_context(config):
+    tj_step = tj.jit(step, session=session)
+    start = time.perf_counter()
+    jax.block_until_ready(tj_step(*full_args))
+    first_call_s = time.perf_counter() - start
+    tuning_s = tj_step.report(memory=False).last.tuning_s
+  print(f"{net}: tj.jit first call {first_call_s:.1f} s ({tuning_s:.1f} s tuning)",
+        file=sys.stderr)
+
+  ref = xla_step(*full_args)
+  ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
+  with tj.config_context(config):
+    got = tj_step(*full_args)
+  agree = {"tunedjax": agreement(float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
+
+  variants: dict[str, Callable[[], Any]] = {}
+  notes: dict[str, str] = {}
+  profiles = {}
+  if torch is not None:
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    named = flat_names(params)
+    xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+    yt = torch.from_numpy(np.asarray(y).astype(np.int64))
+    kinds = [("eager", "channels_last", False, False), ("eager", "NCHW", False, False),
+             ("eager", "channels_last", True, False)]
+    if not args.no_compile:
+      kinds += [("compile", "channels_last", False, True), ("compile", "NCHW", False, True)]
+    for how, layout, primitive, compiled in kinds:
+      model = (TorchMobileNet(primitive_bn=primitive) if net == "mobilenet"
+               else TorchDemoNet(width=width, primitive_bn=primitive))
+      load_torch(model, net, named)
+      xin = xt
+      if layout == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+        xin = xt.contiguous(memory_format=torch.channels_last)
+      model.train()
+      run = torch.compile(model) if compiled else model
+      name = ("torch.compile" if compiled else "PyTorch eager") + f", {layout}"
+      if primitive:
+        name = "PyTorch eager, channels_last, batch norm in primitive ops"
+      start = time.perf_counter()
+      t_loss, t_grads = torch_grads(model, run, net, xin, yt, named)
+      if compiled:
+        notes[name] = f"compiled in {time.perf_counter() - start:.0f} s"
+      agree[name] = agreement(t_loss, t_grads, ref_loss, ref_grads)
+      opt = torch.optim.SGD(model.parameters(), lr=LR)
+      variants[name] = torch_step(run, opt, xin, yt)
+      if name == BASELINE:
+        profiles["PyTorch eager, channels_last"] = torch_profile(variants[name],
+                                                                 args.profile_steps)
+  for name, err in agree.items():
+    print(f"{net}: one step, {name} vs jax.jit: relative error {err:.1e}", file=sys.stderr)
+  bad = {n: e for n, e in agree.items() if not e <= AGREEMENT_BOUND}
+  if bad:
+    raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
+
+  def tj_run():
+    with tj.config_context(config):
+      return jax.block_until_ready(tj_step(*full_args))
+
+  variants["jax.jit"] = _block(xla_step, full_args)
+  variants["tunedjax (tj.jit, kernel selection)"] = tj_run
+  if net == "mobilenet":  # the batch-norm family's share: the same step, batch norm pinned to xla
+    pinned = {"kernel": {"enable": True, "hints": {"batch_norm": "xla"}},
+              "cache": {"dir": cache_dir}}
+    with tj.config_context(pinned):
+      tj_pinned = tj.jit(step, session=session)
+      jax.block_until_ready(tj_pinned(*full_args))
+
+    def tj_pinned_run():
+      with tj.config_context(pinned):
+        return jax.block_until_ready(tj_pinned(*full_args))
+
+    variants["tunedjax, batch norm pinned to xla"] = tj_pinned_run
+  baseline = BASELINE if BASELINE in variants else "jax.jit"
+  timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1)
+
+  with tj.config_context(config):
+    hlo = tj_step.lower(*full_args).compile().as_text()
+    profiles["tunedjax"] = jax_profile(tj_step, full_args, hlo, args.profile_steps)
+  profiles["jax.jit"] = jax_profile(xla_step, full_args,
+                                    xla_step.lower(*full_args).compile().as_text(),
+                                    args.profile_steps)
+  with tj.config_context(config):
+    buckets = autotune.explain(step, *full_args, cache=cache_dir)
+  return NetResult(label, shape, timings, agree, profiles, buckets, tuning_s, notes)
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float, float]
+           ) -> str:
+  torch_line = (f"PyTorch {torch.__version__} ({args.threads} threads)" if torch is not None
+                else "PyTorch not installed: JAX side only")
+  lines = [
+      "## tunedjax against PyTorch on CPU",
+      "",
+      f"`benchmarks/vs_pytorch.py{' --quick' if args.quick else ''}`: one SGD train step "
+      "(forward, backward, update), the same weights and batch on both sides; "
+      f"{torch_line}; jax {jax.__version__}. Each variant timed in {args.rounds} interleaved "
+      "rounds after a warm-up; ratio = the variant's time over PyTorch eager channels_last "
+      "(median of per-round ratios; under 1 is faster than PyTorch); A/A = that baseline "
+      "timed twice. One step checked first: the loss and every gradient against `jax.jit` "
+      f"(largest relative error, bound {AGREEMENT_BOUND:g}). Load average "
+      f"{load[0]:.1f} before, {load[1]:.1f} after. " + _harness.machine_line(),
+  ]
+  for r in results:
+    t = r.timings
+    lines += ["", f"### {r.name}, {r.shape}", "",
+              "| variant | ms per step | ratio to baseline | per-round range | "
+              "one step vs jax.jit | note |", "|---|---:|---:|---:|---:|---|"]
+    for name in t.runs:
+      lo, hi = t.spread(name)
+      err = r.agreement.get(name)
+      note = r.notes.get(name, "")
+      if name.startswith("tunedjax"):
+        note = f"tuning {r.tuning_s:.0f} s on the first call"
+      lines.append(f"| {name} | {1e3 * t.median(name):.1f} | {t.ratio(name):.2f} | "
+                   f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | {note} |")
+    groups = sorted({g for prof in r.profiles.values() for g in prof[0]},
+                    key=lambda g: -max(p[0].get(g, 0.0) for p in r.profiles.values()))
+    sides = list(r.profiles)
+    lines += ["", f"Where the time goes (ms per step, {args.profile_steps} profiled steps; "
+              "PyTorch: `torch.profiler` self CPU time per aten op; JAX: `jax.profiler` "
+              "thunk time per HLO instruction of the compiled step, summed over threads, grouped "
+              "by what the instruction computes):", "",
+              "| group | " + " | ".join(sides) + " |",
+              "|---|" + "---:|" * len(sides)]
+    for g in groups:
+      lines.append(f"| {g} | " + " | ".join(f"{r.profiles[s][0].get(g, 0.0):.1f}"
+                                           for s in sides) + " |")
+    lines.append("| total | " + " | ".join(f"{sum(r.profiles[s][0].values()):.1f}"
+                                           for s in sides) + " |")
+    for side in sides:
+      top = r.profiles[side][1]
+      lines += ["", f"Top ops, {side}: " + "; ".join(
+          f"`{n}` ({k}) {ms:.1f}" for n, k, ms in top[:8]) + "."]
+    shown = [b for b in r.buckets if b.op == "batch_norm" or b.kernel not in (None, "xla")]
+    if r.buckets:
+      lines += ["", f"tunedjax's kernel buckets (`autotune.explain`; times from the tuner, "
+                f"forward only): {len(r.buckets)} buckets, {len(r.buckets) - len(shown)} of "
+                "them convolutions left on xla; the others:",
+                "", "| bucket | sites | kernel | xla (ms) | kernel (ms) | speedup |",
+                "|---|---:|---|---:|---:|---:|"]
+      for b in shown:
+        lines.append(f"| {b.bucket} | {b.count} | {b.kernel} | "
+                     f"{'' if b.xla_ms is None else f'{b.xla_ms:.2f}'} | "
+                     f"{'' if b.kernel_ms is None else f'{b.kernel_ms:.2f}'} | "
+                     f"{'' if b.speedup is None else f'{b.speedup:.2f}x'} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds (smoke)")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                      help="PyTorch's intra-op threads (JAX uses every core)")
+  parser.add_argument("--net", choices=("mobilenet", "demo", "both"), default="both")
+  parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--profile-steps", type=int, default=None)
+  args = parser.parse_args(argv)
+  args.rounds = args.rounds or (2 if args.quick else 9)
+  args.profile_steps = args.profile_steps or (1 if args.quick else 3)
+  if torch is None:
+    print("torch is not installed: timing the JAX side only (see this script's docstring "
+          "for the bench-torch extra)", file=sys.stderr)
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-")
+  load_before = os.getloadavg()[0]
+  print(f"load average before: {load_before:.2f}", file=sys.stderr)
+  nets = ("mobilenet", "demo") if args.net == "both" else (args.net,)
+  results = [run_net(n, args, cache_dir) for n in nets]
+  body = report(results, args, (load_before, os.getloadavg()[0]))
+  print(body)
+  if args.write:
+    _harness.write_section("vs_pytorch", body)
+    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The ``"batch_norm"`` family's kernels: batch norm on batch statistics, channels last.
+
+Each kernel is ``fn(x, scale, bias, spec) -> y`` with ``y = (x - mean) *
+rsqrt(var + eps) * scale + bias``, the statistics (biased variance) over every
+axis but the last, and differentiable in all three operands:
+
+- ``xla``: the computation as JAX's autodiff sees it when written out (two
+  passes for the statistics: the mean, then the mean of squared deviations;
+  the backward is whatever autodiff makes of the chain). The reference.
+- ``fused``: one pass for the statistics (the sums of ``x - shift`` and of its
+  square, ``shift`` being the first row, so that a large mean does not cancel
+  the variance away) and the fused backward formula, a `jax.custom_vjp`:
+  ``dx = scale * inv / n * (n * dy - sum(dy) - xhat * sum(dy * xhat))``,
+  ``dscale = sum(dy * xhat)``, ``dbias = sum(dy)``: two reductions and one
+  elementwise pass instead of autodiff's chain.
+- ``fused_dot``: the same, with each column sum written as a matrix product
+  with a vector of ones (`ones @ x2d`), which XLA:CPU hands to its matmul
+  library (multi-threaded) instead of a reduction loop.
+
+Example:
+  >>> import numpy as np
+  >>> from tunedjax.autotune._bn_spec import BatchNormSpec
+  >>> x = np.random.default_rng(0).normal(size=(4, 3, 3, 2)).astype(np.float32)
+  >>> spec = BatchNormSpec.from_arrays(x)
+  >>> y = fused(x, np.ones(2, np.float32), np.zeros(2, np.float32), spec)
+  >>> np.allclose(y.reshape(-1, 2).mean(0), 0.0, atol=1e-5)
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tunedjax.autotune._bn_spec import BatchNormSpec
+
+_FUSED_DTYPES = ("float32", "float64")
+
+
+def xla(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> jax.Array:
+  """The reference: the statistics and the normalisation as written, autodiff's backward."""
+  axes = tuple(range(x.ndim - 1))
+  mean, var = jnp.mean(x, axes), jnp.var(x, axes)
+  return (x - mean) * lax.rsqrt(var + jnp.asarray(spec.epsilon, x.dtype)) * scale + bias
+
+
+def _colsum(a: jax.Array, how: str) -> jax.Array:
+  """The sum of each column of a 2-D array."""
+  if how == "dot":
+    return jnp.ones((a.shape[0],), a.dtype) @ a
+  return jnp.sum(a, axis=0)
+
+
+def _stats(x2: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
+  """(mean, biased variance) of each column, in one pass over shifted data."""
+  n = x2.shape[0]
+  shift = lax.stop_gradient(x2[0])
+  d = x2 - shift
+  s1, s2 = _colsum(d, how), _colsum(d * d, how)
+  mean_d = s1 / n
+  var = jnp.maximum(s2 / n - mean_d * mean_d, 0)
+  return shift + mean_d, var
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_fn(how: str, epsilon: float) -> Callable[..., jax.Array]:
+  """The custom-VJP batch norm whose sums are taken `how` (``"sum"`` or ``"dot"``)."""
+
+  def forward(x, scale, bias):
+    c = x.shape[-1]
+    x2 = x.reshape(-1, c)
+    mean, var = _stats(x2, how)
+    inv = lax.rsqrt(var + jnp.asarray(epsilon, x.dtype))
+    y = (x - mean) * (scale * inv) + bias
+    return y, (x, mean, inv, scale)
+
+  @jax.custom_vjp
+  def bn(x, scale, bias):
+    return forward(x, scale, bias)[0]
+
+  def backward(residuals, dy):
+    x, mean, inv, scale = residuals
+    c = x.shape[-1]
+    n = x.size // c
+    centred = x - mean
+    dy2 = dy.reshape(-1, c)
+    sdy = _colsum(dy2, how)
+    sdyxhat = _colsum(dy2 * centred.reshape(-1, c), how) * inv  # sum(dy * xhat)
+    k = scale * inv
+    dx = k * (dy - sdy / n - centred * (inv * sdyxhat / n))
+    return dx, sdyxhat.astype(scale.dtype), sdy.astype(scale.dtype)
+
+  bn.defvjp(forward, backward)
+  return bn
+
+
+def fused(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> jax.Array:
+  """One-pass statistics, the fused backward formula; sums as reductions."""
+  return _fused_fn("sum", float(spec.epsilon))(x, scale, bias)
+
+
+def fused_dot(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec
+              ) -> jax.Array:
+  """One-pass statistics, the fused backward formula; sums as products with ones."""
+  return _fused_fn("dot", float(spec.epsilon))(x, scale, bias)
+
+
+def fused_applicable(spec: BatchNormSpec, platform: str) -> bool:
+  """float32/float64, at least one row and two dimensions (rows x channels)."""
+  del platform
+  return spec.dtype in _FUSED_DTYPES and len(spec.shape) >= 2 and spec.rows >= 1
+
+
+def always(spec: Any, platform: str) -> bool:
+  del spec, platform
+  return True
+
+
+# (name, fn, applicable), the default first.
+KERNELS = (
+    ("xla", xla, always),
+    ("fused", fused, fused_applicable),
+    ("fused_dot", fused_dot, fused_applicable),
+)
