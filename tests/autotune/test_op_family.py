@@ -154,3 +154,45 @@ def test_a_kernel_for_an_unknown_family_is_refused():
     autotune.register_kernel("no_such", "k", _xla, applicable=lambda s, p: True)
   with pytest.raises(tj.TunedJaxError, match="spec must be a ConvSpec"):
     autotune.dispatch("conv", CumsumSpec((2,), "float32"), jnp.ones(2))
+
+
+@jax.custom_vjp
+def _cumsum_bad_grad(x):
+  return jnp.cumsum(x, axis=-1)
+
+
+_cumsum_bad_grad.defvjp(lambda x: (jnp.cumsum(x, axis=-1), None),
+                        lambda _, g: (2.0 * jnp.flip(jnp.cumsum(jnp.flip(g, -1), -1), -1),))
+
+
+@pytest.mark.parametrize("timed", ["forward", "forward+backward"])
+def test_a_family_timed_with_its_backward_checks_the_gradients(rng, tmp_path, timed):
+  name = "toy_cumsum_fb"
+  family = autotune.OpFamily(name=name, spec_type=CumsumSpec, key=_key, operands=_operands,
+                             timed=timed)
+  autotune.register_op_family(family)
+  try:
+    autotune.register_kernel(name, "xla", _xla, applicable=lambda s, p: True)
+    autotune.register_kernel(name, "bad_grad", lambda x, s: _cumsum_bad_grad(x),
+                             applicable=lambda s, p: True)
+    x = _x(rng, (8, 64))
+    with tj.config_context(_config(tmp_path)):
+      f = tj.jit(lambda x: autotune.dispatch(name, CumsumSpec(tuple(x.shape), "float32"), x),
+                 session=autotune.TuningSession())
+      f(x)
+    (path,) = tmp_path.glob("*.json")
+    (entry,) = [e for e in json.loads(path.read_text())["entries"] if e["namespace"] == name]
+    # Its forward is right, so only a check of the gradient can tell it is wrong.
+    assert ("bad_grad" in entry["value"]["rejected"]) == (timed == "forward+backward")
+    if timed == "forward+backward":
+      assert entry["value"]["rejected"]["bad_grad"] == pytest.approx(1.0, rel=1e-3)
+  finally:
+    autotune.unregister_op_family(name)
+
+
+def test_timed_must_be_a_known_choice():
+  with pytest.raises(tj.AutotuneError, match=r"timed must be one of 'forward' or "
+                                             r"'forward\+backward'.*'backward'"):
+    autotune.OpFamily(name="x", spec_type=CumsumSpec, key=_key, operands=_operands,
+                      timed="backward")
+

@@ -77,7 +77,7 @@ def bn_operands(spec: BatchNormSpec, rng: np.random.Generator
 
 FAMILY = _registry.OpFamily(
     name=NAME, spec_type=BatchNormSpec, key=bn_key, operands=bn_operands, default="xla",
-    describe=describe_bn)
+    describe=describe_bn, timed="forward+backward")  # the kernels differ in their backward
 
 
 def register() -> None:

@@ -51,6 +51,9 @@ _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-
 _TOLERANCE_ACCELERATOR = {"float32": 5e-3}
 
 
+TIMED = ("forward", "forward+backward")
+
+
 def default_tolerance(dtype: Any, platform: str = "cpu") -> float:
   """The largest relative difference from the reference a candidate may show.
 
@@ -87,6 +90,11 @@ class OpFamily:
       call `dispatch`.
     from_equation: ``from_equation(eqn) -> spec`` for `primitive`'s equations.
     describe: ``describe(key) -> str``: a short bucket name for logs and reports.
+    timed: what the tuner checks and times: ``"forward"`` (the kernel's
+      output), or ``"forward+backward"`` (its output and the gradients of
+      its floating operands for a random cotangent, in one compiled call):
+      for families whose kernels differ mostly in their backward, such as
+      a fused batch norm or a flash attention.
   """
 
   name: str
@@ -98,6 +106,7 @@ class OpFamily:
   primitive: str | None = None
   from_equation: Callable[[Any], Any] | None = None
   describe: Callable[[Mapping[str, Any]], str] | None = None
+  timed: str = "forward"
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -110,6 +119,10 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
+    if self.timed not in TIMED:
+      raise AutotuneError(f"OpFamily({self.name!r}).timed must be one of "
+                          f"{format_choices(TIMED)}, got {self.timed!r}"
+                          f"{did_you_mean(str(self.timed), TIMED)}.")
     if (self.primitive is None) != (self.from_equation is None):
       raise AutotuneError(f"OpFamily({self.name!r}): give primitive and from_equation "
                           "together (sites found in the jaxpr), or neither (sites call "

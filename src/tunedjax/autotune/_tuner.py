@@ -249,24 +249,68 @@ def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_M
   return all(min(r) > threshold * CLEAR_FACTOR for r in ratios.values())
 
 
-def _compile_all(kernels: Mapping[str, Any], spec: Any,
-                 operands: Sequence[jax.Array]) -> dict[str, Any]:
-  """Every kernel compiled for these inputs, side by side in threads.
+def _timed_function(kernel: Any, spec: Any, timed: str) -> Callable[..., Any]:
+  """What is checked and timed for `kernel`: ``f(*operands)``, or for
+  ``"forward+backward"`` ``f(cotangent, *operands) -> (output, gradients of
+  the floating operands)``."""
+  forward = lambda *ops: kernel.fn(*ops, spec)  # pylint: disable=unnecessary-lambda-assignment
+  if timed == "forward":
+    return forward
+
+  def forward_backward(cotangent: Any, *ops: Any) -> Any:
+    floats = [i for i, x in enumerate(ops) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+
+    def of_floats(*values: Any) -> Any:
+      full = list(ops)
+      for i, v in zip(floats, values):
+        full[i] = v
+      return forward(*full)
+
+    out, vjp = jax.vjp(of_floats, *[ops[i] for i in floats])
+    return out, vjp(cotangent)
+
+  return forward_backward
+
+
+def _timed_args(family: Any, spec: Any, operands: list[jax.Array], default: Any,
+                rng: np.random.Generator, device: Any) -> list[jax.Array]:
+  """The arguments of `_timed_function`: the operands, after a random cotangent if timed backward."""
+  if family.timed == "forward":
+    return operands
+  out = jax.eval_shape(lambda *ops: default.fn(*ops, spec), *operands)
+  cotangent = jax.tree_util.tree_map(
+      lambda s: jax.device_put(_tuning.random_array(s.shape, s.dtype, rng), device), out)
+  return [cotangent, *operands]
+
+
+def _leaves_error(out: Any, ref: Any) -> float:
+  """The largest relative error over matching leaves (inf on a structure or dtype mismatch)."""
+  outs, refs = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)
+  if len(outs) != len(refs):
+    return math.inf
+  errors = [math.inf if np.dtype(o.dtype) != np.dtype(r.dtype)
+            else _tuning.relative_error(o, r) for o, r in zip(outs, refs)]
+  return max(errors, default=0.0)
+
+
+def _compile_all(functions: Mapping[str, Callable[..., Any]],
+                 args: Sequence[jax.Array]) -> dict[str, Any]:
+  """Every candidate compiled for these arguments, side by side in threads.
 
   XLA compiles without holding the GIL, so a bucket's candidates compile in
   about the time of the slowest one on a machine with cores to spare.
   Returns ``{name: executable or the exception compiling it raised}``.
   """
 
-  def compile_one(kernel: Any) -> Any:
+  def compile_one(fn: Callable[..., Any]) -> Any:
     try:
-      return jax.jit(lambda *a: kernel.fn(*a, spec)).lower(*operands).compile()
+      return jax.jit(fn).lower(*args).compile()
     except Exception as e:  # pylint: disable=broad-except  # reported when it runs
       return e
 
-  workers = max(1, min(len(kernels), os.cpu_count() or 1))
+  workers = max(1, min(len(functions), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return dict(zip(kernels, pool.map(compile_one, kernels.values())))
+    return dict(zip(functions, pool.map(compile_one, functions.values())))
 
 
 def _runner(executable: Any, operands: Sequence[jax.Array]) -> Callable[[], Any]:
@@ -330,12 +374,14 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   runners: dict[str, Any] = {}
   with jax.ensure_compile_time_eval():
     operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
-
-    compiled = _compile_all(by_name, spec, operands)
-    ref_run = _runner(compiled[default], operands)  # the default failing to compile: an error
-    ref = np.asarray(jax.block_until_ready(ref_run()))
+    args = _timed_args(family, spec, operands, by_name[default], rng, device)
+    compiled = _compile_all({n: _timed_function(k, spec, family.timed)
+                             for n, k in by_name.items()}, args)
+    ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
+    ref = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(ref_run()))
+    ref_out = jax.tree_util.tree_leaves(ref)[0]
     runners[default] = ref_run
-    tol = family.tolerance(ref.dtype, platform)
+    tol = family.tolerance(ref_out.dtype, platform)
     for name in by_name:
       if name == default:
         continue
@@ -343,22 +389,21 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
         skipped.append(name)
         continue
       try:
-        run = _runner(compiled[name], operands)
+        run = _runner(compiled[name], args)
         out = jax.block_until_ready(run())
       except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
         errors[name] = _describe_error(e)
         logger.warning("autotune %s: candidate %r failed and is skipped: %s",
                        label, name, errors[name])
         continue
-      err = _tuning.relative_error(out, ref)
-      if np.dtype(out.dtype) != ref.dtype:
-        err = math.inf
+      err = _leaves_error(out, ref)
       if not err <= tol:
         rejected[name] = err if math.isfinite(err) else 1e300
+        got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
         logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
                        "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
-                       label, name, err, tol, out.dtype, list(out.shape), ref.dtype,
-                       list(ref.shape))
+                       label, name, err, tol, getattr(got, "dtype", "?"),
+                       list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
         continue
       runners[name] = run
     if skipped:
