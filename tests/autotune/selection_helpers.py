@@ -143,7 +143,7 @@ def max_rel_err(a: Any, b: Any) -> float:
 def isolated_selection(tmp_path: Any, **config: Any) -> contextlib.AbstractContextManager:
   """A fresh cache folder, step counter, statistics and in-process winners."""
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
-  from tunedjax.autotune import _phases, _select  # pylint: disable=import-outside-toplevel
+  from tunedjax.autotune import _phases  # pylint: disable=import-outside-toplevel
 
   @contextlib.contextmanager
   def scope() -> Iterator[Any]:

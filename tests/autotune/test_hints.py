@@ -13,7 +13,6 @@ from jax import lax
 import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax._errors import TunedJaxError
-from tunedjax import _tuning
 from tunedjax._tuning import _cache
 from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune import _bucket, _hints, _phases, _registry, _select

@@ -8,7 +8,6 @@ false outside it and true on the benchmark buckets of the issue.
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -21,7 +21,7 @@ from jax import lax
 from tests.autotune import selection_helpers as h
 from tunedjax import rewrite
 from tunedjax import _tuning
-from tunedjax._tuning import _cache, _timing
+from tunedjax._tuning import _cache
 from tunedjax.autotune import _bucket, _conv_family, _phases, _registry, _select, _tuner
 from tunedjax.autotune._conv_spec import ConvSpec
 
