@@ -43,6 +43,7 @@ HIGHER_ORDER_PARAMS: dict[str, tuple[str, ...]] = {
     "jit": ("jaxpr",),
     "pjit": ("jaxpr",),
     "closed_call": ("call_jaxpr",),
+    "eval_jaxpr": ("call_jaxpr",),  # jax 0.12's name for closed_call
     "core_call": ("call_jaxpr",),
     "call": ("call_jaxpr",),
     "remat2": ("jaxpr",),
@@ -161,6 +162,7 @@ CALL_PARAMS: dict[str, str] = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
+    "eval_jaxpr": "call_jaxpr",  # jax 0.12's name for closed_call
     "core_call": "call_jaxpr",
 }
 
