@@ -142,13 +142,17 @@ def test_a_tuned_jit_with_the_cache_dir_under_a_file_warns_and_runs(blocker):
 
 def test_the_o2_compilation_cache_asks_the_same_function(blocker):
   from tunedjax import _jit  # pylint: disable=import-outside-toplevel
-  if _jit.jax.config.jax_compilation_cache_dir:
-    pytest.skip("this process already has a compilation cache folder")
-  with tj.config_context({"cache": {"dir": str(blocker / "cache")}}):
-    config = tj.get_config()
-  with pytest.warns(CacheWarning, match=r"compilation cache .*regular file"):
-    assert _jit.enable_compilation_cache(config) is None
-  assert not _jit.jax.config.jax_compilation_cache_dir
+  # An earlier O2 test of this process may have set the folder: leave none for this one.
+  before = _jit.jax.config.jax_compilation_cache_dir
+  _jit.jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    with tj.config_context({"cache": {"dir": str(blocker / "cache")}}):
+      config = tj.get_config()
+    with pytest.warns(CacheWarning, match=r"compilation cache .*regular file"):
+      assert _jit.enable_compilation_cache(config) is None
+    assert not _jit.jax.config.jax_compilation_cache_dir
+  finally:
+    _jit.jax.config.update("jax_compilation_cache_dir", before)
 
 
 # --- the input pipeline's tuner (issue 19, item 2) ------------------------------------------
