@@ -119,3 +119,30 @@ class CacheWarning(UserWarning):
   it like any warning (``warnings.simplefilter("error", tj.CacheWarning)``
   makes a bad cache fatal, e.g. in a CI job that checks a shared cache).
   """
+
+
+def show_value(value: object) -> str:
+  """`value` for an error message: its repr (shortened), with its type unless plain.
+
+  Example:
+    >>> show_value(3), show_value([1, 2])
+    ('3', '[1, 2] (type list)')
+  """
+  shown = repr(value)
+  if len(shown) > 80:
+    shown = shown[:77] + "..."
+  if isinstance(value, (bool, int, float, str, type(None))):
+    return shown
+  return f"{shown} (type {type(value).__name__})"
+
+
+def is_int(value: object) -> bool:
+  """Whether `value` is an integer (Python or NumPy), not a bool.
+
+  Example:
+    >>> is_int(3), is_int(True), is_int(3.0)
+    (True, False, False)
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+

@@ -18,24 +18,15 @@ from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _state
 from tunedjax.input_pipeline import _tuner
 from tunedjax.input_pipeline._settings import LoaderSettings
+from tunedjax._errors import is_int as _is_int
+from tunedjax._errors import show_value as _show
 
 log = logging.getLogger("tunedjax.input_pipeline")
 
 AUTO = "auto"
 
 
-def _show(value: Any) -> str:
-  """`value` for an error message: its repr (shortened), with its type unless plain."""
-  shown = repr(value)
-  if len(shown) > 80:
-    shown = shown[:77] + "..."
-  if isinstance(value, (bool, int, float, str, type(None))):
-    return shown
-  return f"{shown} (type {type(value).__name__})"
 
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_int(name: str, value: Any, low: int, *, high: int | None = None,

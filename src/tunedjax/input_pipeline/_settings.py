@@ -28,6 +28,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tunedjax._errors import is_int as _is_int
+from tunedjax._errors import show_value as _show
+
 # The fraction of the host's available memory the per-worker prefetch buffers
 # may fill: workers x prefetch_buffer x one batch's bytes stays below it.
 MEMORY_FRACTION = 0.25
@@ -353,18 +356,3 @@ def default_memory_budget() -> int | None:
   """`MEMORY_FRACTION` of the memory available now, or None if unknown."""
   available = available_memory()
   return None if available is None else int(available * MEMORY_FRACTION)
-
-
-def _show(value: Any) -> str:
-  """`value` for an error message: its repr, and its type when that is not plain."""
-  shown = repr(value)
-  if len(shown) > 80:
-    shown = shown[:77] + "..."
-  if isinstance(value, (bool, int, float, str, type(None))):
-    return shown
-  return f"{shown} (type {type(value).__name__})"
-
-
-def _is_int(value: Any) -> bool:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -36,6 +36,8 @@ from tunedjax.trainer._history import History
 from tunedjax.trainer._model import TrainerError, adapt, split_loss_output, takes_keyword
 from tunedjax.trainer._progress import Progress
 from tunedjax.trainer._report import jit_summary, loader_summary
+from tunedjax._errors import is_int as _is_int
+from tunedjax._errors import show_value as _show
 
 logger = logging.getLogger("tunedjax.trainer")
 
@@ -62,18 +64,7 @@ def _resolve_config(autotune_option: Any, policy: mp.Policy | None) -> Config:
     return get_config()
 
 
-def _show(value: Any) -> str:
-  """`value` for an error message: its repr (shortened), with its type unless plain."""
-  shown = repr(value)
-  if len(shown) > 80:
-    shown = shown[:77] + "..."
-  if isinstance(value, (bool, int, float, str, type(None))):
-    return shown
-  return f"{shown} (type {type(value).__name__})"
 
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_positive(name: str, value: Any, *, optional: bool = False) -> Any:
