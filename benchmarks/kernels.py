@@ -116,7 +116,13 @@ def _conv(x, w, stride=1, groups=1):
                                   feature_group_count=groups)
 
 
-def mobilenet(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
+def mobilenet(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), *,
+              conv: Callable[..., Any] = _conv, bn: Callable[..., Any] = _bn):
+  """A MobileNet-style network: `(params, loss(params, x, y))`.
+
+  `conv(x, w, stride=1, groups=1)` and `bn(x, g, b)` may be swapped (`vs_pytorch.py`
+  gives PyTorch's symmetric padding and the batch-norm family's call site).
+  """
   c0 = 32
   params = {"stem": _normal(rng, (3, 3, 3, c0), 0.2), "blocks": [],
             "head": _normal(rng, (widths[-1], 10), 0.05)}
@@ -129,10 +135,10 @@ def mobilenet(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 
     cin = cout
 
   def loss(params, x, y):
-    h = jax.nn.relu(_conv(x, params["stem"], 2))
+    h = jax.nn.relu(conv(x, params["stem"], 2))
     for blk, s in zip(params["blocks"], strides):
-      h = jax.nn.relu(_bn(_conv(h, blk["dw"], s, groups=h.shape[-1]), blk["g1"], blk["b1"]))
-      h = jax.nn.relu(_bn(_conv(h, blk["pw"]), blk["g2"], blk["b2"]))
+      h = jax.nn.relu(bn(conv(h, blk["dw"], s, groups=h.shape[-1]), blk["g1"], blk["b1"]))
+      h = jax.nn.relu(bn(conv(h, blk["pw"]), blk["g2"], blk["b2"]))
     logits = h.mean(axis=(1, 2)) @ params["head"]
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
 

@@ -100,6 +100,7 @@ from flax import nnx  # pylint: disable=wrong-import-position
 from jax import lax  # pylint: disable=wrong-import-position
 
 import _harness  # pylint: disable=wrong-import-position
+import kernels as kernels_bench  # pylint: disable=wrong-import-position
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
@@ -124,10 +125,6 @@ def _conv(x, w, stride=1, groups=1):
                                   dimension_numbers=DN, feature_group_count=groups)
 
 
-def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
-  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
-
-
 def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
   # kernels.py's `_bn` through the batch-norm family's call site: under jax.jit the
   # reference (the same mean, var and normalisation), under tj.jit the tuned kernel.
@@ -135,30 +132,12 @@ def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
-  """`benchmarks/kernels.py`'s MobileNet-style network: (params, loss(params, x, y)).
+  """`benchmarks/kernels.py`'s MobileNet-style network: (params, loss(params, x, y), strides).
 
-  The same parameters, initialisation and computation as `kernels.mobilenet`
-  (kept in step with it by hand), with PyTorch's symmetric padding.
+  The same parameters, initialisation and computation as `kernels.mobilenet`,
+  with PyTorch's symmetric padding and batch norm through the family's call site.
   """
-  c0 = 32
-  params = {"stem": _normal(rng, (3, 3, 3, c0), 0.2), "blocks": [],
-            "head": _normal(rng, (widths[-1], 10), 0.05)}
-  cin = c0
-  for cout in widths:
-    params["blocks"].append({
-        "dw": _normal(rng, (3, 3, 1, cin), 0.3), "g1": jnp.ones(cin), "b1": jnp.zeros(cin),
-        "pw": _normal(rng, (1, 1, cin, cout), 0.1), "g2": jnp.ones(cout),
-        "b2": jnp.zeros(cout)})
-    cin = cout
-
-  def loss(params, x, y):
-    h = jax.nn.relu(_conv(x, params["stem"], 2))
-    for blk, s in zip(params["blocks"], strides):
-      h = jax.nn.relu(_bn(_conv(h, blk["dw"], s, groups=h.shape[-1]), blk["g1"], blk["b1"]))
-      h = jax.nn.relu(_bn(_conv(h, blk["pw"]), blk["g2"], blk["b2"]))
-    logits = h.mean(axis=(1, 2)) @ params["head"]
-    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
-
+  params, loss = kernels_bench.mobilenet(rng, widths, strides, conv=_conv, bn=_bn)
   return params, loss, strides
 
 

@@ -89,15 +89,3 @@ def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
                      for k in sorted(candidates, key=lambda k: k.name)},
   }
 
-
-def describe(key: Mapping[str, Any]) -> str:
-  """A short human-readable name of a bucket, for logs and reports (by its family).
-
-  Example:
-    >>> describe({"op": "conv", "lhs_shape": [8, 56, 56, 128], "rhs_shape": [3, 3, 1, 128],
-    ...           "lhs_dtype": "float32", "window_strides": [1, 1],
-    ...           "feature_group_count": 128, "batch_group_count": 1})
-    'conv 8x56x56x128 * 3x3x1x128 float32 s1x1 fg128'
-  """
-  from tunedjax.autotune import _registry  # pylint: disable=import-outside-toplevel
-  return _registry.op_family(key["op"]).label(key)
