@@ -10,28 +10,53 @@ Example:
   True
 """
 
-from tunedjax import autotune as autotune
-from tunedjax import input_pipeline as input_pipeline
-from tunedjax import layout as layout
-from tunedjax import mixed_precision as mixed_precision
-from tunedjax import rewrite as rewrite
-from tunedjax import trainer as trainer
-from tunedjax._config import Config as Config
-from tunedjax._config import config_context as config_context
-from tunedjax._config import get_config as get_config
-from tunedjax._config import set_config as set_config
-from tunedjax._errors import AutotuneError as AutotuneError
-from tunedjax._errors import CacheWarning as CacheWarning
-from tunedjax._errors import ConfigError as ConfigError
-from tunedjax._errors import LayoutError as LayoutError
-from tunedjax._errors import RewriteError as RewriteError
-from tunedjax._errors import TunedJaxError as TunedJaxError
-from tunedjax._jit import Jitted as Jitted
-from tunedjax._jit import JitReport as JitReport
-from tunedjax._jit import jit as jit
-from tunedjax._version import __version__ as __version__
-from tunedjax.trainer import History as History
-from tunedjax.trainer import Trainer as Trainer
+import importlib as _importlib
+
+# Names are imported when first used (PEP 562), so that importing one part
+# (a data-loader worker process unpickling its pipeline imports
+# `tunedjax.input_pipeline`) does not import them all: jax, Flax, optax and
+# orbax take seconds. `name: (module, attribute or None for the module)`.
+_LAZY = {
+    "autotune": ("tunedjax.autotune", None),
+    "input_pipeline": ("tunedjax.input_pipeline", None),
+    "layout": ("tunedjax.layout", None),
+    "mixed_precision": ("tunedjax.mixed_precision", None),
+    "rewrite": ("tunedjax.rewrite", None),
+    "trainer": ("tunedjax.trainer", None),
+    "Config": ("tunedjax._config", "Config"),
+    "config_context": ("tunedjax._config", "config_context"),
+    "get_config": ("tunedjax._config", "get_config"),
+    "set_config": ("tunedjax._config", "set_config"),
+    "AutotuneError": ("tunedjax._errors", "AutotuneError"),
+    "CacheWarning": ("tunedjax._errors", "CacheWarning"),
+    "ConfigError": ("tunedjax._errors", "ConfigError"),
+    "LayoutError": ("tunedjax._errors", "LayoutError"),
+    "RewriteError": ("tunedjax._errors", "RewriteError"),
+    "TunedJaxError": ("tunedjax._errors", "TunedJaxError"),
+    "Jitted": ("tunedjax._jit", "Jitted"),
+    "JitReport": ("tunedjax._jit", "JitReport"),
+    "jit": ("tunedjax._jit", "jit"),
+    "__version__": ("tunedjax._version", "__version__"),
+    "History": ("tunedjax.trainer", "History"),
+    "Trainer": ("tunedjax.trainer", "Trainer"),
+}
+
+
+def __getattr__(name: str):
+  try:
+    module, attribute = _LAZY[name]
+  except KeyError:
+    raise AttributeError(f"module 'tunedjax' has no attribute {name!r}") from None
+  value = _importlib.import_module(module)
+  if attribute is not None:
+    value = getattr(value, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AutotuneError",

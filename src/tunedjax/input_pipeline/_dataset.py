@@ -12,9 +12,7 @@ transform can say which record it failed on (`TransformError`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +20,8 @@ import grain
 import numpy as np
 
 from tunedjax._errors import ConfigError, TunedJaxError
+from tunedjax.input_pipeline import _worker
+from tunedjax.input_pipeline._worker import ArraySource
 
 
 class TransformError(TunedJaxError):
@@ -96,49 +96,13 @@ def name_of(obj: Any) -> str:
   return f"{module}.{qualname}" if module else qualname
 
 
-@dataclasses.dataclass(frozen=True)
-class ArraySource:
-  """Random access to the rows of an array, or of a dict/tuple of arrays.
-
-  Example:
-    >>> src = ArraySource({"x": np.zeros((5, 2)), "y": np.arange(5)})
-    >>> len(src), src[3]["y"]
-    (5, np.int64(3))
-  """
-
-  arrays: Any
-
-  def __post_init__(self):
-    leaves = _leaves(self.arrays)
-    lengths = {len(a) for a in leaves}
-    if not leaves or len(lengths) != 1:
-      raise TunedJaxError(
-          "Loader(source=...) got arrays with different first dimensions "
-          f"{sorted(lengths)}; every array must hold one row per record.")
-
-  def __len__(self) -> int:
-    return len(_leaves(self.arrays)[0])
-
-  def __getitem__(self, index: int) -> Any:
-    return _map_tree(lambda a: a[index], self.arrays)
-
-
-def _leaves(tree: Any) -> list[Any]:
-  if isinstance(tree, Mapping):
-    return [leaf for v in tree.values() for leaf in _leaves(v)]
-  if isinstance(tree, (tuple, list)):
-    return [leaf for v in tree for leaf in _leaves(v)]
-  return [tree]
-
-
-def _map_tree(fn, tree: Any) -> Any:
-  if isinstance(tree, Mapping):
-    return {k: _map_tree(fn, v) for k, v in tree.items()}
-  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-    return type(tree)(*(_map_tree(fn, v) for v in tree))
-  if isinstance(tree, (tuple, list)):
-    return type(tree)(_map_tree(fn, v) for v in tree)
-  return fn(tree)
+def _check_arrays(arrays: Any) -> ArraySource:
+  lengths = {len(a) for a in _worker.leaves(arrays)}
+  if len(lengths) != 1:
+    raise TunedJaxError(
+        "Loader(source=...) got arrays with different first dimensions "
+        f"{sorted(lengths)}; every array must hold one row per record.")
+  return ArraySource(arrays)
 
 
 def as_source(source: Any) -> Any:
@@ -151,10 +115,10 @@ def as_source(source: Any) -> Any:
   if isinstance(source, np.ndarray) or (
       isinstance(source, (dict, tuple)) and source
       and all(isinstance(a, np.ndarray) or hasattr(a, "__array__")
-              for a in _leaves(source))):
+              for a in _worker.leaves(source))):
     if isinstance(source, np.ndarray):
       return source if source.ndim else _bad_source(source)
-    return ArraySource(_map_tree(np.asarray, source))
+    return _check_arrays(_worker.map_tree(np.asarray, source))
   if hasattr(source, "__len__") and hasattr(source, "__getitem__") and not isinstance(
       source, (str, bytes, Mapping)):
     return source
@@ -165,69 +129,13 @@ def _bad_source(source: Any):
   raise TunedJaxError(BAD_SOURCE.format(value=source, type_name=type(source).__name__))
 
 
-def stack(records: Sequence[Any]) -> Any:
-  """Stacks records (arrays, scalars, dicts, tuples, lists) into one batch.
-
-  Example:
-    >>> stack([{"x": np.ones(2)}, {"x": np.zeros(2)}])["x"].shape
-    (2, 2)
-  """
-  first = records[0]
-  if isinstance(first, Mapping):
-    return {k: stack([r[k] for r in records]) for k in first}
-  if isinstance(first, tuple) and hasattr(first, "_fields"):
-    return type(first)(*(stack([r[i] for r in records]) for i in range(len(first))))
-  if isinstance(first, (tuple, list)):
-    return type(first)(stack([r[i] for r in records]) for i in range(len(first)))
-  return np.stack([np.asarray(r) for r in records])
-
-
-def _fail(position: int, transform: Any, index: int, error: Exception) -> TransformError:
-  tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+def transform_error(position: int, transform: Any, index: int, error: Exception,
+                    tb: str) -> TransformError:
+  """The `TransformError` of transform `position` failing on record `index`."""
   name = name_of(transform)
   message = TRANSFORM_FAILED.format(position=position, name=name, index=index,
                                     error=f"{type(error).__name__}: {error}", tb=tb)
   return TransformError(message, index, name, tb)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Read:
-  source: Any
-
-  def __call__(self, index: Any) -> tuple[int, Any]:
-    index = int(index)
-    return index, self.source[index]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Apply:
-  transform: Any
-  position: int
-
-  def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
-    index, record = item
-    fn = getattr(self.transform, "map", self.transform)
-    try:
-      return index, fn(record)
-    except Exception as e:  # pylint: disable=broad-except
-      raise _fail(self.position, self.transform, index, e) from e
-
-
-@dataclasses.dataclass(frozen=True)
-class _ApplyRandom:
-  transform: Any
-  position: int
-
-  def __call__(self, item: tuple[int, Any], rng: np.random.Generator) -> tuple[int, Any]:
-    index, record = item
-    try:
-      return index, self.transform.random_map(record, rng)
-    except Exception as e:  # pylint: disable=broad-except
-      raise _fail(self.position, self.transform, index, e) from e
-
-
-def _stack_records(items: Sequence[tuple[int, Any]]) -> Any:
-  return stack([record for _, record in items])
 
 
 def _is_random(transform: Any) -> bool:
@@ -290,11 +198,11 @@ def build(source: Any, *, batch_size: int, transforms: Sequence[Any],
     ds = grain.MapDataset.source(np.asarray(indices, dtype=np.int64))
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  ds = ds.map(_Read(source))
+  ds = ds.map(_worker.Read(source))
   for position, t in enumerate(transforms):
     if _is_random(t):
-      ds = ds.random_map(_ApplyRandom(t, position), seed=(seed + 1 + position) % 2**32)
+      ds = ds.random_map(_worker.ApplyRandom(t, position), seed=(seed + 1 + position) % 2**32)
     else:
-      ds = ds.map(_Apply(t, position))
-  ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=_stack_records)
+      ds = ds.map(_worker.Apply(t, position))
+  ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=_worker.stack_records)
   return ds.repeat(num_epochs)

@@ -8,6 +8,8 @@ a thread pool, and leaves three problems to its users, all handled here:
   ``UnparsedFlagAccessError`` in any program that did not run
   ``absl.app.run`` (plain scripts, pytest, notebooks; grain#1355).
   `ensure_absl_flags_parsed` marks the flags parsed, as ``app.run`` would.
+  (It and `worker_init` live in `_worker`, which a worker unpickles without
+  importing `tunedjax`.)
 * Workers outlive a parent killed with SIGKILL (nothing tells them). Each
   worker runs `worker_init`, which starts a watchdog thread that exits the
   worker as soon as its parent process is gone. ``prctl(PR_SET_PDEATHSIG)``
@@ -27,49 +29,8 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from tunedjax.input_pipeline import _worker
 from tunedjax.input_pipeline._settings import LoaderSettings
-
-WATCHDOG_INTERVAL_S = 0.1
-
-
-def ensure_absl_flags_parsed() -> None:
-  """Marks absl flags parsed, so that grain can read its flags' defaults.
-
-  A program that later calls ``absl.app.run`` still parses its command line
-  as usual: absl re-parses on that call.
-
-  Example:
-    >>> ensure_absl_flags_parsed()
-    >>> from absl import flags
-    >>> flags.FLAGS.is_parsed()
-    True
-  """
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
-
-
-def _watch_parent(parent_pid: int) -> None:
-  event = threading.Event()
-  while not event.wait(WATCHDOG_INTERVAL_S):
-    if os.getppid() != parent_pid:
-      os._exit(0)  # the parent is gone; nobody will read what this worker makes
-
-
-def worker_init(parent_pid: int, worker_index: int = 0, worker_count: int = 1) -> None:
-  """Runs in each worker process first: exits the worker when its parent dies.
-
-  Args:
-    parent_pid: the pid of the process that owns the loader.
-    worker_index: this worker's index (grain passes it; unused).
-    worker_count: the number of workers (grain passes it; unused).
-  """
-  del worker_index, worker_count
-  if os.getppid() != parent_pid:  # orphaned before it even started
-    os._exit(0)
-  ensure_absl_flags_parsed()
-  threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                   name="tunedjax-parent-watchdog").start()
 
 
 class _Closable(Protocol):
@@ -212,8 +173,9 @@ def open_iterator(ds: Any, settings: LoaderSettings) -> Any:
   read, mp = grain_options(settings)
   it_ds = ds.to_iter_dataset(read)
   if mp.num_workers > 0:
-    ensure_absl_flags_parsed()
-    it_ds = it_ds.mp_prefetch(mp, worker_init_fn=functools.partial(worker_init, os.getpid()))
+    _worker.ensure_absl_flags_parsed()
+    it_ds = it_ds.mp_prefetch(mp, worker_init_fn=functools.partial(_worker.worker_init,
+                                                                   os.getpid()))
   return iter(it_ds)
 
 
