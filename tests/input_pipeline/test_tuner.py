@@ -197,7 +197,50 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
                                 max_read_threads=1, tuning_steps=40, budget_s=10,
                                 consumer=seen.append, cache=False)
-  assert len(seen) == result.batches + 1 and result.batches > 0  # + one untimed warm-up
+  trial_batches = sum(t.batches for t in result.trials)
+  assert trial_batches > 0 and result.batches > trial_batches  # + the probe, read alone
+  # + one untimed warm-up (the compile), + the step timed alone on a ready batch
+  assert 1 <= len(seen) - 1 - trial_batches <= _tuner.CONSUMER_CALLS
+  assert result.step_s is not None and result.batch_s is not None
+
+
+class _SlowRecords:
+  """A transform that "takes" `seconds` of the fake clock per record."""
+
+  def __init__(self, offset, seconds):
+    self.offset, self.seconds = offset, seconds
+
+  def __call__(self, record):
+    self.offset[0] += self.seconds
+    return record
+
+
+def test_a_slow_consumer_and_a_fast_loader_skip_the_search(cache_dir):
+  offset = [0.0]
+
+  def slow_step(batch):  # every step "takes" 1 s of the fake clock
+    offset[0] += 1.0
+  clock = lambda: time.perf_counter() + offset[0]
+  result = ip.tune_worker_count(np.arange(400.0), batch_size=4, max_workers=2,
+                                max_read_threads=16, read_threads=16, tuning_steps=100,
+                                budget_s=6, consumer=slow_step, cache=False, clock=clock)
+  assert result.stopped == "consumer-bound" and result.trials == ()
+  assert result.settings == result.start == S(0, 16)
+  assert result.step_s == pytest.approx(1.0, abs=0.05) and result.batch_s < 0.05
+  assert "not the bottleneck" in result.reason and "1e+03 ms" in result.reason
+  assert result.seconds < 6
+
+
+def test_a_slow_loader_and_a_fast_consumer_search(cache_dir):
+  offset = [0.0]
+  clock = lambda: time.perf_counter() + offset[0]
+  result = ip.tune_worker_count(np.arange(400.0), batch_size=4, max_workers=0,
+                                max_read_threads=2, read_threads=2, tuning_steps=30,
+                                budget_s=60, transforms=[_SlowRecords(offset, 0.01)],
+                                consumer=lambda batch: None, cache=False, clock=clock)
+  assert result.stopped != "consumer-bound" and len(result.trials) > 1
+  assert result.batch_s >= 0.04 > 0.01 > result.step_s  # 4 records of 10 ms a batch
+  assert {t.read_threads for t in result.trials} >= {0, 1, 2}
 
 
 def test_a_slow_consumer_cannot_push_tuning_far_past_its_budget(cache_dir):
@@ -206,11 +249,14 @@ def test_a_slow_consumer_cannot_push_tuning_far_past_its_budget(cache_dir):
   def slow_step(batch):  # every step "takes" 1 s of the fake clock
     offset[0] += 1.0
   clock = lambda: time.perf_counter() + offset[0]
+  # batches of 4 records at 0.1 s: the loader is a bottleneck worth searching
   result = ip.tune_worker_count(np.arange(400.0), batch_size=4, max_workers=0,
-                                max_read_threads=16, read_threads=16, tuning_steps=100,
-                                budget_s=6, consumer=slow_step, cache=False, clock=clock)
+                                max_read_threads=0, read_threads=0, tuning_steps=100,
+                                budget_s=6, consumer=slow_step, cache=False, clock=clock,
+                                transforms=[_SlowRecords(offset, 0.1)])
   # One trial at most: its first batch, then two timed ones, never its whole warm-up.
-  assert result.trials and result.seconds <= 6 + 3 + 0.5
+  assert result.trials and result.stopped != "consumer-bound"
+  assert result.seconds <= 6 + 3 * 1.4 + 0.5
 
 
 def test_the_consumers_first_call_is_not_charged_to_the_budget(cache_dir):
@@ -335,7 +381,7 @@ class _FakeMeasure:
     def measure(settings, deadline):
       self.seen.append(settings)
       knobs = (settings.worker_count, settings.read_threads, settings.prefetch_buffer)
-      return ip.Trial(settings, batches_per_s=self.speed(*knobs), batches=10,
+      return ip.Trial(settings, batches_per_s=max(0.1, self.speed(*knobs)), batches=10,
                       startup_s=0.0, seconds=0.01)
 
     return measure

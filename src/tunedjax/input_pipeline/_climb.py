@@ -51,8 +51,12 @@ class Trial:
     batches: batches read, warm-up included.
     startup_s: seconds until the first batch (worker start).
     seconds: the whole trial, start to close.
-    phase: "climb", "seed" (see `seed_settings`) or "confirm" (the alternating
-      re-measurement).
+    phase: "climb", "seed" (see `seed_settings`), "confirm" (the alternating
+      re-measurement) or "probe" (the start read alone, before deciding to
+      search).
+    cpu_s: this process's CPU seconds per batch in the window (all its
+      threads), for a setting read in this process without a consumer;
+      else None.
 
   Example:
     >>> t = Trial(LoaderSettings(worker_count=2, read_threads=1), batches_per_s=9.0,
@@ -67,16 +71,18 @@ class Trial:
   startup_s: float
   seconds: float
   phase: str = "climb"
+  cpu_s: float | None = None
 
   def __init__(self, settings: LoaderSettings | Sequence[int] | None = None, *,
                batches_per_s: float, batches: int, startup_s: float, seconds: float,
-               phase: str = "climb", **knobs: int):
+               phase: str = "climb", cpu_s: float | None = None, **knobs: int):
     object.__setattr__(self, "settings", LoaderSettings.of(settings, **knobs))
     object.__setattr__(self, "batches_per_s", batches_per_s)
     object.__setattr__(self, "batches", batches)
     object.__setattr__(self, "startup_s", startup_s)
     object.__setattr__(self, "seconds", seconds)
     object.__setattr__(self, "phase", phase)
+    object.__setattr__(self, "cpu_s", cpu_s)
 
   @property
   def setting(self) -> tuple[int, int]:
@@ -102,10 +108,16 @@ class TuningResult:
     trials: every trial, in order.
     seconds: the time spent tuning (0 on a cache hit).
     batches: the batches read while tuning (0 on a cache hit).
-    stopped: why the climb ended: "converged", "budget", "max_batches",
-      "fast enough" (the start already reads over `FAST_ENOUGH` batches/s),
-      "cache" (reused a stored choice) or "no budget".
+    stopped: why the tuning ended: "converged", "budget", "max_batches",
+      "fast enough" (the start already reads over `fast_enough` batches/s),
+      "consumer-bound" (the loader is not the bottleneck: the start is kept
+      without a search), "cache" (reused a stored choice) or "no budget".
     from_cache: whether the choice came from the persistent cache.
+    step_s: the consumer's seconds per step alone (timed on a ready batch,
+      or `consumer_s`); None without a consumer.
+    batch_s: the loader's seconds per batch alone at the start setting;
+      None where it was not measured (a cache hit).
+    reason: why the tuner searched, skipped or stopped where it did, in words.
 
   Example:
     >>> r = TuningResult(worker_count=2, read_threads=0, batches_per_s=25.0,
@@ -125,11 +137,15 @@ class TuningResult:
   batches: int
   stopped: str
   from_cache: bool = False
+  step_s: float | None = None
+  batch_s: float | None = None
+  reason: str = ""
 
   def __init__(self, settings: LoaderSettings | Sequence[int] | None = None, *,
                batches_per_s: float, start: LoaderSettings | Sequence[int],
                trials: tuple[Trial, ...], seconds: float, batches: int, stopped: str,
-               from_cache: bool = False, **knobs: int):
+               from_cache: bool = False, step_s: float | None = None,
+               batch_s: float | None = None, reason: str = "", **knobs: int):
     object.__setattr__(self, "settings", LoaderSettings.of(settings, **knobs))
     object.__setattr__(self, "batches_per_s", batches_per_s)
     object.__setattr__(self, "start", LoaderSettings.of(start))
@@ -138,6 +154,9 @@ class TuningResult:
     object.__setattr__(self, "batches", batches)
     object.__setattr__(self, "stopped", stopped)
     object.__setattr__(self, "from_cache", from_cache)
+    object.__setattr__(self, "step_s", step_s)
+    object.__setattr__(self, "batch_s", batch_s)
+    object.__setattr__(self, "reason", reason)
 
   @property
   def setting(self) -> tuple[int, int]:
@@ -155,6 +174,8 @@ class TuningResult:
       lines.append(f"{knobs}  {t.batches_per_s:9.2f}  {t.startup_s:10.2f}  {t.phase}{mark}")
     lines.append(f"chose {describe(self.settings)} ({self.batches_per_s:.2f}/s) in "
                  f"{self.seconds:.1f} s, {self.batches} batches; stopped: {self.stopped}")
+    if self.reason:
+      lines.append(self.reason)
     return "\n".join(lines)
 
 
@@ -262,6 +283,7 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
                margin: float = NOISE_MARGIN, confirm_rounds: int = 2,
                fast_enough: float = float("inf"),
                seeds: Sequence[LoaderSettings] = (),
+               known: Sequence[Trial] = (),
                clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Climbs from `start` to the best-measured setting within the bounds.
 
@@ -287,6 +309,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
     seeds: settings measured right after `start`, before climbing; the
       climb starts from the best of them all (see `seed_settings`), so it
       can reach a region a step-by-step climb would not cross into.
+    known: trials measured before (an earlier phase): their settings are
+      not measured again, and count in the choice; they are not in the
+      result's `trials`.
     clock: seconds, monotonic (a fake one in tests).
 
   Returns:
@@ -307,17 +332,20 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
   t0 = clock()
   trials: list[Trial] = []
   scores: dict[LoaderSettings, list[float]] = {}
+  for t in known:
+    scores.setdefault(t.settings, []).append(t.batches_per_s)
   batches = 0
   stopped = "converged"
 
   def estimate(settings: LoaderSettings) -> float:
-    same = [t.seconds for t in trials if t.worker_count == settings.worker_count]
+    seen = [*known, *trials]
+    same = [t.seconds for t in seen if t.worker_count == settings.worker_count]
     if same:
       return max(same)
-    per_worker = [t.startup_s / t.worker_count for t in trials if t.worker_count]
+    per_worker = [t.startup_s / t.worker_count for t in seen if t.worker_count]
     startup = ((max(per_worker) if per_worker else DEFAULT_STARTUP_PER_WORKER_S)
                * settings.worker_count)
-    body = max((t.seconds - t.startup_s for t in trials), default=0.0)
+    body = max((t.seconds - t.startup_s for t in seen), default=0.0)
     return startup + body
 
   def run(settings: LoaderSettings, phase: str) -> bool:
@@ -347,7 +375,7 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
   log.debug("start: %s; range: %s; memory bound: %s batches; budget %.1f s, %s batches",
             describe(start), {k: list(v) for k, v in space.values.items()},
             space.batches_in_memory, budget_s, max_batches)
-  if not run(start, "climb"):
+  if start not in scores and not run(start, "climb"):
     return TuningResult(start, batches_per_s=0.0, start=start, trials=(),
                         seconds=clock() - t0, batches=0,
                         stopped="no budget" if stopped == "budget" else stopped)

@@ -208,7 +208,7 @@ class Loader:
     return LoaderSettings(**{name: v for name, v in self._requested.items() if v != AUTO})
 
   def tune(self, *, consumer: Callable[[Any], Any] | None = None,
-           consumer_s: float | None = None,
+           consumer_s: float | None = None, expected_batches: int | None = None,
            cache: Any = True) -> _tuner.TuningResult | None:
     """Chooses the settings now (measured, or from the cache).
 
@@ -221,6 +221,9 @@ class Loader:
     Args:
       consumer: the training step, called on each timed batch.
       consumer_s: or its duration in seconds (slept).
+      expected_batches: the batches this loader will be read for, which the
+        tuning must pay back within (None: all its epochs when `num_epochs`
+        is set, else at least one epoch and 1,000 batches).
       cache: True (the default tuning cache), False, or a `Cache`.
 
     Returns:
@@ -237,6 +240,9 @@ class Loader:
         **self._start_settings().to_dict(),
         max_workers=self._max_workers, tuning_steps=self._tuning_steps,
         budget_s=self._tuning_budget_s, consumer=consumer, consumer_s=consumer_s,
+        expected_batches=(expected_batches if expected_batches is not None else
+                          len(self) if self._num_epochs is not None else
+                          max(self._per_epoch, _tuner.DEFAULT_EXPECTED_BATCHES)),
         cache=cache, tune=knobs)
     self._settings = self._tuning.settings
     log.info("Loader: %s (%s)", self._settings,

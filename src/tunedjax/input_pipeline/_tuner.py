@@ -20,6 +20,8 @@ import dataclasses
 import logging
 import os
 import platform
+import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from tunedjax import _tuning
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
 from tunedjax.input_pipeline import _settings
+from tunedjax.input_pipeline._climb import DEFAULT_STARTUP_PER_WORKER_S
 from tunedjax.input_pipeline._climb import NOISE_MARGIN
 from tunedjax.input_pipeline._climb import Measure
 from tunedjax.input_pipeline._climb import Trial
@@ -41,6 +44,7 @@ from tunedjax.input_pipeline._climb import hill_climb
 from tunedjax.input_pipeline._climb import search_space
 from tunedjax.input_pipeline._climb import seed_settings
 from tunedjax.input_pipeline._settings import LoaderSettings
+from tunedjax.input_pipeline._settings import Space
 from tunedjax.input_pipeline._settings import THREAD_LADDER as THREAD_LADDER
 from tunedjax.input_pipeline._settings import TUNE_NAMES
 
@@ -52,6 +56,12 @@ DEFAULT_MAX_PREFETCH_BUFFER = 16
 # A pipeline already this fast (batches/s, or steps/s with a consumer) is no
 # bottleneck for any training step: worker processes cannot pay for themselves.
 FAST_ENOUGH = 1000.0
+# Tuning aims to cost at most this fraction of the time the expected batches
+# take at the start's speed (worker trials: at most what they can save).
+OVERHEAD = 0.1
+DEFAULT_EXPECTED_BATCHES = 1000
+IN_PROCESS_WARMUP = 4  # batches skipped before timing a setting without workers
+CONSUMER_CALLS = 3  # the consumer is timed alone on this many calls, at most
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -122,9 +132,58 @@ def cache_key(source: Any, *, batch_size: int, transforms: Sequence[Any], shuffl
                        else (f"sleep {consumer_s:.3g} s" if consumer_s else None))}
 
 
+class _Pool:
+  """Iterators of measured worker settings, kept open between their trials.
+
+  grain cannot change a started ``mp_prefetch`` iterator's worker count,
+  read threads or buffer, so each worker setting pays one process start; its
+  re-measurements (the confirm rounds) read on from its warm workers instead
+  of starting new ones. At most `keep` worker settings stay open (the most
+  recently measured); closing one (grain joins its processes) runs in a
+  background thread, and `close_all` waits for every close, so no worker
+  outlives the tuning.
+  """
+
+  def __init__(self, keep: int = 2):
+    self.keep = keep
+    self._open: dict[LoaderSettings, Any] = {}
+    self._closing: list[threading.Thread] = []
+
+  def take(self, ds: Any, settings: LoaderSettings) -> tuple[Any, bool]:
+    """An iterator of `settings`, and whether it was already started."""
+    iterator = self._open.pop(settings, None)
+    if iterator is not None:
+      return iterator, True
+    return _processes.open_iterator(ds, settings), False
+
+  def give_back(self, settings: LoaderSettings, iterator: Any) -> None:
+    """Keeps a worker setting's iterator open; closes an in-process one."""
+    if settings.worker_count == 0 or self.keep == 0:
+      self._close_later(iterator)
+      return
+    self._open[settings] = iterator
+    while len(self._open) > self.keep:
+      oldest = next(iter(self._open))
+      self._close_later(self._open.pop(oldest))
+
+  def _close_later(self, iterator: Any) -> None:
+    thread = threading.Thread(target=_processes.close_quietly, args=(iterator,),
+                              daemon=True, name="tunedjax-tuner-close")
+    thread.start()
+    self._closing.append(thread)
+
+  def close_all(self) -> None:
+    """Closes every open iterator and waits for all closes to finish."""
+    while self._open:
+      self._close_later(self._open.pop(next(iter(self._open))))
+    for thread in self._closing:
+      thread.join()
+    self._closing.clear()
+
+
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
                   consumer: Callable[[Any], Any] | None, consumer_s: float | None,
-                  clock: Callable[[], float]) -> Measure:
+                  clock: Callable[[], float], pool: _Pool | None = None) -> Measure:
   def consume(batch: Any) -> None:
     if consumer is not None:
       _block(consumer(batch))
@@ -133,18 +192,20 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
 
   def measure(settings: LoaderSettings, deadline: float) -> Trial:
     start = clock()
-    iterator = _processes.open_iterator(ds, settings)
+    owner = pool if pool is not None else _Pool(keep=0)
+    iterator, warm = owner.take(ds, settings)
     read = 0
     try:
       consume(next(iterator))
       read = 1
-      startup = clock() - start
+      startup = 0.0 if warm else clock() - start
       for _ in range(warmup - 1):
         if clock() >= deadline:  # a slow consumer: the budget beats draining buffers
           break
         consume(next(iterator))
         read += 1
       window_start = clock()
+      cpu_start = time.process_time()
       window_end = min(deadline, window_start + max_window_s)
       timed = 0
       while timed < window:
@@ -153,10 +214,17 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
         if clock() >= window_end and timed >= 2:
           break
       elapsed = max(clock() - window_start, 1e-9)
-    finally:
+      cpu = time.process_time() - cpu_start
+    except BaseException:
       _processes.close_quietly(iterator)
+      raise
+    owner.give_back(settings, iterator)
+    if pool is None:
+      owner.close_all()
+    alone = consumer is None and not consumer_s and settings.worker_count == 0
     return Trial(settings, batches_per_s=timed / elapsed, batches=read + timed,
-                 startup_s=startup, seconds=clock() - start)
+                 startup_s=startup, seconds=clock() - start,
+                 cpu_s=cpu / timed if alone else None)
 
   return measure
 
@@ -169,18 +237,157 @@ def _block(value: Any) -> None:
     pass
 
 
+def _time_consumer(consumer: Callable[[Any], Any], batch: Any, *, calls: int,
+                   limit_s: float, clock: Callable[[], float]) -> float:
+  """The consumer's median seconds per call on a ready batch (its first call,
+  the compile, has run)."""
+  times = []
+  while len(times) < calls:
+    t = clock()
+    _block(consumer(batch))
+    times.append(clock() - t)
+    if sum(times) >= limit_s:
+      break
+  return statistics.median(times)
+
+
+def _ms(seconds: float | None) -> str:
+  return "?" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_steps: int,
+            budget_s: float, consumer: Callable[[Any], Any] | None,
+            consumer_s: float | None, margin: float, expected_batches: int, pool: _Pool,
+            clock: Callable[[], float]) -> TuningResult:
+  """The bottleneck check, then the two phases (see `tune_worker_count`)."""
+  t0 = clock()
+  deadline = t0 + budget_s
+  step_s = None
+  if consumer is not None:
+    step_s = _time_consumer(consumer, first, calls=CONSUMER_CALLS,
+                            limit_s=max(0.0, budget_s / 10), clock=clock)
+  elif consumer_s:
+    step_s = float(consumer_s)
+  with_consumer = consumer is not None or bool(consumer_s)
+
+  def measurer(window_s: float, *, alone: bool = False) -> Measure:
+    def measure(settings: LoaderSettings, deadline: float) -> Trial:
+      warmup, window = trial_sizes(tuning_steps, settings)
+      return _measure_real(ds, warmup=warmup, window=window, max_window_s=window_s,
+                           consumer=None if alone else consumer,
+                           consumer_s=None if alone else consumer_s, clock=clock,
+                           pool=pool)(settings, deadline)
+    return measure
+
+  def done(settings: LoaderSettings, rate: float, trials: Sequence[Trial], stopped: str,
+           reason: str, batches: int) -> TuningResult:
+    log.debug("dataloader tuning: %s", reason)
+    return TuningResult(settings, batches_per_s=rate, start=start, trials=tuple(trials),
+                        seconds=clock() - t0, batches=batches, stopped=stopped,
+                        step_s=step_s, batch_s=batch_s, reason=reason)
+
+  # The loader alone at the start: its batch time.
+  probe_window_s = min(0.25, max(0.01, budget_s / 1000))
+  probe = dataclasses.replace(measurer(probe_window_s, alone=True)(start, deadline),
+                              phase="probe")
+  batch_s = 1.0 / max(probe.batches_per_s, 1e-9)
+  if step_s is not None and batch_s <= margin * step_s:
+    return done(start, 1.0 / (step_s + batch_s), (), "consumer-bound",
+                f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
+                f"{_ms(batch_s)}, the step {_ms(step_s)}: even read in series, batches "
+                f"cost the step at most {batch_s / step_s:.1%})", probe.batches)
+
+  # Phase 1: the start's worker count (in this process for a start without
+  # workers), within OVERHEAD of the expected batches' time.
+  pace_s = max(batch_s, step_s or 0.0)
+  allowance = min(budget_s, max(OVERHEAD * expected_batches * pace_s, 0.05))
+  window_s = min(2.0, max(0.01, allowance / 12))
+  here = dataclasses.replace(space, values={**space.values,
+                                            "worker_count": [start.worker_count]})
+  known = () if with_consumer else (probe,)
+  fast_enough = (1.0 / (step_s * (1 + margin)) if step_s else FAST_ENOUGH * 10)
+  first_phase = hill_climb(measurer(window_s), start=start, space=here,
+                           budget_s=max(0.0, min(allowance, deadline - clock())),
+                           max_batches=None, fast_enough=fast_enough,
+                           trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
+                           margin=margin, clock=clock, known=known)
+  trials = [*(() if with_consumer else (probe,)), *first_phase.trials]
+  batches = probe.batches + first_phase.batches
+  if with_consumer and first_phase.stopped == "fast enough":
+    e2e_s = 1.0 / first_phase.batches_per_s
+    return done(start, first_phase.batches_per_s, trials, "consumer-bound",
+                f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
+                f"{_ms(batch_s)} alone, the step {_ms(step_s)}, a step with its batch "
+                f"{_ms(e2e_s)})", batches)
+
+  scores: dict[LoaderSettings, list[float]] = {}
+  for t in trials:
+    scores.setdefault(t.settings, []).append(t.batches_per_s)
+  best = first_phase.settings
+  best_s = 1.0 / statistics.median(scores[best])
+  if len(space.values["worker_count"]) < 2:
+    return done(best, statistics.median(scores[best]), trials, first_phase.stopped,
+                f"chose {describe(best)}: searched the read threads and buffer only",
+                batches)
+
+  # Phase 2: worker processes, if they can pay back a process start.
+  usable = max(1, host_fingerprint()["usable_cpus"])
+  cpus = [t.cpu_s for t in trials if t.cpu_s is not None]
+  floor_s = max(step_s or 0.0, min(cpus) / usable if cpus else 0.0)
+  gain_s = best_s - floor_s
+  others = [w for w in space.values["worker_count"] if w != start.worker_count]
+  fewest = min(w for w in others if w > 0) if any(w > 0 for w in others) else 0
+  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + window_s
+  payoff_s = gain_s * expected_batches
+  if gain_s <= margin * best_s:
+    return done(best, statistics.median(scores[best]), trials, "converged",
+                f"chose {describe(best)}: worker processes cannot read faster (this "
+                f"process takes {_ms(min(cpus) if cpus else None)} of CPU a batch, "
+                f"{_ms(floor_s)} over {usable} cores; it reads one in {_ms(best_s)})",
+                batches)
+  if payoff_s < cost_s:
+    return done(best, statistics.median(scores[best]), trials, "converged",
+                f"chose {describe(best)}: worker processes could save at most "
+                f"{payoff_s:.2f} s over {expected_batches} batches (one in {_ms(best_s)} "
+                f"now, {_ms(floor_s)} at best), less than a worker trial costs "
+                f"(~{cost_s:.1f} s)", batches)
+  climbs_both = len(space.values["read_threads"]) > 1
+  second_phase = hill_climb(
+      measurer(window_s), start=best, space=space,
+      budget_s=max(0.0, min(payoff_s, deadline - clock())), max_batches=None,
+      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
+      clock=clock, known=tuple(t for t in trials),
+      seeds=seed_settings(best, space) if climbs_both else ())
+  trials += second_phase.trials
+  batches += second_phase.batches
+  for t in second_phase.trials:
+    scores.setdefault(t.settings, []).append(t.batches_per_s)
+  winner = second_phase.settings
+  if winner != start and (statistics.median(scores[winner])
+                          <= statistics.median(scores[start]) * (1 + margin)):
+    winner = start
+  return done(winner, statistics.median(scores[winner]), trials, second_phase.stopped,
+              f"chose {describe(winner)} after the worker search (workers could save up to "
+              f"{payoff_s:.1f} s over {expected_batches} batches)", batches)
+
+
 def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
   """(warm-up, window) batches of one trial of `settings`: `tuning_steps` in all.
 
   As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
   what the prefetch buffers hold once the workers are up (at most half the
-  batches), so that the window times the pipeline, not the buffers.
+  batches), so that the window times the pipeline, not the buffers; read in
+  this process, the buffers start empty with the first read, and the
+  warm-up only lets the read threads start (`IN_PROCESS_WARMUP` batches).
 
   Example:
     >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
     (21, 479)
   """
-  warmup = max(1, min(_processes.buffered_batches(settings) + 1, tuning_steps // 2))
+  buffered = _processes.buffered_batches(settings)
+  if settings.worker_count == 0:  # nothing fills before the first read: thread start-up only
+    buffered = min(buffered, IN_PROCESS_WARMUP)
+  warmup = max(1, min(buffered + 1, tuning_steps // 2))
   return warmup, max(1, tuning_steps - warmup)
 
 
@@ -195,25 +402,42 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                       tuning_steps: int | None = None, budget_s: float = 60.0,
                       consumer: Callable[[Any], Any] | None = None,
                       consumer_s: float | None = None, margin: float = NOISE_MARGIN,
+                      expected_batches: int | None = None,
                       cache: Any = True,
                       tune: Sequence[str] = TUNE_NAMES,
                       clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Finds the `LoaderSettings` (worker processes, read threads, per-worker
   prefetch buffer) that read a pipeline fastest.
 
-  Hill-climbs from (`worker_count`, `read_threads`, `prefetch_buffer`) over
-  worker processes (0 to `max_workers`), read threads (0 to
-  `max_read_threads`) and the batches each worker keeps ready (1 to
-  `max_prefetch_buffer`, and at most `memory_budget` // (workers x one
-  batch's bytes)), timing each setting on a random subset of the records: a
-  warm-up, then a window that ends after `tuning_steps` batches in all or a
-  time slice of the budget, whichever comes first; the whole tuning stays
-  within `budget_s`. With `consumer` (e.g. the compiled training step) or
-  `consumer_s` (its duration, slept: a step that runs on an accelerator), it
-  measures end-to-end steps per second. The choice is stored in the
-  persistent tuning cache under this host and this pipeline, and reused
-  without measuring. Trials are logged at DEBUG on the
-  ``tunedjax.input_pipeline`` logger.
+  Tuning has to pay for itself, so it first asks whether the loader is the
+  bottleneck at all: with `consumer` (e.g. the compiled training step, timed
+  alone on a ready batch) or `consumer_s` (its duration, slept: a step that
+  runs on an accelerator), it compares the step's time with the loader's
+  batch time at the start setting, and keeps the start without a search
+  when even reading in series could not cost the step more than `margin`
+  (or when the start, measured end to end, is already as fast as the step).
+  The result gives both times (`TuningResult.step_s`, `batch_s`) and the
+  reason.
+
+  Otherwise it hill-climbs from (`worker_count`, `read_threads`,
+  `prefetch_buffer`) in two phases. First the settings at the start's worker
+  count (in this process when the start has no workers: no process to start),
+  within a tenth of the time the `expected_batches` take at the start's
+  speed (`OVERHEAD`). Then worker processes (0 to `max_workers`), only if
+  they can pay back: the fastest they could read is this process's CPU time
+  per batch spread over the usable cores, and the time that could save over
+  `expected_batches` must exceed a worker trial's cost (a process start per
+  worker); that saving also bounds the phase's time. Each worker setting
+  starts its processes once: its re-measurements read on from the same warm
+  workers (`_Pool`). The read threads range over 0 to `max_read_threads`,
+  the per-worker buffer over 1 to `max_prefetch_buffer` and at most
+  `memory_budget` // (workers x one batch's bytes). Each trial reads a random
+  subset of the records: a warm-up, then a window that ends after
+  `tuning_steps` batches in all or a time slice, whichever comes first; the
+  whole tuning stays within `budget_s`. With a consumer it measures
+  end-to-end steps per second. The choice is stored in the persistent tuning
+  cache under this host and this pipeline, and reused without measuring.
+  Trials are logged at DEBUG on the ``tunedjax.input_pipeline`` logger.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -237,6 +461,9 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     consumer: called on each timed batch (its result is waited for).
     consumer_s: seconds per step to simulate when there is no consumer.
     margin: relative gain that counts as better than noise.
+    expected_batches: the batches the chosen setting will read (None:
+      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): what tuning must pay
+      back within.
     cache: True or None for the default tuning cache, False for none, a
       `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads",
@@ -257,7 +484,10 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   config = get_config().dataloader
   max_workers = config.resolved_max_workers if max_workers is None else max_workers
   tuning_steps = config.tuning_steps if tuning_steps is None else tuning_steps
+  expected_batches = (DEFAULT_EXPECTED_BATCHES if expected_batches is None
+                      else expected_batches)
   for name, value, low in (("max_workers", max_workers, 0), ("tuning_steps", tuning_steps, 1),
+                           ("expected_batches", expected_batches, 1),
                            ("max_read_threads", max_read_threads, 0),
                            ("max_prefetch_buffer", max_prefetch_buffer, 1)):
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -319,20 +549,14 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     # A training step's first call compiles it: once, before the clock starts,
     # so the budget measures the pipeline and not XLA.
     _block(consumer(first))
-
-  def measure_settings(settings: LoaderSettings, deadline: float) -> Trial:
-    warmup, window = trial_sizes(tuning_steps, settings)
-    return _measure_real(ds, warmup=warmup, window=window,
-                         max_window_s=min(2.0, max(0.25, budget_s / 15)), consumer=consumer,
-                         consumer_s=consumer_s, clock=clock)(settings, deadline)
-
-  climbs_both = (len(space.values["worker_count"]) > 1
-                 and len(space.values["read_threads"]) > 1)
-  result = hill_climb(measure_settings, start=start, space=space, budget_s=budget_s,
-                      max_batches=None, fast_enough=FAST_ENOUGH,
-                      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
-                      margin=margin, clock=clock,
-                      seeds=seed_settings(start, space) if climbs_both else ())
+  pool = _Pool()
+  try:
+    result = _search(ds, first, start=start, space=space, tuning_steps=tuning_steps,
+                     budget_s=budget_s, consumer=consumer, consumer_s=consumer_s,
+                     margin=margin, expected_batches=expected_batches, pool=pool,
+                     clock=clock)
+  finally:
+    pool.close_all()
   if store is not None and result.trials:
     store.put(NAMESPACE, key, {
         **result.settings.to_dict(),
