@@ -306,10 +306,7 @@ def test_only_the_auto_knob_is_tuned(cache_dir):
 
 
 @pytest.mark.slow
-def test_real_trial_with_a_worker_process(cache_dir, monkeypatch):
-  # One worker reads np.arange faster than FAST_ENOUGH on a quiet machine, which
-  # would end the climb after its first trial; this test is about the trials.
-  monkeypatch.setattr(_tuner, "FAST_ENOUGH", float("inf"))
+def test_real_trial_with_a_worker_process(cache_dir):
   result = ip.tune_worker_count(np.arange(400.0), batch_size=4, worker_count=1,
                                 read_threads=0, prefetch_buffer=1, max_workers=1,
                                 max_read_threads=0, max_prefetch_buffer=2, tuning_steps=40,

@@ -190,3 +190,38 @@ def test_interpreter_exit_stops_workers_without_tracebacks(tmp_path):
   assert len(workers) == 2
   assert "Traceback" not in err and "Exception ignored" not in err, err
   assert not _wait_gone(workers)
+
+
+_REPORT_IMPORTS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from tunedjax import input_pipeline as ip
+
+    def imports(record):  # runs in the worker: what has it imported?
+      return np.array(["tunedjax" in sys.modules, "flax" in sys.modules,
+                       "optax" in sys.modules])
+
+    with ip.Loader(np.zeros((8, 2)), batch_size=4, transforms=[imports], shuffle=False,
+                   worker_count=1, read_threads=0) as loader:
+      print(next(loader)[0].tolist())
+""")
+
+
+@pytest.mark.slow
+def test_a_worker_unpickles_the_pipeline_without_importing_tunedjax():
+  # grain's workers start with spawn and import every module the pickled pipeline
+  # names: tunedjax's would bring jax, Flax, optax and orbax, seconds per worker.
+  out = subprocess.run([sys.executable, "-c", _REPORT_IMPORTS], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip().splitlines()[-1] == "[False, False, False]", out.stdout
+
+
+def test_import_tunedjax_loads_its_parts_when_used():
+  code = ("import sys, tunedjax as tj; assert 'flax' not in sys.modules; "
+          "assert 'tunedjax.trainer' not in sys.modules; tj.Trainer; "
+          "assert 'tunedjax.trainer' in sys.modules; print(sorted(set(tj.__all__) - set(dir(tj))))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"

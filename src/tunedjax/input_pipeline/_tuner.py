@@ -53,14 +53,10 @@ log = logging.getLogger("tunedjax.input_pipeline")
 NAMESPACE = "dataloader"
 DEFAULT_READ_THREADS = LoaderSettings().read_threads  # grain's ReadOptions default
 DEFAULT_MAX_PREFETCH_BUFFER = 16
-# A pipeline already this fast (batches/s, or steps/s with a consumer) is no
-# bottleneck for any training step: worker processes cannot pay for themselves.
-FAST_ENOUGH = 1000.0
 # Tuning aims to cost at most this fraction of the time the expected batches
 # take at the start's speed (worker trials: at most what they can save).
 OVERHEAD = 0.1
 DEFAULT_EXPECTED_BATCHES = 1000
-IN_PROCESS_WARMUP = 4  # batches skipped before timing a setting without workers
 CONSUMER_CALLS = 3  # the consumer is timed alone on this many calls, at most
 
 
@@ -305,7 +301,9 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
   here = dataclasses.replace(space, values={**space.values,
                                             "worker_count": [start.worker_count]})
   known = () if with_consumer else (probe,)
-  fast_enough = (1.0 / (step_s * (1 + margin)) if step_s else FAST_ENOUGH * 10)
+  # With a consumer: a start as fast as the step alone hides the loader. Without
+  # one, the allowance (not a speed) bounds the search.
+  fast_enough = 1.0 / (step_s * (1 + margin)) if step_s else float("inf")
   first_phase = hill_climb(measurer(window_s), start=start, space=here,
                            budget_s=max(0.0, min(allowance, deadline - clock())),
                            max_batches=None, fast_enough=fast_enough,
@@ -376,18 +374,13 @@ def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
 
   As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
   what the prefetch buffers hold once the workers are up (at most half the
-  batches), so that the window times the pipeline, not the buffers; read in
-  this process, the buffers start empty with the first read, and the
-  warm-up only lets the read threads start (`IN_PROCESS_WARMUP` batches).
+  batches), so that the window times the pipeline, not the buffers.
 
   Example:
     >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
     (21, 479)
   """
-  buffered = _processes.buffered_batches(settings)
-  if settings.worker_count == 0:  # nothing fills before the first read: thread start-up only
-    buffered = min(buffered, IN_PROCESS_WARMUP)
-  warmup = max(1, min(buffered + 1, tuning_steps // 2))
+  warmup = max(1, min(_processes.buffered_batches(settings) + 1, tuning_steps // 2))
   return warmup, max(1, tuning_steps - warmup)
 
 
