@@ -53,11 +53,24 @@ from tunedjax.autotune._attn_spec import AttentionSpec, split_operands
 
 
 def xla(*operands: Any) -> jax.Array:
-  """The reference: `jax.nn.dot_product_attention` with ``implementation="xla"``."""
+  """The reference: `jax.nn.dot_product_attention` with ``implementation="xla"``.
+
+  For float16 on CPU, whose `dot_general` rejects the ``F16_F16_F32`` precision
+  JAX asks for (under `jax.jit`; eagerly JAX falls back), the same formula
+  without it (`einsum`), chosen when lowered (`lax.platform_dependent`).
+  """
   *ops, spec = operands
   q, k, v, bias, mask = split_operands(tuple(ops), spec)
-  return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=spec.scale,
-                                      is_causal=spec.causal, implementation="xla")
+
+  def jax_attention(*ops):
+    q, k, v, bias, mask = split_operands(ops, spec)
+    return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=spec.scale,
+                                        is_causal=spec.causal, implementation="xla")
+
+  if q.dtype != jnp.float16:
+    return jax_attention(*ops)
+  return jax.lax.platform_dependent(*ops, cpu=lambda *o: einsum(*o, spec),
+                                    default=jax_attention)
 
 
 def logits_dtype(dtype: Any) -> Any:
