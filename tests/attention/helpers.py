@@ -28,7 +28,7 @@ def draw(rng, b, t, s, kv_heads, groups, h, *, dtype=np.float32, bias_shape=None
     else:
       mask = rng.random(mask_shape) < 0.7
   ct = rng.normal(size=(b, t, n, h))
-  cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
+  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
   return cast(q), cast(k), cast(v), cast(bias), None if mask is None else jnp.asarray(mask), \
       cast(ct)
 
@@ -52,7 +52,7 @@ def vjp_of(fn, q, k, v, bias, mask, ct, **kw):
 def reference64(q, k, v, bias, mask, ct, *, is_causal=False, scale=None):
   """JAX's attention in float64: output and gradients, as NumPy float64."""
   with jax.enable_x64(True):
-    f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+    f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
     out, grads = vjp_of(
         lambda *a, **kw: jax.nn.dot_product_attention(*a, implementation="xla", **kw),
         f64(q), f64(k), f64(v), f64(bias), mask, f64(ct), is_causal=is_causal, scale=scale)

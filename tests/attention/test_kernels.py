@@ -146,7 +146,7 @@ def test_registered_kernel_applies_and_matches_float64(name, rng):
 
 def test_applicability_rules():
   spec = functools.partial(AttentionSpec, 1, 1024, 1024, 8, 8, 64)
-  names = lambda s, p: [k.name for k in autotune.kernels("attention")  # noqa: E731
+  names = lambda s, p: [k.name for k in autotune.kernels("attention")
                         if k.applicable(s, p)]
   assert names(spec("float32"), "cpu") == ["xla", "einsum", "blocked_128", "blocked_256",
                                            "blocked_512", "query_chunked"]

@@ -60,7 +60,7 @@ def xla(*operands: Any) -> jax.Array:
   without it (`einsum`), chosen when lowered (`lax.platform_dependent`).
   """
   *ops, spec = operands
-  q, k, v, bias, mask = split_operands(tuple(ops), spec)
+  q = ops[0]
 
   def jax_attention(*ops):
     q, k, v, bias, mask = split_operands(ops, spec)

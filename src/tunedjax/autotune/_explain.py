@@ -83,7 +83,9 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   selection = _select.new_selection(platform=platform, cache=cache, explain_only=True,
                                     session=_tuning.TuningSession("explain"))
   with _select.selecting(selection):  # call-site families report their buckets here
-    closed = jax.make_jaxpr(f)(*args, **kwargs)
+    # A fresh function: `make_jaxpr` reuses the trace of a function it traced before
+    # with the same argument types, and then no call-site function runs.
+    closed = jax.make_jaxpr(lambda *a, **kw: f(*a, **kw))(*args, **kwargs)
   by_primitive = {fam.primitive: fam for fam in _registry.op_families() if fam.primitive}
   bucket, objective = get_config().kernel.bucket, get_config().kernel.objective
   found: dict[str, list[Any]] = {}
