@@ -376,3 +376,59 @@ def test_trainer_train_step_exports(platform, precision, tmp_path):
   if platform == "gpu":
     assert any(k.startswith("conv pallas (hint)") for k in report.kernels), report.kernels
     assert TRITON in exported.mlir_module()
+
+
+# --- the attention family's GPU and TPU kernels -----------------------------------------
+
+
+def attention_specs():
+  """Attention buckets the accelerator kernels claim: every dtype, causal or not, GQA."""
+  from tunedjax.autotune._attn_spec import AttentionSpec  # pylint: disable=import-outside-toplevel
+  return tuple(AttentionSpec(1, 256, 256, heads, kv_heads, h, jnp.dtype(dtype).name,
+                             causal=causal, scale=0.125)
+               for dtype in DTYPES for causal in (False, True)
+               for heads, kv_heads, h in ((4, 4, 64), (4, 2, 128)))
+
+
+def attention_lowering_failures(platform: str) -> tuple[list[str], set[str], set[str]]:
+  """Exports every attention kernel but the CPU ones applicable on `platform`, value and
+  gradient. Returns ``(failures, kernel names exported, kernels skipped for want of
+  cuDNN)``: cuDNN's attention asks the local cuDNN for its version while it is traced,
+  so it lowers only on a machine with one."""
+  failures, seen, no_cudnn = [], set(), set()
+  for spec in attention_specs():
+    args = (_sds(spec.q_shape, spec.dtype), _sds(spec.kv_shape, spec.dtype),
+            _sds(spec.kv_shape, spec.dtype))
+    for kernel in reg.applicable_kernels(spec, platform, op="attention"):
+      if kernel.applicable(spec, "cpu"):
+        continue  # plain JAX: lowered with every program
+      fwd = functools.partial(lambda q, k, v, fn, s: fn(q, k, v, s), fn=kernel.fn, s=spec)
+      both = jax.value_and_grad(
+          lambda q, k, v, f=fwd: (f(q, k, v).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2))
+      try:
+        module = _export(both, TARGETS[platform], *args).mlir_module()
+        if kernel.name == "pallas_gpu" and TRITON not in module:
+          raise AssertionError("no Triton call: the kernel was lowered in interpret mode")
+      except Exception as e:  # pylint: disable=broad-except  # the test reports them all
+        if kernel.name == "cudnn" and "cuDNN is not detected" in str(e):
+          no_cudnn.add(kernel.name)
+          continue
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        failures.append(f"{kernel.name} for {TARGETS[platform]} on {spec}: "
+                        f"{type(e).__name__}: {first}")
+      seen.add(kernel.name)
+  return failures, seen, no_cudnn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_every_attention_kernel_marked_applicable_lowers(platform):
+  failures, seen, no_cudnn = attention_lowering_failures(platform)
+  assert not failures, "\n".join(failures)
+  claims = {k.name for k in reg.kernels("attention")
+            if any(k.applicable(s, platform) and not k.applicable(s, "cpu")
+                   for s in attention_specs())}
+  assert seen | no_cudnn == claims
+  assert claims == ({"cudnn", "pallas_gpu"} if platform == "gpu" else {"pallas_tpu"})
+  if jax.default_backend() == "gpu":
+    assert not no_cudnn  # with a GPU (and cuDNN), cudnn must lower too

@@ -11,6 +11,7 @@ Example:
 """
 
 import importlib as _importlib
+import typing as _typing
 
 # Names are imported when first used (PEP 562), so that importing one part
 # (a data-loader worker process unpickling its pipeline imports
@@ -23,6 +24,7 @@ _LAZY = {
     "mixed_precision": ("tunedjax.mixed_precision", None),
     "rewrite": ("tunedjax.rewrite", None),
     "trainer": ("tunedjax.trainer", None),
+    "attention": ("tunedjax._attention", "attention"),
     "Config": ("tunedjax._config", "Config"),
     "config_context": ("tunedjax._config", "config_context"),
     "get_config": ("tunedjax._config", "get_config"),
@@ -58,6 +60,33 @@ def __dir__() -> list[str]:
   return sorted(set(globals()) | set(_LAZY))
 
 
+# For type checkers and IDEs, which do not run `__getattr__`.
+if _typing.TYPE_CHECKING:
+  from tunedjax import autotune as autotune
+  from tunedjax import input_pipeline as input_pipeline
+  from tunedjax import layout as layout
+  from tunedjax import mixed_precision as mixed_precision
+  from tunedjax import rewrite as rewrite
+  from tunedjax import trainer as trainer
+  from tunedjax._attention import attention as attention
+  from tunedjax._config import Config as Config
+  from tunedjax._config import config_context as config_context
+  from tunedjax._config import get_config as get_config
+  from tunedjax._config import set_config as set_config
+  from tunedjax._errors import AutotuneError as AutotuneError
+  from tunedjax._errors import CacheWarning as CacheWarning
+  from tunedjax._errors import ConfigError as ConfigError
+  from tunedjax._errors import LayoutError as LayoutError
+  from tunedjax._errors import RewriteError as RewriteError
+  from tunedjax._errors import TunedJaxError as TunedJaxError
+  from tunedjax._jit import Jitted as Jitted
+  from tunedjax._jit import JitReport as JitReport
+  from tunedjax._jit import jit as jit
+  from tunedjax._version import __version__ as __version__
+  from tunedjax.trainer import History as History
+  from tunedjax.trainer import Trainer as Trainer
+
+
 __all__ = [
     "AutotuneError",
     "CacheWarning",
@@ -71,6 +100,7 @@ __all__ = [
     "Trainer",
     "TunedJaxError",
     "__version__",
+    "attention",
     "autotune",
     "config_context",
     "get_config",
