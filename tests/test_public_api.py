@@ -12,7 +12,7 @@ import tunedjax as tj
 
 PUBLIC = {
     "tunedjax": {"AutotuneError", "CacheWarning", "Config", "LayoutError", "ConfigError", "JitReport", "Jitted", "RewriteError",
-                 "TunedJaxError", "__version__", "autotune", "config_context", "get_config",
+                 "TunedJaxError", "__version__", "attention", "autotune", "config_context", "get_config",
                  "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
                  "History", "Trainer", "trainer"},
     "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",

@@ -16,6 +16,7 @@ from tunedjax import layout as layout
 from tunedjax import mixed_precision as mixed_precision
 from tunedjax import rewrite as rewrite
 from tunedjax import trainer as trainer
+from tunedjax._attention import attention as attention
 from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
 from tunedjax._config import get_config as get_config
@@ -46,6 +47,7 @@ __all__ = [
     "Trainer",
     "TunedJaxError",
     "__version__",
+    "attention",
     "autotune",
     "config_context",
     "get_config",

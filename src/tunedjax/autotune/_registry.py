@@ -9,7 +9,7 @@ one implementation of a family: ``fn(*operands, spec)`` plus
 ``applicable(spec, platform)``, and a hash of its module's source so that
 timings measured with old code are not reused.
 
-Convolutions and batch norm are the built-in families (registered when this
+Convolutions, batch norm and attention are the built-in families (registered when this
 module is imported, kernels ``xla`` first, the default). `register_op_family` and
 `register_kernel` add others.
 
@@ -23,7 +23,7 @@ Example:
   >>> [k.name for k in applicable_kernels(spec, "cpu")]
   ['xla', 'matmul_1x1']
   >>> [f.name for f in op_families()]
-  ['conv', 'batch_norm']
+  ['conv', 'batch_norm', 'attention']
 """
 
 from __future__ import annotations
@@ -402,9 +402,10 @@ def applicable_kernels(spec: Any, platform: str, op: str | None = None,
 
 
 def _register_builtins() -> None:
-  """Registers the built-in families (convolutions, batch norm) and their kernels."""
+  """Registers the built-in families (convolutions, batch norm, attention) and their kernels."""
   importlib.import_module("tunedjax.autotune._conv_family").register()
   importlib.import_module("tunedjax.autotune._bn_family").register()
+  importlib.import_module("tunedjax.autotune._attn_family").register()
 
 
 _register_builtins()
