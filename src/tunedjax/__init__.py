@@ -17,6 +17,8 @@ from tunedjax import mixed_precision as mixed_precision
 from tunedjax import rewrite as rewrite
 from tunedjax import trainer as trainer
 from tunedjax._attention import attention as attention
+from tunedjax._attention_flax import AttentionSwap as AttentionSwap
+from tunedjax._attention_flax import use_tuned_attention as use_tuned_attention
 from tunedjax._config import Config as Config
 from tunedjax._config import config_context as config_context
 from tunedjax._config import get_config as get_config
@@ -35,6 +37,7 @@ from tunedjax.trainer import History as History
 from tunedjax.trainer import Trainer as Trainer
 
 __all__ = [
+    "AttentionSwap",
     "AutotuneError",
     "CacheWarning",
     "Config",
@@ -58,4 +61,5 @@ __all__ = [
     "rewrite",
     "set_config",
     "trainer",
+    "use_tuned_attention",
 ]
