@@ -328,7 +328,7 @@ class AttentionSwap:
     finally:
       object.__setattr__(module, "attention_fn", fn)
 
-  def __enter__(self) -> AttentionSwap:
+  def __enter__(self) -> AttentionSwap:  # noqa: PYI034
     stack = self._local.__dict__.setdefault("stack", [])
     if self.kind == "linen":
       cm = nn.intercept_methods(self._intercept)
@@ -338,7 +338,7 @@ class AttentionSwap:
       stack.append(None)
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     cm = self._local.stack.pop()
     if cm is not None:
       cm.__exit__(*exc)

@@ -31,7 +31,7 @@ def _rel(a, b):
 
 def _tree_rel(a, b):
   """Relative error over all leaves at once (some, as a key bias's gradient, are ~0)."""
-  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
   assert jax.tree.structure(a) == jax.tree.structure(b)
   return _rel(flat(a), flat(b))
 
