@@ -83,7 +83,7 @@ def test_to_dict_is_plain_json_in_schema_shape():
   d = cfg.to_dict()
   assert d == {
       "kernel": {"enable": False, "tuning_range": [1, 10], "bucket": "exact",
-                 "hints": {"conv": "im2col"}},
+                 "hints": {"conv": "im2col"}, "objective": "time"},
       "layout": {"enable": False, "mode": "heuristic"},
       "dataloader": {"enable": False, "tuning_steps": 500,
                      "max_workers": None},
@@ -185,6 +185,8 @@ BAD_INPUTS = [
      ["'kernel.tuning_range'", "got 10", _RANGE]),
     ({"kernel": {"bucket": "linear"}},
      ["'kernel.bucket'", "'linear'", "'exact' or 'pow2'"]),
+    ({"kernel": {"objective": "speed"}},
+     ["'kernel.objective'", "'speed'", "'time' or 'memory'"]),
     ({"level": "O3"}, ["'level'", "'O3'", "'O0', 'O1' or 'O2'"]),
     ({"level": 1}, ["'level'", "got 1", "'O0', 'O1' or 'O2'"]),
     ({"layout": {"mode": "fast"}},
@@ -210,7 +212,7 @@ BAD_INPUTS = [
     ({"cache": {"dir": ""}}, ["'cache.dir'", "''", "non-empty path"]),
     ({"kernel": {"tuning_rnage": [1, 10]}},
      ["'kernel.tuning_rnage'", "did you mean 'tuning_range'",
-      "'enable', 'tuning_range', 'bucket' or 'hints'"]),
+      "'enable', 'tuning_range', 'bucket', 'hints' or 'objective'"]),
     ({"kernal": {"enable": True}},
      ["'kernal'", "did you mean 'kernel'", "'mixed_precision'", "'level'"]),
     ({"dataloader": {"workers": 2}},

@@ -25,6 +25,7 @@ CONFIG_ENV_VAR = "TUNEDJAX_CONFIG"
 CACHE_DIR_ENV_VAR = "TUNEDJAX_CACHE_DIR"
 LEVELS = ("O0", "O1", "O2")
 BUCKETS = ("exact", "pow2")
+OBJECTIVES = ("time", "memory")
 LAYOUT_MODES = ("heuristic", "measure")
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
 DEFAULT_POLICY = "params=float32,compute=bfloat16,output=float32"
@@ -234,7 +235,11 @@ class KernelConfig(_Section):
     enable: pick a kernel per conv shape by measuring (default: False).
     tuning_range: the steps ``[start, stop)`` tuning may use (default (1, 10)).
     bucket: how shapes share a cache entry: ``"exact"`` or ``"pow2"``.
-    hints: ``{op: kernel name}`` that beats the tuner; ops: ``"conv"``.
+    hints: ``{op: kernel name}`` that beats the tuner; ops: the op families
+      (``"conv"``, ``"batch_norm"``, ``"attention"``).
+    objective: what the tuner minimises: ``"time"`` (default), or
+      ``"memory"``: among the candidates within 10% of the fastest, the one
+      whose compiled program needs the fewest temporary bytes.
 
   Example:
     >>> KernelConfig(tuning_range=[2, 5]).tuning_range
@@ -246,6 +251,7 @@ class KernelConfig(_Section):
   tuning_range: tuple[int, int] = _field(_check_range, (1, 10))
   bucket: str = _field(_choice(*BUCKETS), "exact")
   hints: FrozenDict = _field(_check_hints, factory=FrozenDict)
+  objective: str = _field(_choice(*OBJECTIVES), "time")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,24 @@ Grouped-query attention: query head ``n`` reads key/value head ``n // G``.
 - ``xla``: `jax.nn.dot_product_attention(implementation="xla")`. The reference.
 - ``einsum``: the formula written out (``einsum, softmax, einsum``), grouped
   heads as an extra axis instead of JAX's `vmap`.
+- ``blocked_128``, ``blocked_256``, ``blocked_512``: online-softmax (flash)
+  attention in plain JAX, a `lax.scan` over key blocks, with a `custom_vjp`
+  whose backward recomputes each block's probabilities: no more than one
+  ``[q_len, block]`` block of scores per head is ever held, forward or
+  backward. Applicable from two blocks of keys.
+- ``query_chunked``: ``einsum`` attention on chunks of 256 queries in turn
+  (`lax.map`), each chunk rematerialised in the backward. From two chunks.
+- ``cudnn`` (GPU): `jax.nn.dot_product_attention(implementation="cudnn")`,
+  float16/bfloat16, no boolean mask.
+- ``pallas_gpu`` (GPU): the Pallas/Triton flash attention JAX ships
+  (`jax.experimental.pallas.ops.gpu.attention.mha`): no bias, mask or grouped
+  heads, lengths multiples of 128.
+- ``pallas_tpu`` (TPU): the Pallas/Mosaic TPU flash attention
+  (`jax.experimental.pallas.ops.tpu.flash_attention`), same limits.
+
+The GPU and TPU kernels are checked by lowering them from a CPU
+(``tests/test_cross_lowering.py``), and ``pallas_gpu`` in Pallas's interpret
+mode; where a device is present the tuner checks each against ``xla`` first.
 
 Example:
   >>> import numpy as np
@@ -25,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -96,8 +115,320 @@ def always(spec: Any, platform: str) -> bool:
   return True
 
 
+# -- blocked online-softmax attention (flash attention in plain JAX) -----------
+
+
+def _pad_axis(x: Any, axis: int, to: int, value: Any = 0) -> Any:
+  """`x` padded at the end of `axis` to length `to` (with `value`)."""
+  extra = to - x.shape[axis]
+  if extra <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _key_blocks(x: Any, axis: int, block: int, n_blocks: int, value: Any = 0) -> Any:
+  """`x`'s `axis` padded to ``n_blocks * block`` and split: ``[n_blocks, ..., block, ...]``."""
+  x = _pad_axis(x, axis, n_blocks * block, value)
+  shape = x.shape[:axis] + (n_blocks, block) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblock(x: Any, axis: int, length: int) -> Any:
+  """The inverse of `_key_blocks` (the block axis first, then `axis` of the rest): unpadded."""
+  x = jnp.moveaxis(x, 0, axis)
+  shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:]
+  return jax.lax.slice_in_dim(x.reshape(shape), 0, length, axis=axis)
+
+
+def _reduce_to(x: Any, shape: tuple[int, ...]) -> Any:
+  """`x` summed over the axes where `shape` (same rank) is 1, keeping them."""
+  axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _blocked_attention(block: int, spec: AttentionSpec):
+  """The custom-VJP attention ``f(q, k, v, bias, mask)`` over key blocks of `block`.
+
+  The forward keeps a running maximum, sum and weighted sum per query (the
+  online softmax) while a `lax.scan` walks the key blocks; the backward walks
+  them again, recomputing each block's probabilities from the saved
+  row maxima and sums. Neither holds more than one ``[q_len, block]`` block of scores
+  per head.
+  """
+  kv_len, n_blocks = spec.kv_len, -(-spec.kv_len // block)
+  dt = logits_dtype(spec.dtype)
+  scale = jnp.asarray(spec.scale, dt)
+  # Which of bias and mask vary along the keys (split into blocks) or not (closed over).
+  bias_split = spec.has_bias and spec.bias_shape[3] != 1
+  mask_split = spec.has_mask and spec.mask_shape[3] != 1
+
+  def split(q, k, v, bias, mask):
+    b, t, _, h = q.shape
+    qg = q.reshape(b, t, spec.kv_heads, spec.groups, h)
+    xs = {"k": _key_blocks(k, 1, block, n_blocks), "v": _key_blocks(v, 1, block, n_blocks),
+          "start": jnp.arange(n_blocks) * block}
+    if bias_split:
+      xs["bias"] = _key_blocks(bias, 3, block, n_blocks)
+    if mask_split:
+      xs["mask"] = _key_blocks(mask, 3, block, n_blocks, False)
+    return qg, xs
+
+  def scores(qg, x, bias, mask):
+    """One key block's logits ``[b, K, G, t, block]`` (masked, padded keys -inf) and keep."""
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, x["k"], preferred_element_type=dt) * scale
+    bias_j = x.get("bias", bias)
+    if bias_j is not None:
+      s = (s + grouped(bias_j, spec)).astype(dt)
+    mask_j = x.get("mask", mask)
+    keep = None if mask_j is None else grouped(mask_j, spec)
+    if spec.causal:
+      c = causal_mask(0, qg.shape[1], x["start"], block)
+      keep = c if keep is None else jnp.logical_and(keep, c)
+    if keep is not None:
+      s = jnp.where(keep, s, large_negative(dt))
+    valid = x["start"] + jnp.arange(block) < kv_len
+    s = jnp.where(valid, s, -jnp.inf)
+    return s, keep
+
+  def forward(q, k, v, bias, mask):
+    qg, xs = split(q, k, v, bias, mask)
+    b, t, kh, g, h = qg.shape
+
+    def step(carry, x):
+      m, l, acc = carry
+      s, _ = scores(qg, x, bias, mask)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      alpha = jnp.exp(m - m_new)
+      p = jnp.exp(s - m_new[..., None])
+      l = alpha * l + jnp.sum(p, axis=-1)
+      pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(x["v"].dtype), x["v"],
+                      preferred_element_type=dt)
+      return (m_new, l, alpha[..., None] * acc + pv), None
+
+    init = (jnp.full((b, kh, g, t), -jnp.inf, dt), jnp.zeros((b, kh, g, t), dt),
+            jnp.zeros((b, kh, g, t, h), dt))
+    (m, l, acc), _ = jax.lax.scan(step, init, xs)
+    out = acc / l[..., None]
+    # m and l apart, not m + log(l): for a fully masked row m is -0.7 * finfo.max, which
+    # absorbs log(l) in float32.
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape).astype(q.dtype), (m, l)
+
+  @jax.custom_vjp
+  def attend(q, k, v, bias, mask):
+    return forward(q, k, v, bias, mask)[0]
+
+  def attend_fwd(q, k, v, bias, mask):
+    out, stats = forward(q, k, v, bias, mask)
+    return out, (q, k, v, bias, mask, out, stats)
+
+  def attend_bwd(res, dout):
+    q, k, v, bias, mask, out, (m, l) = res
+    inv_l = 1 / l
+    qg, xs = split(q, k, v, bias, mask)
+    b, t, kh, g, h = qg.shape
+    as_groups = lambda x: jnp.transpose(x.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4))
+    do = as_groups(dout).astype(dt)
+    delta = jnp.sum(do * as_groups(out).astype(dt), axis=-1)  # [b, K, G, t]
+    bias_shape = None if bias is None else bias.shape[:3] + (
+        block if bias_split else 1,)
+
+    def step(carry, x):
+      dq, dbias_acc = carry
+      s, keep = scores(qg, x, bias, mask)
+      p = jnp.exp(s - m[..., None]) * inv_l[..., None]
+      dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(dt), do)
+      dp = jnp.einsum("bkgth,bskh->bkgts", do, x["v"], preferred_element_type=dt)
+      ds = p * (dp - delta[..., None])
+      if keep is not None:
+        ds = jnp.where(keep, ds, 0)
+      out = {"dk": None, "dv": dv.astype(v.dtype), "dbias": None}
+      if bias is not None:
+        dsb = _reduce_to(ds.reshape(b, kh * g, t, block), bias_shape)
+        if bias_split:
+          out["dbias"] = dsb.astype(bias.dtype)
+        else:
+          dbias_acc = dbias_acc + dsb
+      ds = ds * scale
+      dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, x["k"], preferred_element_type=dt)
+      out["dk"] = jnp.einsum("bkgts,btkgh->bskh", ds, qg,
+                             preferred_element_type=dt).astype(k.dtype)
+      return (dq, dbias_acc), out
+
+    dbias0 = jnp.zeros(bias_shape, dt) if bias is not None and not bias_split else None
+    (dq, dbias_acc), outs = jax.lax.scan(step, (jnp.zeros(qg.shape, dt), dbias0), xs)
+    dk, dv = _unblock(outs["dk"], 1, kv_len), _unblock(outs["dv"], 1, kv_len)
+    dbias = None
+    if bias is not None:
+      dbias = (_unblock(outs["dbias"], 3, kv_len) if bias_split
+               else dbias_acc.astype(bias.dtype))
+    return dq.reshape(q.shape).astype(q.dtype), dk, dv, dbias, None
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+def blocked(block: int) -> Callable[..., jax.Array]:
+  """The kernel of online-softmax attention over key blocks of `block`."""
+
+  def kernel(*operands: Any) -> jax.Array:
+    *ops, spec = operands
+    q, k, v, bias, mask = split_operands(tuple(ops), spec)
+    return _blocked_attention(block, spec)(q, k, v, bias, mask)
+
+  kernel.__name__ = kernel.__qualname__ = f"blocked_{block}"
+  return kernel
+
+
+def blocked_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
+  """At least two key blocks: shorter keys are one block of `einsum`."""
+
+  def applicable(spec: AttentionSpec, platform: str) -> bool:
+    del platform
+    return spec.kv_len >= 2 * block
+
+  return applicable
+
+
+# -- query-chunked attention -------------------------------------------------
+
+QUERY_CHUNK = 256
+
+
+def query_chunked_attention(chunk: int, q: Any, k: Any, v: Any, bias: Any, mask: Any,
+                            spec: AttentionSpec) -> jax.Array:
+  """`einsum` attention on query chunks of `chunk` rows in turn (`lax.map`).
+
+  Each chunk's scores are ``[chunk, kv_len]`` per head; the chunk's function
+  is rematerialised (`jax.checkpoint`), so the backward recomputes a chunk's
+  scores instead of saving every chunk's.
+  """
+  b, t, n, h = q.shape
+  n_chunks = -(-t // chunk)
+  xs = {"q": _key_blocks(q, 1, chunk, n_chunks), "start": jnp.arange(n_chunks) * chunk}
+  bias_split = bias is not None and bias.shape[2] != 1
+  mask_split = mask is not None and mask.shape[2] != 1
+  if bias_split:
+    xs["bias"] = _key_blocks(bias, 2, chunk, n_chunks)
+  if mask_split:
+    xs["mask"] = _key_blocks(mask, 2, chunk, n_chunks, True)
+
+  @jax.checkpoint
+  def one(x):
+    qc = x["q"]
+    dt = logits_dtype(qc.dtype)
+    qg = qc.reshape(b, chunk, spec.kv_heads, spec.groups, h)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=dt)
+    s = s * jnp.asarray(spec.scale, dt)
+    bias_c = x.get("bias", bias)
+    if bias_c is not None:
+      s = (s + grouped(bias_c, spec)).astype(dt)
+    mask_c = x.get("mask", mask)
+    keep = None if mask_c is None else grouped(mask_c, spec)
+    if spec.causal:
+      c = causal_mask(x["start"], chunk, 0, spec.kv_len)
+      keep = c if keep is None else jnp.logical_and(keep, c)
+    if keep is not None:
+      s = jnp.where(keep, s, large_negative(dt))
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v)
+    return o.reshape(b, chunk, n, h).astype(q.dtype)
+
+  return _unblock(jax.lax.map(one, xs), 1, t)
+
+
+def query_chunked(*operands: Any) -> jax.Array:
+  """Attention over query chunks of `QUERY_CHUNK` rows (`lax.map`), each rematerialised."""
+  *ops, spec = operands
+  q, k, v, bias, mask = split_operands(tuple(ops), spec)
+  return query_chunked_attention(QUERY_CHUNK, q, k, v, bias, mask, spec)
+
+
+def query_chunked_applicable(spec: AttentionSpec, platform: str) -> bool:
+  """At least two query chunks."""
+  del platform
+  return spec.q_len >= 2 * QUERY_CHUNK
+
+
+# -- GPU and TPU kernels ------------------------------------------------------
+
+
+def cudnn(*operands: Any) -> jax.Array:
+  """cuDNN's fused flash attention: `jax.nn.dot_product_attention(implementation="cudnn")`."""
+  *ops, spec = operands
+  q, k, v, bias, mask = split_operands(tuple(ops), spec)
+  return jax.nn.dot_product_attention(q, k, v, bias, mask, scale=spec.scale,
+                                      is_causal=spec.causal, implementation="cudnn")
+
+
+def cudnn_applicable(spec: AttentionSpec, platform: str) -> bool:
+  """GPU, float16/bfloat16, head dim <= 128 and a multiple of 8, no boolean mask (cuDNN
+  turns it into a finite bias, so a fully masked row differs), a bias over the full
+  ``[q_len, kv_len]`` with even lengths, causal only for equal lengths."""
+  if platform != "gpu" or spec.dtype not in ("float16", "bfloat16") or spec.has_mask:
+    return False
+  if not (spec.head_dim <= 128 and spec.head_dim % 8 == 0):
+    return False
+  if spec.has_bias and (spec.bias_shape[2:] != (spec.q_len, spec.kv_len)
+                        or spec.q_len % 2 or spec.kv_len % 2):
+    return False
+  return not spec.causal or spec.q_len == spec.kv_len
+
+
+PALLAS_BLOCK = 128
+
+
+def pallas_gpu(*operands: Any, interpret: bool = False) -> jax.Array:
+  """JAX's Pallas (Triton) flash attention, `jax.experimental.pallas.ops.gpu.attention.mha`.
+
+  Same layout as ours, forward and backward kernels of its own; no bias, mask
+  or grouped heads. ``interpret=True`` runs it on any platform (for tests).
+  """
+  *ops, spec = operands
+  q, k, v, _, _ = split_operands(tuple(ops), spec)
+  from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
+  return attention.mha(q, k, v, None, sm_scale=spec.scale, causal=spec.causal,
+                       interpret=interpret)
+
+
+def pallas_gpu_applicable(spec: AttentionSpec, platform: str) -> bool:
+  """GPU, no bias or mask, as many key/value heads as query heads, float16/bfloat16/
+  float32, head dim 16..128 and a multiple of 16, lengths multiples of 128."""
+  return (platform == "gpu" and spec.mask_kind == "none" and spec.kv_heads == spec.heads
+          and spec.dtype in ("float16", "bfloat16", "float32")
+          and 16 <= spec.head_dim <= 128 and spec.head_dim % 16 == 0
+          and spec.q_len % PALLAS_BLOCK == 0 and spec.kv_len % PALLAS_BLOCK == 0)
+
+
+def pallas_tpu(*operands: Any) -> jax.Array:
+  """JAX's Pallas (Mosaic) TPU flash attention, in its ``[batch, heads, tokens, dim]`` layout."""
+  *ops, spec = operands
+  q, k, v, _, _ = split_operands(tuple(ops), spec)
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=import-outside-toplevel
+  heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
+  out = flash_attention.flash_attention(heads_first(q), heads_first(k), heads_first(v),
+                                        causal=spec.causal, sm_scale=spec.scale)
+  return heads_first(out)
+
+
+def pallas_tpu_applicable(spec: AttentionSpec, platform: str) -> bool:
+  """TPU, no bias or mask, as many key/value heads as query heads, float32/bfloat16,
+  head dim 64, 128 or 256, lengths multiples of 128."""
+  return (platform == "tpu" and spec.mask_kind == "none" and spec.kv_heads == spec.heads
+          and spec.dtype in ("float32", "bfloat16") and spec.head_dim in (64, 128, 256)
+          and spec.q_len % PALLAS_BLOCK == 0 and spec.kv_len % PALLAS_BLOCK == 0)
+
+
+BLOCKS = (128, 256, 512)
+
 # (name, fn, applicable), the default first.
 KERNELS = (
     ("xla", xla, always),
     ("einsum", einsum, always),
+    *((f"blocked_{n}", blocked(n), blocked_applicable(n)) for n in BLOCKS),
+    ("query_chunked", query_chunked, query_chunked_applicable),
+    ("cudnn", cudnn, cudnn_applicable),
+    ("pallas_gpu", pallas_gpu, pallas_gpu_applicable),
+    ("pallas_tpu", pallas_tpu, pallas_tpu_applicable),
 )

@@ -55,7 +55,7 @@ def plain(value: Any) -> Any:
 
 
 def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
-               family: Any = None) -> dict[str, Any]:
+               family: Any = None, objective: str = "time") -> dict[str, Any]:
   """The JSON-serializable cache key of a site's shape bucket.
 
   Args:
@@ -64,6 +64,9 @@ def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
       are part of the key, so a changed kernel re-tunes.
     bucket: ``"exact"`` or ``"pow2"`` (the config's ``kernel.bucket``).
     family: the `OpFamily` (default: the one whose spec type `spec` has).
+    objective: the config's ``kernel.objective``; a choice made for
+      ``"memory"`` is kept apart (an ``"objective"`` field; ``"time"``
+      keys have none, as before the option existed).
 
   Returns:
     A dict of plain JSON values, deterministic for equal inputs.
@@ -80,7 +83,7 @@ def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
   """
   from tunedjax.autotune import _registry  # pylint: disable=import-outside-toplevel
   family = _registry.family_of(spec) if family is None else family
-  return {
+  key = {
       "version": KEY_VERSION,
       "op": family.name,
       "bucket": bucket,
@@ -88,4 +91,7 @@ def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
       "candidates": {k.name: str(k.source_hash)
                      for k in sorted(candidates, key=lambda k: k.name)},
   }
+  if objective != "time":
+    key["objective"] = objective
+  return key
 

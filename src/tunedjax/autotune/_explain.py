@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,6 +38,8 @@ class BucketChoice:
     tuning_s: seconds tuning this bucket took.
     reason: the tuner's one-line reason.
     op: the op family (``"conv"``, ``"attention"``).
+    temp_bytes: ``{kernel: bytes}``: the temporaries each candidate's
+      compiled program needed when tuned (empty where not measured).
   """
 
   bucket: str
@@ -50,6 +52,7 @@ class BucketChoice:
   tuning_s: float = 0.0
   reason: str = ""
   op: str = "conv"
+  temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
@@ -82,7 +85,7 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   with _select.selecting(selection):  # call-site families report their buckets here
     closed = jax.make_jaxpr(f)(*args, **kwargs)
   by_primitive = {fam.primitive: fam for fam in _registry.op_families() if fam.primitive}
-  bucket = get_config().kernel.bucket
+  bucket, objective = get_config().kernel.bucket, get_config().kernel.objective
   found: dict[str, list[Any]] = {}
   for eqn in iter_equations(closed):
     family = by_primitive.get(eqn.primitive.name)
@@ -90,7 +93,7 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
       continue
     spec = family.from_equation(eqn)
     candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
-    key = bucket_key(spec, candidates, bucket=bucket, family=family)
+    key = bucket_key(spec, candidates, bucket=bucket, family=family, objective=objective)
     entry = found.setdefault(family.label(key), [key, candidates, 0])
     entry[2] += 1
   for label, entry in selection.buckets.items():
@@ -118,5 +121,6 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
         xla_ms=1e3 * statistics.median(base) if base else None,
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
-        tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op))
+        tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
+        temp_bytes=dict(value.get("temp_bytes", {}))))
   return rows

@@ -130,7 +130,9 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   config, session, default = selection.config, selection.session, family.default
   candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
   names = [k.name for k in candidates]
-  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, family=family)
+  objective = config.kernel.objective
+  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, family=family,
+                   objective=objective)
   label = family.label(key)
   if selection.explain_only:
     found = selection.buckets.setdefault(label, [key, candidates, 0])
@@ -159,8 +161,11 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
       session.record(hit=False, config=config)
       why["why"] = _report.MISS
       return default
+    options = selection.options
+    if options.objective != objective:
+      options = dataclasses.replace(options, objective=objective)
     result = _tuner.tune_bucket(spec, candidates, platform=selection.platform,
-                                options=selection.options, label=label, family=family)
+                                options=options, label=label, family=family)
     session.store(selection.cache, family.name, key, result.to_value())
     session.record(hit=False, tuning_s=result.tuning_s, tuned=True, config=config)
     selection.tally.add_tuning(result.tuning_s)

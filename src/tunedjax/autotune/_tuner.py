@@ -48,6 +48,10 @@ SCREEN_FACTOR = 4.0
 # it of the threshold: more rounds could not change the choice.
 CLEAR_FACTOR = 1.5
 MIN_ROUNDS = 2
+# Under the "memory" objective: candidates within this fraction of the fastest compete
+# on their temporaries.
+MEMORY_SLACK = 0.10
+OBJECTIVES = ("time", "memory")
 
 
 
@@ -62,6 +66,9 @@ class TuneOptions:
     margin: a candidate must be faster than ``xla`` by more than this
       fraction (0.10: a time ratio below 1/1.1) to be chosen.
     seed: seed of the random tuning inputs.
+    objective: ``"time"`` (the fastest), or ``"memory"`` (the fewest
+      temporary bytes among those within `MEMORY_SLACK` of the fastest):
+      the config's ``kernel.objective`` (see `choose`).
 
   Example:
     >>> TuneOptions(rounds=3).margin
@@ -72,6 +79,7 @@ class TuneOptions:
   budget_s: float = DEFAULT_BUDGET_S
   margin: float = DEFAULT_MARGIN
   seed: int = 0
+  objective: str = "time"
 
   def __post_init__(self):
     if not (isinstance(self.rounds, int) and self.rounds >= 1):
@@ -81,6 +89,9 @@ class TuneOptions:
     if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 10):
       raise AutotuneError(
           f"TuneOptions.margin must be a fraction >= 0 such as 0.1, got {self.margin!r}.")
+    if self.objective not in OBJECTIVES:
+      raise AutotuneError(f"TuneOptions.objective must be one of "
+                          f"{', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +108,8 @@ class TuneResult:
     skipped: candidates not tried because the time budget ran out.
     measured_at: when, as an ISO 8601 UTC timestamp.
     tuning_s: seconds the tuning took.
+    temp_bytes: ``{name: bytes}``: the temporaries each compiled candidate
+      needs (XLA's `memory_analysis`), where the backend reports them.
 
   Example:
     >>> r = TuneResult(winner="xla", reason="only xla applies")
@@ -113,6 +126,7 @@ class TuneResult:
   skipped: Sequence[str] = ()
   measured_at: str = ""
   tuning_s: float = 0.0
+  temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   def to_value(self) -> dict[str, Any]:
     """The JSON dict stored in the cache."""
@@ -126,6 +140,7 @@ class TuneResult:
         "skipped": list(self.skipped),
         "measured_at": self.measured_at,
         "tuning_s": float(self.tuning_s),
+        "temp_bytes": {k: int(v) for k, v in self.temp_bytes.items()},
     }
 
   @classmethod
@@ -136,7 +151,8 @@ class TuneResult:
         timings={k: tuple(v) for k, v in value.get("timings", {}).items()},
         ratios=dict(value.get("ratios", {})), errors=dict(value.get("errors", {})),
         rejected=dict(value.get("rejected", {})), skipped=tuple(value.get("skipped", ())),
-        measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)))
+        measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)),
+        temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()})
 
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, TuneResult):
@@ -185,6 +201,7 @@ def validate_value(value: Any, op: str) -> None:
       ("ratios", lambda v: _is_number(v) and v >= 0, "a number"),
       ("errors", lambda v: isinstance(v, str), "a string"),
       ("rejected", _is_number, "a number"),
+      ("temp_bytes", lambda v: _is_number(v) and v >= 0, "a number of bytes"),
   ):
     sub = value.get(field, {})
     if not isinstance(sub, Mapping):
@@ -247,6 +264,64 @@ def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_M
   if worst_of_best < threshold / CLEAR_FACTOR:  # a clear winner, if clear of the others
     return all(min(r) > worst_of_best * CLEAR_FACTOR for n, r in ratios.items() if n != best)
   return all(min(r) > threshold * CLEAR_FACTOR for r in ratios.values())
+
+
+def choose(ratios: Mapping[str, float], temp_bytes: Mapping[str, int] | None = None, *,
+           objective: str = "time", margin: float = DEFAULT_MARGIN,
+           default: str = DEFAULT) -> tuple[str, str]:
+  """The winner among checked, timed candidates, and why.
+
+  ``"time"``: the fastest candidate if it beats `default` by more than
+  `margin` (a time ratio below ``1 / (1 + margin)``), else `default`.
+  ``"memory"``: among the candidates (`default` included) whose time is within
+  `MEMORY_SLACK` of the fastest's, the one with the fewest temporary bytes
+  (ties: the faster); without temporaries for them, as ``"time"``.
+
+  Args:
+    ratios: each candidate's median time ratio to `default` (`default` may be
+      left out: 1.0).
+    temp_bytes: each candidate's temporaries in bytes.
+    objective: ``"time"`` or ``"memory"``.
+    margin: how much faster than `default` a candidate must be under "time".
+    default: the reference kernel's name.
+
+  Returns:
+    ``(winner, reason)``.
+
+  Example:
+    >>> ratios = {"xla": 1.0, "blocked_256": 0.6, "query_chunked": 0.64}
+    >>> temps = {"xla": 64e6, "blocked_256": 9e6, "query_chunked": 4e6}
+    >>> choose(ratios, temps)[0], choose(ratios, temps, objective="memory")[0]
+    ('blocked_256', 'query_chunked')
+  """
+  ratios = {default: 1.0, **ratios}
+  others = [n for n in ratios if n != default]
+  if objective == "memory":
+    fastest = min(ratios.values())
+    near = [n for n in ratios if ratios[n] <= fastest * (1.0 + MEMORY_SLACK)]
+    temp_bytes = temp_bytes or {}
+    if all(n in temp_bytes for n in near):
+      winner = min(near, key=lambda n: (temp_bytes[n], ratios[n]))
+      return winner, (f"{winner}: fewest temporaries ({temp_bytes[winner]} bytes) among "
+                      f"{', '.join(sorted(near))}, within {MEMORY_SLACK:.0%} of the fastest "
+                      f"({fastest:.2f}x {default}'s time)")
+  if not others:
+    return default, f"only {default} was timed"
+  best = min(others, key=lambda n: ratios[n])
+  if ratios[best] * (1.0 + margin) < 1.0:
+    return best, (f"{best} took {ratios[best]:.2f}x {default}'s time (needs < "
+                  f"{1 / (1 + margin):.2f}x)")
+  return default, (f"best other candidate {best} took {ratios[best]:.2f}x {default}'s time, "
+                   f"not below {1 / (1 + margin):.2f}x")
+
+
+def _temp_bytes(executable: Any) -> int | None:
+  """The temporaries a compiled executable needs, or None where not reported."""
+  try:
+    size = executable.memory_analysis().temp_size_in_bytes
+  except (AttributeError, NotImplementedError, RuntimeError):  # a backend without it
+    return None
+  return int(size) if isinstance(size, (int, np.integer)) and size >= 0 else None
 
 
 def _timed_function(kernel: Any, spec: Any, timed: str) -> Callable[..., Any]:
@@ -377,6 +452,8 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     args = _timed_args(family, spec, operands, by_name[default], rng, device)
     compiled = _compile_all({n: _timed_function(k, spec, family.timed)
                              for n, k in by_name.items()}, args)
+    temps = {n: b for n, b in ((n, _temp_bytes(c)) for n, c in compiled.items()
+                               if not isinstance(c, BaseException)) if b is not None}
     ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
     ref = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(ref_run()))
     ref_out = jax.tree_util.tree_leaves(ref)[0]
@@ -411,7 +488,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                   label, options.budget_s, ", ".join(skipped))
     if len(runners) == 1:
       return _finish(default, "no other candidate passed the checks", {}, {}, errors,
-                     rejected, skipped, start, label)
+                     rejected, skipped, start, label, temps)
     try:
       # One compiled call each first: a candidate many times slower than xla
       # (an FFT on a small kernel) is dropped before it costs `rounds` calls.
@@ -433,37 +510,31 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.warning("autotune %s: timing failed (%s); keeping %s.", label,
                      _describe_error(e), default)
       return _finish(default, f"timing failed: {_describe_error(e)}", {}, {}, errors,
-                     rejected, skipped, start, label)
+                     rejected, skipped, start, label, temps)
   if default not in timings:  # every candidate was screened out
     ratios = dict(slow)
     return _finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x {default}'s "
                    "time in a first call", timings, ratios, errors, rejected, skipped,
-                   start, label)
+                   start, label, temps)
   base = timings[default]
   ratios = {name: _ratio(t, base) for name, t in timings.items() if name not in slow}
   ratios.update(slow)
-  best = min((n for n in ratios if n != default), key=lambda n: ratios[n])
-  if ratios[best] * (1.0 + options.margin) < 1.0:
-    winner = best
-    reason = (f"{best} took {ratios[best]:.2f}x {default}'s time (needs < "
-              f"{1 / (1 + options.margin):.2f}x)")
-  else:
-    winner = default
-    reason = (f"best other candidate {best} took {ratios[best]:.2f}x {default}'s time, "
-              f"not below {1 / (1 + options.margin):.2f}x")
-  return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label)
+  winner, reason = choose({n: r for n, r in ratios.items() if n not in slow}, temps,
+                          objective=options.objective, margin=options.margin, default=default)
+  return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label,
+                 temps)
 
 
 def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
             ratios: Mapping[str, float], errors: Mapping[str, str],
             rejected: Mapping[str, float], skipped: Sequence[str], start: float,
-            label: str) -> TuneResult:
+            label: str, temp_bytes: Mapping[str, int] | None = None) -> TuneResult:
   result = TuneResult(
       winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
       errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
       measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
-      tuning_s=time.perf_counter() - start)
+      tuning_s=time.perf_counter() - start, temp_bytes=dict(temp_bytes or {}))
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 
