@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 import _harness
@@ -75,7 +76,8 @@ def _forward_backward(q, k, v, ct):
 def _compiled(fn, kernel: str, args) -> Any | None:
   """`fn` through tunedjax.jit with `kernel` pinned; None where it does not apply."""
   jitted = tj.jit(fn)
-  with _hinted(kernel):
+  with _hinted(kernel), warnings.catch_warnings():
+    warnings.simplefilter("ignore", tj.autotune.HintWarning)  # a GPU kernel, here: skipped
     jax.block_until_ready(jitted(*args))
   (choice,) = jitted.report(memory=False).last.kernel_report.of("attention")
   if choice.kernel != kernel:
