@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/input_pipeline.py --write
 	$(PY) benchmarks/jit_overhead.py --write
 	$(PY) benchmarks/trainer.py --write
+	$(PY) benchmarks/attention.py --write
 
 # Every benchmark's --quick run (about 8 minutes), nothing written.
 bench-smoke: $(STAMP)

@@ -17,7 +17,7 @@ sys.path.insert(0, str(NOTEBOOKS))
 import execute  # noqa: E402  # pylint: disable=wrong-import-position
 
 EXPECTED = ["01_quickstart.ipynb", "02_mixed_precision.ipynb", "03_kernels_and_cache.ipynb",
-            "04_input_pipeline.ipynb", "05_layout.ipynb"]
+            "04_input_pipeline.ipynb", "05_layout.ipynb", "06_attention.ipynb"]
 
 
 def test_every_notebook_is_there():

@@ -14,7 +14,7 @@ PUBLIC = {
     "tunedjax": {"AutotuneError", "CacheWarning", "Config", "LayoutError", "ConfigError", "JitReport", "Jitted", "RewriteError",
                  "TunedJaxError", "__version__", "attention", "autotune", "config_context", "get_config",
                  "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
-                 "History", "Trainer", "trainer"},
+                 "History", "Trainer", "trainer", "AttentionSwap", "use_tuned_attention"},
     "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
@@ -34,7 +34,8 @@ PUBLIC = {
     "tunedjax.input_pipeline": {"Loader", "LoaderSettings", "LoaderState", "StateError",
                                 "TransformError", "Trial", "TuningResult", "tune_worker_count"},
     "tunedjax.demo": {"CLASSES", "DEFAULT", "DemoDataError", "DemoNet", "DemoOptions",
-                      "EncodedImages", "QUICK", "RunResult", "folder_dataset", "run_demo",
+                      "EncodedImages", "QUICK", "RunResult", "TransformerLM", "folder_dataset",
+                      "lm_data", "lm_loss", "run_demo",
                       "shapes_dataset"},
     "tunedjax.trainer": {"Callback", "Checkpointer", "History", "Progress", "TrainState",
                          "Trainer", "TrainerError"},
@@ -90,3 +91,15 @@ def test_jax_internals_are_reached_from_compat_only():
   offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                if re.search(r"^\s*(from|import)\s+jax\._src", p.read_text(), re.MULTILINE)]
   assert offenders == [str(pathlib.Path("rewrite", "_compat.py"))]
+
+
+def test_the_lazy_table_and_the_type_checking_imports_list_every_public_name():
+  import ast
+  import inspect
+  source = inspect.getsource(tj)
+  checked = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      checked |= {alias.asname or alias.name for stmt in node.body
+                  for alias in getattr(stmt, "names", ())}
+  assert set(tj._LAZY) == set(tj.__all__) == checked

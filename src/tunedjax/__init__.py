@@ -25,6 +25,8 @@ _LAZY = {
     "rewrite": ("tunedjax.rewrite", None),
     "trainer": ("tunedjax.trainer", None),
     "attention": ("tunedjax._attention", "attention"),
+    "AttentionSwap": ("tunedjax._attention_flax", "AttentionSwap"),
+    "use_tuned_attention": ("tunedjax._attention_flax", "use_tuned_attention"),
     "Config": ("tunedjax._config", "Config"),
     "config_context": ("tunedjax._config", "config_context"),
     "get_config": ("tunedjax._config", "get_config"),
@@ -69,6 +71,8 @@ if _typing.TYPE_CHECKING:
   from tunedjax import rewrite as rewrite
   from tunedjax import trainer as trainer
   from tunedjax._attention import attention as attention
+  from tunedjax._attention_flax import AttentionSwap as AttentionSwap
+  from tunedjax._attention_flax import use_tuned_attention as use_tuned_attention
   from tunedjax._config import Config as Config
   from tunedjax._config import config_context as config_context
   from tunedjax._config import get_config as get_config
@@ -88,6 +92,7 @@ if _typing.TYPE_CHECKING:
 
 
 __all__ = [
+    "AttentionSwap",
     "AutotuneError",
     "CacheWarning",
     "Config",
@@ -111,4 +116,5 @@ __all__ = [
     "rewrite",
     "set_config",
     "trainer",
+    "use_tuned_attention",
 ]

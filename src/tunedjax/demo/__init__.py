@@ -36,6 +36,9 @@ from tunedjax.demo._data import DemoDataError as DemoDataError
 from tunedjax.demo._data import EncodedImages as EncodedImages
 from tunedjax.demo._data import folder_dataset as folder_dataset
 from tunedjax.demo._data import shapes_dataset as shapes_dataset
+from tunedjax.demo._lm import TransformerLM as TransformerLM
+from tunedjax.demo._lm import lm_data as lm_data
+from tunedjax.demo._lm import lm_loss as lm_loss
 from tunedjax.demo._model import DemoNet as DemoNet
 from tunedjax.demo._run import DEFAULT as DEFAULT
 from tunedjax.demo._run import QUICK as QUICK
@@ -51,7 +54,10 @@ __all__ = [
     "DemoOptions",
     "EncodedImages",
     "RunResult",
+    "TransformerLM",
     "folder_dataset",
+    "lm_data",
+    "lm_loss",
     "run_demo",
     "shapes_dataset",
 ]

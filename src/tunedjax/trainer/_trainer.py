@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tunedjax import _attention_flax
 from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
@@ -91,7 +92,10 @@ class Trainer:
   ``autotune=True`` runs this trainer under ``set_config(None)``: kernel
   selection and layout in the compiled step (`tunedjax.jit`), a measured
   worker count for a `tunedjax.input_pipeline.Loader` (measured before the
-  first step against the tuned step: kernels are tuned first). ``precision`` adds the
+  first step against the tuned step: kernels are tuned first); the model's Flax
+  attention modules compute with `tunedjax.attention`, tuned per shape bucket
+  (`tunedjax.use_tuned_attention`; `attention` holds the swap, and
+  ``history.tuning["attention"]`` its buckets and fallbacks). ``precision`` adds the
   mixed-precision pass and the loss scaling its policy needs (dynamic for
   float16: a step whose gradients overflow is skipped and counted). Batches
   are sharded over the devices of `mesh` (all local devices by default,
@@ -197,6 +201,8 @@ class Trainer:
                          else mp.NoOpLossScale())
     self._skips = not isinstance(self.loss_scale, mp.NoOpLossScale)
 
+    # Flax attention modules on tunedjax.attention while kernel selection is on.
+    self.attention = _attention_flax.trainer_swap(model, self.config)
     self.adapter = adapt(model, self._with_metrics(loss_fn), example_batch=example_batch,
                          rng_streams=rng_streams)
     self.model = model
@@ -281,7 +287,7 @@ class Trainer:
 
   @contextlib.contextmanager
   def _running(self) -> Iterator[None]:
-    with config_context(self.config):
+    with config_context(self.config), self.attention or contextlib.nullcontext():
       yield
 
   # --- fit ------------------------------------------------------------------------
@@ -354,6 +360,8 @@ class Trainer:
                    eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
       loop.run()
       self.history.tuning.update(jit_summary(self._train_step))
+      if self.attention is not None:
+        self.history.tuning["attention"] = self.attention.summary(session=self.session)
       if self.checkpointer is not None:
         self.save(stream, force=True)
         self.checkpointer.wait()  # on disk when fit returns; periodic saves overlap steps
