@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import json
 import logging
 import os
@@ -167,6 +169,39 @@ def test_a_much_slower_candidate_is_screened_after_one_call(monkeypatch):
   assert calls == [(["t_transposed", "xla"], 1)]  # no full rounds: only xla was left
   assert result.winner == "xla" and result.ratios["t_transposed"] == pytest.approx(10.0)
   assert len(result.timings["t_transposed"]) == 1
+
+
+def test_the_call_that_checks_a_candidate_is_its_screening_round(monkeypatch):
+  spec = _spec()
+  calls = collections.Counter()
+  real_runner = _tuner._runner
+
+  def counting_runner(executable, operands):
+    run = real_runner(executable, operands)
+    name = next(n for n, e in compiled.items() if e is executable)
+
+    def counted():
+      calls[name] += 1
+      return run()
+    return counted
+
+  compiled = {}
+  real_compile_all = _tuner._compile_all
+
+  def remembering(functions, args):
+    compiled.update(real_compile_all(functions, args))
+    return compiled
+
+  monkeypatch.setattr(_tuner, "_runner", counting_runner)
+  monkeypatch.setattr(_tuner, "_compile_all", remembering)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=2))
+  # One call checks the result and is timed as the screening round; then the
+  # timed rounds. No separate screening call.
+  assert set(calls) == {"xla", "t_transposed"}
+  for name, n in calls.items():
+    assert n == 1 + len(result.timings[name]), (name, n, result.timings)
 
 
 def test_time_budget_bounds_a_bucket():

@@ -7,8 +7,9 @@ must not pass), computes the reference with the family's default kernel
 try/except. A candidate that raises (XLA:CPU's YNNPACK failure in an im2col
 backward is a real example) is logged and skipped; one whose result differs
 from the reference beyond its dtype's tolerance is dropped. The survivors are
-timed side by side with `time_interleaved` (after one screening call each, which
-drops any that takes over `SCREEN_FACTOR` times xla's time), and a candidate wins only if the
+timed side by side with `time_interleaved` (the call that checks each result is
+timed too, side by side, as a screening round that drops any that takes over
+`SCREEN_FACTOR` times xla's time), and a candidate wins only if the
 median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
 noise margin (10% by default): tuning can only make things faster. Timing
 stops early once the choice is clear (`clear_choice`), and a time budget
@@ -320,6 +321,35 @@ def _runner(executable: Any, operands: Sequence[jax.Array]) -> Callable[[], Any]
   return lambda: executable(*operands)
 
 
+def _keeping(outputs: dict[str, Any], name: str, run: Callable[[], Any]) -> Callable[[], None]:
+  """`run` for timing, keeping its result (or what it raised) in ``outputs[name]``."""
+
+  def call() -> None:
+    try:
+      outputs[name] = jax.block_until_ready(run())
+    except Exception as e:  # pylint: disable=broad-except  # reported by the check
+      outputs[name] = e
+
+  return call
+
+
+def _output(outputs: Mapping[str, Any], name: str, run: Callable[[], Any]) -> Any:
+  """The screening call's result, or (when it was not made) a call's now; an
+  exception is returned, not raised."""
+  if name in outputs:
+    return outputs[name]
+  try:
+    return jax.block_until_ready(run())
+  except Exception as e:  # pylint: disable=broad-except  # reported by the check
+    return e
+
+
+def _failed(errors: dict[str, str], name: str, e: BaseException, label: str) -> None:
+  errors[name] = _describe_error(e)
+  logger.warning("autotune %s: candidate %r failed and is skipped: %s", label, name,
+                 errors[name])
+
+
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
                 family: _registry.OpFamily | None = None) -> TuneResult:
@@ -378,10 +408,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     compiled = _compile_all({n: _timed_function(k, spec, family.timed)
                              for n, k in by_name.items()}, args)
     ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
-    ref = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(ref_run()))
-    ref_out = jax.tree_util.tree_leaves(ref)[0]
-    runners[default] = ref_run
-    tol = family.tolerance(ref_out.dtype, platform)
+    runs: dict[str, Callable[[], Any]] = {default: ref_run}
     for name in by_name:
       if name == default:
         continue
@@ -389,12 +416,28 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
         skipped.append(name)
         continue
       try:
-        run = _runner(compiled[name], args)
-        out = jax.block_until_ready(run())
-      except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
-        errors[name] = _describe_error(e)
-        logger.warning("autotune %s: candidate %r failed and is skipped: %s",
-                       label, name, errors[name])
+        runs[name] = _runner(compiled[name], args)
+      except Exception as e:  # pylint: disable=broad-except  # failed to compile: skip it
+        _failed(errors, name, e, label)
+    # One call each, side by side: the call that checks a candidate's result is
+    # also its screening round (a candidate many times slower than xla, an FFT
+    # on a small kernel, is dropped before it costs `rounds` calls).
+    outputs: dict[str, Any] = {}
+    screen = _tuning.time_interleaved({n: _keeping(outputs, n, r) for n, r in runs.items()},
+                                      rounds=1, warmup=0)
+    ref = _output(outputs, default, ref_run)
+    if isinstance(ref, BaseException):
+      raise ref
+    ref = jax.tree_util.tree_map(np.asarray, ref)
+    ref_out = jax.tree_util.tree_leaves(ref)[0]
+    runners[default] = ref_run
+    tol = family.tolerance(ref_out.dtype, platform)
+    for name, run in runs.items():
+      if name == default:
+        continue
+      out = _output(outputs, name, run)
+      if isinstance(out, BaseException):
+        _failed(errors, name, out, label)
         continue
       err = _leaves_error(out, ref)
       if not err <= tol:
@@ -406,6 +449,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                        list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
         continue
       runners[name] = run
+    del outputs
     if skipped:
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   label, options.budget_s, ", ".join(skipped))
@@ -413,9 +457,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       return _finish(default, "no other candidate passed the checks", {}, {}, errors,
                      rejected, skipped, start, label)
     try:
-      # One compiled call each first: a candidate many times slower than xla
-      # (an FFT on a small kernel) is dropped before it costs `rounds` calls.
-      screen = _tuning.time_interleaved(runners, rounds=1, warmup=0)
+      screen = {n: screen[n] for n in runners}
       slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
               if n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
       for name in slow:
