@@ -222,3 +222,14 @@ def test_weight_layout_round_trips_and_plan_reads_the_layout_report(rng):
   new, out = jax.jit(step)(stored, 1.0)
   np.testing.assert_allclose(layout.to_logical(new)[1], tree[1] * 2.0)
   np.testing.assert_allclose(out, tree[1].sum(), rtol=1e-5)
+
+
+def test_a_model_without_kernel_shaped_parameters_is_not_traced(monkeypatch):
+  import tunedjax as tj
+  from tests.trainer import models as m
+  trainer = Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, autotune=LAYOUT_ON,
+                    progress=False)
+  monkeypatch.setattr(_relayout._pipeline, "plan", lambda *a, **k: pytest.fail("traced"))
+  batch = {k: v[:16] for k, v in m.regression_data().items()}
+  with tj.config_context(trainer.config):
+    assert _relayout.plan(lambda *a: 0.0, trainer.state, batch, trainer.config) is None

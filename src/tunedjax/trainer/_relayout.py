@@ -188,6 +188,8 @@ def plan(forward: Callable[[Any, Any, Any, Any], Any], state: Any, batch: Any,
   """
   if not config.layout.enable or config.layout.mode != "heuristic":
     return None
+  if not any(getattr(x, "ndim", 0) >= 3 for x in jax.tree_util.tree_leaves(state.params)):
+    return None  # no parameter can be a convolution kernel: nothing to trace
   stages = []
   for stage in _pipeline.plan(config, platform):
     if isinstance(stage, (_pipeline.KernelStage, _pipeline.CleanupStage)):
