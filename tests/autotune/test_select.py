@@ -204,6 +204,24 @@ def test_the_call_that_checks_a_candidate_is_its_screening_round(monkeypatch):
     assert n == 1 + len(result.timings[name]), (name, n, result.timings)
 
 
+@pytest.mark.parametrize("ratio, calls_expected", [(0.05, 1), (0.5, 2)])
+def test_a_decisive_screening_round_ends_the_timing(monkeypatch, ratio, calls_expected):
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(rounds)
+    return {n: [ratio if n == "t_transposed" else 1.0] * rounds for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert len(calls) == calls_expected  # the screening round, then (if not decisive) rounds
+  assert result.winner == "t_transposed"
+  assert result.ratios["t_transposed"] == pytest.approx(ratio)
+
+
 def test_time_budget_bounds_a_bucket():
   spec = _spec()
   with h.registered("t_transposed", "t_wrong"):

@@ -11,9 +11,10 @@ timed side by side with `time_interleaved` (the call that checks each result is
 timed too, side by side, as a screening round that drops any that takes over
 `SCREEN_FACTOR` times xla's time), and a candidate wins only if the
 median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
-noise margin (10% by default): tuning can only make things faster. Timing
-stops early once the choice is clear (`clear_choice`), and a time budget
-bounds the whole bucket.
+noise margin (10% by default): tuning can only make things faster. A
+candidate 10x faster than xla in the screening round wins at once
+(`decisive`); otherwise timing stops early once the choice is clear
+(`clear_choice`), and a time budget bounds the whole bucket.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ SCREEN_FACTOR = 4.0
 # it of the threshold: more rounds could not change the choice.
 CLEAR_FACTOR = 1.5
 MIN_ROUNDS = 2
+# A candidate at most this fraction of xla's time in the screening call, and
+# CLEAR_FACTOR ahead of every other one, wins without more rounds: a first
+# call's warm-up cannot hide a 10x gap (the demo's depthwise buckets run at
+# 0.02-0.03x, and each further round would run xla's slow form again).
+DECISIVE_RATIO = 0.1
 
 
 
@@ -248,6 +254,27 @@ def clear_choice(times: Mapping[str, Sequence[float]], margin: float = DEFAULT_M
   if worst_of_best < threshold / CLEAR_FACTOR:  # a clear winner, if clear of the others
     return all(min(r) > worst_of_best * CLEAR_FACTOR for n, r in ratios.items() if n != best)
   return all(min(r) > threshold * CLEAR_FACTOR for r in ratios.values())
+
+
+def decisive(times: Mapping[str, Sequence[float]], *, default: str = DEFAULT) -> bool:
+  """Whether one round already settles the choice: a candidate at most
+  `DECISIVE_RATIO` of the default's time and `CLEAR_FACTOR` ahead of the rest.
+
+  Example:
+    >>> decisive({"xla": [1.0], "depthwise": [0.03], "im2col": [0.9]})
+    True
+    >>> decisive({"xla": [1.0], "depthwise": [0.3]})
+    False
+  """
+  base = times.get(default, ())
+  if not base or base[0] <= 0:
+    return False
+  ratios = {n: t[0] / base[0] for n, t in times.items() if n != default and t}
+  if not ratios:
+    return False
+  best = min(ratios, key=ratios.get)
+  return ratios[best] <= DECISIVE_RATIO and all(
+      r >= ratios[best] * CLEAR_FACTOR for n, r in ratios.items() if n != best)
 
 
 def _timed_function(kernel: Any, spec: Any, timed: str) -> Callable[..., Any]:
@@ -463,7 +490,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       for name in slow:
         del runners[name]
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
-      if len(runners) > 1:
+      if len(runners) > 1 and decisive({n: screen[n] for n in runners}, default=default):
+        timings.update({n: screen[n] for n in runners})
+      elif len(runners) > 1:
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
         # The screening call counts as a round toward a clear choice, so a
         # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
