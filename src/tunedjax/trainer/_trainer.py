@@ -96,7 +96,12 @@ class Trainer:
   mixed-precision pass and the loss scaling its policy needs (dynamic for
   float16: a step whose gradients overflow is skipped and counted). Batches
   are sharded over the devices of `mesh` (all local devices by default,
-  data-parallel); parameters are replicated.
+  data-parallel); parameters are replicated. With the layout pass on, the
+  convolution kernels it would transpose at every step (an NCHW model's OIHW
+  kernels on CPU) are kept in `state` in the layout they run in, with their
+  optimizer state, from the first step on (``history.tuning["layout_weights"]``);
+  `model`, `variables`, `predict`, `evaluate` and checkpoints see the
+  model's own layout.
 
   Args:
     model: a Flax ``nnx.Module``, or a ``linen.Module`` with `example_batch`.
