@@ -194,6 +194,7 @@ def test_the_call_that_checks_a_candidate_is_its_screening_round(monkeypatch):
 
   monkeypatch.setattr(_tuner, "_runner", counting_runner)
   monkeypatch.setattr(_tuner, "_compile_all", remembering)
+  monkeypatch.setattr(_tuner, "decisive", lambda *a, **k: False)  # always timed rounds
   with h.registered("t_transposed"):
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
                                 options=_tuner.TuneOptions(rounds=2))
@@ -220,6 +221,26 @@ def test_a_decisive_screening_round_ends_the_timing(monkeypatch, ratio, calls_ex
   assert len(calls) == calls_expected  # the screening round, then (if not decisive) rounds
   assert result.winner == "t_transposed"
   assert result.ratios["t_transposed"] == pytest.approx(ratio)
+
+
+def test_a_fast_default_first_call_decides_nothing(monkeypatch):
+  # xla's screening call under SCREEN_MIN_S: first-call costs could fake a 10x
+  # gap or a 4x loss, so nothing is dropped or decided from it.
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(rounds)
+    first = len(calls) == 1
+    return {n: [(0.001 if first else 0.01) if n == "xla" else 0.01] * rounds
+            for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert calls == [1, 3]  # not screened out at 10x in the first call: timed, and equal
+  assert result.winner == "xla" and result.ratios["t_transposed"] == pytest.approx(1.0)
 
 
 def test_time_budget_bounds_a_bucket():

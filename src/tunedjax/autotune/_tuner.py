@@ -55,6 +55,11 @@ MIN_ROUNDS = 2
 # call's warm-up cannot hide a 10x gap (the demo's depthwise buckets run at
 # 0.02-0.03x, and each further round would run xla's slow form again).
 DECISIVE_RATIO = 0.1
+# The screening round is each kernel's first call, which carries one-time
+# costs (measured on CPU: ~3 ms for a fresh executable, ~60 ms for the
+# process's first convolution). Below this many seconds of xla's call the
+# round drops nothing and decides nothing: every candidate gets timed rounds.
+SCREEN_MIN_S = 0.1
 
 
 
@@ -485,12 +490,14 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                      rejected, skipped, start, label)
     try:
       screen = {n: screen[n] for n in runners}
+      telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
       slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
-              if n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
+              if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
       for name in slow:
         del runners[name]
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
-      if len(runners) > 1 and decisive({n: screen[n] for n in runners}, default=default):
+      if (len(runners) > 1 and telling
+          and decisive({n: screen[n] for n in runners}, default=default)):
         timings.update({n: screen[n] for n in runners})
       elif len(runners) > 1:
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
