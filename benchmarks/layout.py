@@ -18,6 +18,20 @@ batch 8, forward and SGD train step. Variants, interleaved in one run:
 Target (issue #4): optimized NCHW within 5% of hand-written NHWC and faster
 than plain NCHW. Checks that every variant computes the same outputs first.
 
+Then the same two networks as Flax nnx modules trained by `tunedjax.Trainer`
+(layout pass on, kernel selection off, SGD with momentum), timed per step
+(`fit` over pre-made batches) and per `predict` call:
+
+- NHWC model: the hand-written channels-last network, HWIO parameters (the baseline);
+- NCHW model: the PyTorch port, OIHW parameters; the Trainer keeps its
+  kernels (and their momentum) stored HWIO between steps, so no step
+  transposes them;
+- NCHW model, kernels not re-laid: the same with that storage switched off
+  (each step transposes the OIHW kernels, as `layout.optimize` alone does).
+
+Target (issue #18): the NCHW model within 5% of the NHWC model, train step
+and forward.
+
 Run: `.venv/bin/python benchmarks/layout.py [--quick] [--write] [--image N] [--rounds N]`.
 """
 
@@ -31,10 +45,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 from jax import lax
 
 import _harness
 from tunedjax import layout
+from tunedjax.trainer import Trainer
+from tunedjax.trainer import _relayout
 
 STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))
 NCHW = ("NCHW", "OIHW", "NCHW")
@@ -158,6 +176,72 @@ def bench(title: str, fns: dict, args_for: dict, rounds: int) -> tuple[str, _har
   return _harness.ratio_table(t, notes=notes), t
 
 
+class Ported(nnx.Module):
+  """`resnet18` as an nnx module over a parameter tree (OIHW or HWIO kernels)."""
+
+  def __init__(self, params: dict, *, channels_last: bool):
+    self.channels_last = channels_last
+    self.p = nnx.data(jax.tree_util.tree_map(nnx.Param, params))
+
+  def __call__(self, x):
+    params = jax.tree_util.tree_map(lambda v: v[...], self.p,
+                                    is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return resnet18(params, x, channels_last=self.channels_last)
+
+
+def _xent(model, batch):
+  logits = model(batch["x"])
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
+
+
+TR_NHWC, TR_NCHW, TR_PLAIN = ("NHWC model, Trainer", "NCHW model, Trainer",
+                              "NCHW model, Trainer, kernels not re-laid")
+
+
+def trainer_tables(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: int,
+                   steps: int) -> tuple[str, _harness.Timings, str, _harness.Timings, dict]:
+  """Per-step and per-predict times of the Trainer on the NCHW and NHWC models."""
+  batch_nchw = {"x": np.asarray(x_nchw), "y": np.asarray(y)}
+  batch_nhwc = {"x": np.asarray(x_nchw.transpose(0, 2, 3, 1)), "y": np.asarray(y)}
+  made = {}
+  real_plan = _relayout.plan
+  for name, params, last, batch in ((TR_NHWC, to_nhwc_params(p_nchw), True, batch_nhwc),
+                                    (TR_NCHW, p_nchw, False, batch_nchw),
+                                    (TR_PLAIN, p_nchw, False, batch_nchw)):
+    _relayout.plan = real_plan if name != TR_PLAIN else (lambda *a, **k: None)
+    try:
+      params = jax.tree_util.tree_map(jnp.copy, params)  # each trainer donates its own
+      trainer = Trainer(Ported(params, channels_last=last), optax.sgd(0.01, momentum=0.9),
+                        _xent, autotune={"layout": {"enable": True}}, progress=False)
+      trainer.fit([batch], steps=1)  # plans the storage, compiles
+      trainer.predict(batch["x"])
+    finally:
+      _relayout.plan = real_plan
+    made[name] = (trainer, batch)
+  losses = {name: t.history.losses[0] for name, (t, _) in made.items()}
+  if max(losses.values()) - min(losses.values()) > 1e-3 * abs(losses[TR_NHWC]):
+    raise SystemExit(f"Trainer: the first losses differ: {losses}")
+
+  def fit(name):
+    trainer, batch = made[name]
+    trainer.fit([batch] * steps, steps=trainer.step + steps)
+    jax.block_until_ready(trainer.state)
+
+  def predict(name):
+    trainer, batch = made[name]
+    trainer.predict(batch["x"])
+
+  train_t = _harness.interleaved({n: (lambda n=n: fit(n)) for n in made}, baseline=TR_NHWC,
+                                 rounds=rounds, warmup=1)
+  fwd_t = _harness.interleaved({n: (lambda n=n: predict(n)) for n in made}, baseline=TR_NHWC,
+                               rounds=rounds, warmup=1)
+  per_step = _harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()},
+                              TR_NHWC)
+  tuning = made[TR_NCHW][0].history.tuning.get(_relayout.KEY, {})
+  return (_harness.ratio_table(per_step), per_step, _harness.ratio_table(fwd_t), fwd_t,
+          tuning)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="32x32 images, 3 rounds (smoke test)")
@@ -165,6 +249,9 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--rounds", type=int, default=None, help="default 5 (3 with --quick)")
+  parser.add_argument("--trainer-steps", type=int, default=None,
+                      help="Trainer steps per timed run (default 3, 1 with --quick)")
+  parser.add_argument("--no-trainer", action="store_true", help="skip the Trainer tables")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   args = parser.parse_args(argv)
   image = args.image or (32 if args.quick else 224)
@@ -205,6 +292,10 @@ def main(argv=None) -> int:
 
   fwd_table, fwd_t = bench("forward", fwd, fwd_args, rounds)
   train_table, train_t = bench("train step", train, train_args, rounds)
+
+  if not args.no_trainer:
+    tr_step, tr_step_t, tr_fwd, tr_fwd_t, tr_tuning = trainer_tables(
+        p_nchw, x_nchw, y, rounds=rounds, steps=args.trainer_steps or (1 if args.quick else 3))
 
   n_params = sum(a.size for a in jax.tree_util.tree_leaves(p_nchw) if a.ndim == 4)
   r_nchw = layout.explain(fwd_nchw, p_nchw, x_nchw)
@@ -257,6 +348,36 @@ def main(argv=None) -> int:
       "is the NHWC network paying that same cost: the bound for a pass that keeps the "
       "function's signature. Hand-written NHWC with HWIO-stored kernels avoids it.",
   ])
+  if not args.no_trainer:
+    def trainer_verdict(t, what):
+      r = t.ratio(TR_NCHW)
+      return (f"Target ({what}): NCHW model / NHWC model = {r:.3f} (within 5%: "
+              f"{'met' if r <= 1.05 else 'NOT met'}); without the re-laid storage "
+              f"{t.ratio(TR_PLAIN):.3f}.")
+
+    body += "\n".join([
+        "", "",
+        "### The Trainer: NCHW model against the same model written NHWC",
+        "",
+        (f"Both as Flax nnx modules trained by `tunedjax.Trainer` (layout pass on, kernel "
+        f"selection off, SGD with momentum, the same batch); ratios to the NHWC model. "
+        f"Train step: `fit` over {args.trainer_steps or (1 if args.quick else 3)} steps per "
+        "timed run, divided per step. The Trainer's record of the storage: "
+        f"{tr_tuning.get('weights', 0)} kernels and {tr_tuning.get('optimizer_leaves', 0)} "
+        f"momentum leaves kept for {tr_tuning.get('target', '-')}."),
+        "",
+        "Train step:",
+        "",
+        tr_step,
+        "",
+        trainer_verdict(tr_step_t, "train step"),
+        "",
+        "Forward (`Trainer.predict` on one batch):",
+        "",
+        tr_fwd,
+        "",
+        trainer_verdict(tr_fwd_t, "forward"),
+    ])
   print(body)
   if args.write:
     suffix = ("_quick" if args.quick else "") + ("" if args.dtype == "float32" else f"_{args.dtype}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import json
 import logging
 import os
@@ -167,6 +169,78 @@ def test_a_much_slower_candidate_is_screened_after_one_call(monkeypatch):
   assert calls == [(["t_transposed", "xla"], 1)]  # no full rounds: only xla was left
   assert result.winner == "xla" and result.ratios["t_transposed"] == pytest.approx(10.0)
   assert len(result.timings["t_transposed"]) == 1
+
+
+def test_the_call_that_checks_a_candidate_is_its_screening_round(monkeypatch):
+  spec = _spec()
+  calls = collections.Counter()
+  real_runner = _tuner._runner
+
+  def counting_runner(executable, operands):
+    run = real_runner(executable, operands)
+    name = next(n for n, e in compiled.items() if e is executable)
+
+    def counted():
+      calls[name] += 1
+      return run()
+    return counted
+
+  compiled = {}
+  real_compile_all = _tuner._compile_all
+
+  def remembering(functions, args):
+    compiled.update(real_compile_all(functions, args))
+    return compiled
+
+  monkeypatch.setattr(_tuner, "_runner", counting_runner)
+  monkeypatch.setattr(_tuner, "_compile_all", remembering)
+  monkeypatch.setattr(_tuner, "decisive", lambda *a, **k: False)  # always timed rounds
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=2))
+  # One call checks the result and is timed as the screening round; then the
+  # timed rounds. No separate screening call.
+  assert set(calls) == {"xla", "t_transposed"}
+  for name, n in calls.items():
+    assert n == 1 + len(result.timings[name]), (name, n, result.timings)
+
+
+@pytest.mark.parametrize("ratio, calls_expected", [(0.05, 1), (0.5, 2)])
+def test_a_decisive_screening_round_ends_the_timing(monkeypatch, ratio, calls_expected):
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(rounds)
+    return {n: [ratio if n == "t_transposed" else 1.0] * rounds for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert len(calls) == calls_expected  # the screening round, then (if not decisive) rounds
+  assert result.winner == "t_transposed"
+  assert result.ratios["t_transposed"] == pytest.approx(ratio)
+
+
+def test_a_fast_default_first_call_decides_nothing(monkeypatch):
+  # xla's screening call under SCREEN_MIN_S: first-call costs could fake a 10x
+  # gap or a 4x loss, so nothing is dropped or decided from it.
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(rounds)
+    first = len(calls) == 1
+    return {n: [(0.001 if first else 0.01) if n == "xla" else 0.01] * rounds
+            for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert calls == [1, 3]  # not screened out at 10x in the first call: timed, and equal
+  assert result.winner == "xla" and result.ratios["t_transposed"] == pytest.approx(1.0)
 
 
 def test_time_budget_bounds_a_bucket():

@@ -7,12 +7,14 @@ must not pass), computes the reference with the family's default kernel
 try/except. A candidate that raises (XLA:CPU's YNNPACK failure in an im2col
 backward is a real example) is logged and skipped; one whose result differs
 from the reference beyond its dtype's tolerance is dropped. The survivors are
-timed side by side with `time_interleaved` (after one screening call each, which
-drops any that takes over `SCREEN_FACTOR` times xla's time), and a candidate wins only if the
+timed side by side with `time_interleaved` (the call that checks each result is
+timed too, side by side, as a screening round that drops any that takes over
+`SCREEN_FACTOR` times xla's time), and a candidate wins only if the
 median of its per-round time ratios to ``xla`` beats ``xla`` by more than a
-noise margin (10% by default): tuning can only make things faster. Timing
-stops early once the choice is clear (`clear_choice`), and a time budget
-bounds the whole bucket.
+noise margin (10% by default): tuning can only make things faster. A
+candidate 10x faster than xla in the screening round wins at once
+(`decisive`); otherwise timing stops early once the choice is clear
+(`clear_choice`), and a time budget bounds the whole bucket.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ MIN_ROUNDS = 2
 # on their temporaries.
 MEMORY_SLACK = 0.10
 OBJECTIVES = ("time", "memory")
+# A candidate at most this fraction of xla's time in the screening call, and
+# CLEAR_FACTOR ahead of every other one, wins without more rounds: a first
+# call's warm-up cannot hide a 10x gap (the demo's depthwise buckets run at
+# 0.02-0.03x, and each further round would run xla's slow form again).
+DECISIVE_RATIO = 0.1
+# The screening round is each kernel's first call, which carries one-time
+# costs (measured on CPU: ~3 ms for a fresh executable, ~60 ms for the
+# process's first convolution). Below this many seconds of xla's call the
+# round drops nothing and decides nothing: every candidate gets timed rounds.
+SCREEN_MIN_S = 0.1
 
 
 
@@ -324,6 +336,27 @@ def _temp_bytes(executable: Any) -> int | None:
   return int(size) if isinstance(size, (int, np.integer)) and size >= 0 else None
 
 
+def decisive(times: Mapping[str, Sequence[float]], *, default: str = DEFAULT) -> bool:
+  """Whether one round already settles the choice: a candidate at most
+  `DECISIVE_RATIO` of the default's time and `CLEAR_FACTOR` ahead of the rest.
+
+  Example:
+    >>> decisive({"xla": [1.0], "depthwise": [0.03], "im2col": [0.9]})
+    True
+    >>> decisive({"xla": [1.0], "depthwise": [0.3]})
+    False
+  """
+  base = times.get(default, ())
+  if not base or base[0] <= 0:
+    return False
+  ratios = {n: t[0] / base[0] for n, t in times.items() if n != default and t}
+  if not ratios:
+    return False
+  best = min(ratios, key=ratios.get)
+  return ratios[best] <= DECISIVE_RATIO and all(
+      r >= ratios[best] * CLEAR_FACTOR for n, r in ratios.items() if n != best)
+
+
 def _timed_function(kernel: Any, spec: Any, timed: str) -> Callable[..., Any]:
   """What is checked and timed for `kernel`: ``f(*operands)``, or for
   ``"forward+backward"`` ``f(cotangent, *operands) -> (output, gradients of
@@ -395,6 +428,35 @@ def _runner(executable: Any, operands: Sequence[jax.Array]) -> Callable[[], Any]
   return lambda: executable(*operands)
 
 
+def _keeping(outputs: dict[str, Any], name: str, run: Callable[[], Any]) -> Callable[[], None]:
+  """`run` for timing, keeping its result (or what it raised) in ``outputs[name]``."""
+
+  def call() -> None:
+    try:
+      outputs[name] = jax.block_until_ready(run())
+    except Exception as e:  # pylint: disable=broad-except  # reported by the check
+      outputs[name] = e
+
+  return call
+
+
+def _output(outputs: Mapping[str, Any], name: str, run: Callable[[], Any]) -> Any:
+  """The screening call's result, or (when it was not made) a call's now; an
+  exception is returned, not raised."""
+  if name in outputs:
+    return outputs[name]
+  try:
+    return jax.block_until_ready(run())
+  except Exception as e:  # pylint: disable=broad-except  # reported by the check
+    return e
+
+
+def _failed(errors: dict[str, str], name: str, e: BaseException, label: str) -> None:
+  errors[name] = _describe_error(e)
+  logger.warning("autotune %s: candidate %r failed and is skipped: %s", label, name,
+                 errors[name])
+
+
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
                 family: _registry.OpFamily | None = None) -> TuneResult:
@@ -455,10 +517,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     temps = {n: b for n, b in ((n, _temp_bytes(c)) for n, c in compiled.items()
                                if not isinstance(c, BaseException)) if b is not None}
     ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
-    ref = jax.tree_util.tree_map(np.asarray, jax.block_until_ready(ref_run()))
-    ref_out = jax.tree_util.tree_leaves(ref)[0]
-    runners[default] = ref_run
-    tol = family.tolerance(ref_out.dtype, platform)
+    runs: dict[str, Callable[[], Any]] = {default: ref_run}
     for name in by_name:
       if name == default:
         continue
@@ -466,12 +525,28 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
         skipped.append(name)
         continue
       try:
-        run = _runner(compiled[name], args)
-        out = jax.block_until_ready(run())
-      except Exception as e:  # pylint: disable=broad-except  # any failure: skip it
-        errors[name] = _describe_error(e)
-        logger.warning("autotune %s: candidate %r failed and is skipped: %s",
-                       label, name, errors[name])
+        runs[name] = _runner(compiled[name], args)
+      except Exception as e:  # pylint: disable=broad-except  # failed to compile: skip it
+        _failed(errors, name, e, label)
+    # One call each, side by side: the call that checks a candidate's result is
+    # also its screening round (a candidate many times slower than xla, an FFT
+    # on a small kernel, is dropped before it costs `rounds` calls).
+    outputs: dict[str, Any] = {}
+    screen = _tuning.time_interleaved({n: _keeping(outputs, n, r) for n, r in runs.items()},
+                                      rounds=1, warmup=0)
+    ref = _output(outputs, default, ref_run)
+    if isinstance(ref, BaseException):
+      raise ref
+    ref = jax.tree_util.tree_map(np.asarray, ref)
+    ref_out = jax.tree_util.tree_leaves(ref)[0]
+    runners[default] = ref_run
+    tol = family.tolerance(ref_out.dtype, platform)
+    for name, run in runs.items():
+      if name == default:
+        continue
+      out = _output(outputs, name, run)
+      if isinstance(out, BaseException):
+        _failed(errors, name, out, label)
         continue
       err = _leaves_error(out, ref)
       if not err <= tol:
@@ -483,6 +558,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                        list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
         continue
       runners[name] = run
+    del outputs
     if skipped:
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   label, options.budget_s, ", ".join(skipped))
@@ -490,15 +566,17 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       return _finish(default, "no other candidate passed the checks", {}, {}, errors,
                      rejected, skipped, start, label, temps)
     try:
-      # One compiled call each first: a candidate many times slower than xla
-      # (an FFT on a small kernel) is dropped before it costs `rounds` calls.
-      screen = _tuning.time_interleaved(runners, rounds=1, warmup=0)
+      screen = {n: screen[n] for n in runners}
+      telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
       slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
-              if n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
+              if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
       for name in slow:
         del runners[name]
       timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
-      if len(runners) > 1:
+      if (len(runners) > 1 and telling
+          and decisive({n: screen[n] for n in runners}, default=default)):
+        timings.update({n: screen[n] for n in runners})
+      elif len(runners) > 1:
         left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
         # The screening call counts as a round toward a clear choice, so a
         # decisive bucket (a depthwise kernel at 0.05x) needs one round more.

@@ -69,6 +69,7 @@ def _run_plain(closed: Any, flat: list[Any]) -> list[Any]:
 def _run_relaid(closed: Any, flat: list[Any], target: str, platform: str
                 ) -> tuple[list[Any], LayoutState]:
   state = LayoutState(target)
+  state.track_inputs(flat)
   pass_ = make_pass(state)
   ctx = rewrite.Context(pass_, platform=platform)
   return rewrite.eval_jaxpr(closed, flat, pass_, context=ctx), state
@@ -135,7 +136,8 @@ class Optimized:
     if decision == "unchanged":
       reason += f"; every convolution is already in {target}"
     return LayoutReport(target=target, decision=decision, reason=reason, counts=counts,
-                        transposes_after=inserted, **base, **extra)
+                        transposes_after=inserted, kernel_inputs=dict(state.kernel_inputs),
+                        **base, **extra)
 
   def _measured(self, closed: Any, flat: list[Any], target: str, platform: str,
                 reason: str, base: dict[str, Any]) -> tuple[list[Any], LayoutReport]:

@@ -44,6 +44,12 @@ class LayoutReport:
     seconds: measured median seconds per call, ``{"original": s, "relaid": s}``
       (measure mode only).
     cached: the decision came from the in-process or persistent cache.
+    kernel_inputs: ``{input index: perm}``: the inputs (flat, in the order
+      of ``jax.tree_util.tree_leaves(args)``) that are convolution kernels
+      the pass transposes at every call, each to ``transpose(input, perm)``.
+      A caller that keeps such an input stored as ``transpose(input, perm)``
+      and undoes that at the top of the function (the pass absorbs the
+      user's transpose) saves those transposes: the Trainer does this.
   """
 
   signature: str
@@ -57,6 +63,7 @@ class LayoutReport:
   transposes_after: int | None = None
   seconds: Mapping[str, float] | None = None
   cached: bool = False
+  kernel_inputs: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
   name = "layout"
 
   @property
@@ -88,6 +95,8 @@ class LayoutReport:
     if self.transposes_before is not None and self.transposes_after is not None:
       lines.append(f"  transposes in the jaxpr: {self.transposes_before} before, "
                    f"{self.transposes_after} after (weights included)")
+    if self.kernel_inputs:
+      lines.append(f"  kernel inputs transposed at every call: {len(self.kernel_inputs)}")
     if self.seconds:
       timed = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.seconds.items())
       lines.append(f"  measured median per call: {timed}")

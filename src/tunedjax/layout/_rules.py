@@ -77,6 +77,7 @@ REDUCTIONS = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
     "reduce_or", "reduce_xor", "argmax", "argmin",
 })
+_CASTS = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 WINDOWED = frozenset({
     "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
@@ -175,6 +176,8 @@ class _Rules:
     rhs_perm = perm_of(rhs)
     if rhs_perm is None:
       rhs_perm = _kernel_order(dn.rhs_spec, target)
+      if not weight_grad:
+        st.note_kernel(rhs, rhs_perm)
       rhs_arr = st.to_perm(rhs, rhs_perm)
     else:
       rhs_arr = rhs.array
@@ -218,7 +221,10 @@ class _Rules:
     rank = len(out_shape)
     perm = _common_perm(invals, rank)
     if perm is None or _sharded(eqn):
-      return ctx.default(eqn, invals)
+      outs = ctx.default(eqn, invals)
+      if eqn.primitive.name in _CASTS:  # a kernel input cast (mixed precision) is still it
+        self.st.same_input(invals[0], outs[0])
+      return outs
     for v, var in zip(invals, eqn.invars):
       shape = var.aval.shape
       if shape and (len(shape) != rank

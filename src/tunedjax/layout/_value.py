@@ -112,16 +112,46 @@ class LayoutState:
   Attributes:
     target: ``"NHWC"`` or ``"NCHW"``.
     counts: counters shown in the report ("convolutions re-laid", ...).
+    kernel_inputs: ``{input index: perm}``: the function's inputs (seen
+      through casts) that the pass transposes into a convolution kernel's
+      layout at every call; inputs read by convolutions in two different
+      layouts are left out. Filled only when `track_inputs` was called.
   """
 
   def __init__(self, target: str):
     self.target = target
     self.counts: collections.Counter[str] = collections.Counter()
+    self.kernel_inputs: dict[int, Perm] = {}
     self._memo: dict[tuple[int, Perm], tuple[Any, Any]] = {}
     self._logical_memo: dict[int, tuple[Any, Any]] = {}
+    self._inputs: dict[int, tuple[Any, int]] = {}  # id(value) -> (value, input index)
+    self._conflicting: set[int] = set()
 
   def count(self, what: str, n: int = 1) -> None:
     self.counts[what] += n
+
+  def track_inputs(self, values: Sequence[Any]) -> None:
+    """Remembers the function's inputs, so `kernel_inputs` can name them."""
+    for i, value in enumerate(values):
+      self._inputs.setdefault(id(value), (value, i))
+
+  def same_input(self, source: Any, derived: Any) -> None:
+    """`derived` is `source` cast (same shape): it stands for the same input."""
+    hit = self._inputs.get(id(source))
+    if hit is not None:
+      self._inputs.setdefault(id(derived), (derived, hit[1]))
+
+  def note_kernel(self, value: Any, perm: Perm) -> None:
+    """A plain `value` was transposed to `perm` for a convolution's kernel."""
+    hit = self._inputs.get(id(value))
+    if hit is None or is_identity(perm):
+      return
+    index = hit[1]
+    if index in self._conflicting:
+      return
+    if self.kernel_inputs.setdefault(index, tuple(perm)) != tuple(perm):
+      del self.kernel_inputs[index]  # two layouts wanted: storing either one helps neither
+      self._conflicting.add(index)
 
   def converted(self, value: Any) -> list[tuple[Perm, Any]]:
     """The layouts a plain value was already converted to (no new transposes)."""

@@ -28,6 +28,7 @@ from tunedjax._config import Config, ConfigLike, config_context, get_config
 from tunedjax._errors import format_choices
 from tunedjax._jit import jit as tj_jit
 from tunedjax.mixed_precision._policy import canonical_dtype
+from tunedjax.trainer import _relayout
 from tunedjax.trainer import _step
 from tunedjax.trainer._callbacks import Callback, CallbackList
 from tunedjax.trainer._checkpoint import Checkpointer
@@ -99,7 +100,12 @@ class Trainer:
   mixed-precision pass and the loss scaling its policy needs (dynamic for
   float16: a step whose gradients overflow is skipped and counted). Batches
   are sharded over the devices of `mesh` (all local devices by default,
-  data-parallel); parameters are replicated.
+  data-parallel); parameters are replicated. With the layout pass on, the
+  convolution kernels it would transpose at every step (an NCHW model's OIHW
+  kernels on CPU) are kept in `state` in the layout they run in, with their
+  optimizer state, from the first step on (``history.tuning["layout_weights"]``);
+  `model`, `variables`, `predict`, `evaluate` and checkpoints see the
+  model's own layout.
 
   Args:
     model: a Flax ``nnx.Module``, or a ``linen.Module`` with `example_batch`.
@@ -228,18 +234,66 @@ class Trainer:
                                               allreduce=allreduce), self._out_names)
     # This trainer's kernel-tuning phase, step counter and statistics.
     self.session = _tuning.TuningSession(f"Trainer-{id(self):x}")
-    self._train_step = tj_jit(step, donate_argnums=0, session=self.session)
-    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
-                               session=self.session)
-                        if self.steps_per_execution > 1 else None)
-    self._eval_step = tj_jit(_step.make_eval_step(self.adapter), session=self.session)
-    self._predictors: dict[Any, Any] = {}
+    self._step_fn = step
+    # Convolution kernels stored in the layout they run in (planned before the
+    # first step; the passes do not reach into an all-reduce's shard_map body).
+    self._weights: _relayout.WeightLayout | None = None
+    self._weights_planned = allreduce is not None
+    self._compile_steps()
     self.checkpointer = (Checkpointer(checkpoint_dir, max_to_keep=max_checkpoints)
                          if checkpoint_dir is not None else None)
     self.history = History()
     self.stop_training = False
 
   # --- the pieces -------------------------------------------------------------
+
+  def _compile_steps(self) -> None:
+    """The compiled steps, for the state as `_weights` stores it."""
+    step = self._stored(self._step_fn, step=True)
+    self._train_step = tj_jit(step, donate_argnums=0, session=self.session)
+    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
+                               session=self.session)
+                        if self.steps_per_execution > 1 else None)
+    self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
+                             session=self.session)
+    self._predictors: dict[Any, Any] = {}
+
+  def _stored(self, fn: Callable[..., Any], *, step: bool = False) -> Callable[..., Any]:
+    """`fn(state, x)` taking the state as stored (re-laid kernels undone inside)."""
+    if self._weights is None:
+      return fn
+    return self._weights.wrap_step(fn) if step else self._weights.wrap_reader(fn)
+
+  def _logical_state(self) -> _step.TrainState:
+    """The state in the model's own layout (`state` may hold re-laid kernels)."""
+    return self.state if self._weights is None else self._weights.to_logical(self.state)
+
+  def _logical_params(self) -> Any:
+    """`state.params` in the model's own layout (their leaves come first in the state)."""
+    params = self.state.params
+    return params if self._weights is None else self._weights.to_logical(params)
+
+  def _lay_out_weights(self, batch: Any) -> None:
+    """Once, before the first step: keep kernels in the layout their convolutions run in.
+
+    The layout pass would transpose each such kernel (an input of the step)
+    on every call; stored re-laid, the step's own transposes cancel out. See
+    `_relayout`.
+    """
+    self._weights_planned = True
+    adapter = self.adapter
+
+    def forward(params: Any, rest: Any, batch: Any, rng: Any) -> Any:
+      return adapter.loss(params, rest, batch, rng, train=True)[0]
+
+    with self._running():
+      weights = _relayout.plan(forward, self.state, batch, self.config)
+    if weights is None:
+      return
+    self._weights = weights
+    self.state = weights.to_stored(self.state)
+    self._compile_steps()
+    self.history.tuning[_relayout.KEY] = weights.summary()
 
   def _allreduce(self, dtype: Any) -> _step.AllReduce | None:
     if dtype is None:
@@ -278,12 +332,13 @@ class Trainer:
   def variables(self) -> dict[str, Any]:
     """The model's state: ``{"params": ..., <collections>}`` (linen) or nnx
     ``{"params": Param state, "rest": other state}``."""
+    params = self._logical_params()
     if self.adapter.kind == "linen":
-      return {"params": self.state.params, **self.state.rest}
-    return {"params": self.state.params, "rest": self.state.rest}
+      return {"params": params, **self.state.rest}
+    return {"params": params, "rest": self.state.rest}
 
   def _sync_model(self) -> None:
-    self.adapter.write_back(self.state.params, self.state.rest)
+    self.adapter.write_back(self._logical_params(), self.state.rest)
 
   @contextlib.contextmanager
   def _running(self) -> Iterator[None]:
@@ -377,6 +432,8 @@ class Trainer:
     scratch: list[Any] = []
 
     def consumer(batch: Any) -> None:
+      if not self._weights_planned:
+        self._lay_out_weights(self.placement.put(batch))
       if not scratch:  # a copy: tuning never changes the real state
         scratch.append(jax.tree_util.tree_map(jnp.copy, self.state))
       scratch[0], out = self._train_step(scratch[0], self.placement.put(batch))
@@ -469,7 +526,8 @@ class Trainer:
     batches = predict_batches(x_or_data, batch_size)  # checks x_or_data
     key = fn
     if key not in self._predictors:
-      self._predictors[key] = tj_jit(_step.make_predict(self.adapter, fn), session=self.session)
+      self._predictors[key] = tj_jit(self._stored(_step.make_predict(self.adapter, fn)),
+                                     session=self.session)
     predict = self._predictors[key]
     outs = []
     with self._running():
@@ -491,7 +549,7 @@ class Trainer:
                 "data": stream.get_state() if stream is not None else None,
                 "trainer": {"steps_per_execution": self.steps_per_execution,
                             "seed": self.seed, "kind": self.adapter.kind}}
-    return self.checkpointer.save(self.step, self.state, metadata, force=force)
+    return self.checkpointer.save(self.step, self._logical_state(), metadata, force=force)
 
   def restore(self, checkpoint_dir: Any = None, *, step: int | None = None) -> dict[str, Any]:
     """Restores the state and history of a checkpoint (the latest by default).
@@ -507,12 +565,15 @@ class Trainer:
                     else self.checkpointer)
     if checkpointer is None:
       raise TrainerError("Trainer.restore needs a checkpoint_dir: this Trainer has none.")
-    target = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+    if self._weights is None:
+      target = jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+    else:  # checkpoints hold the model's own layout
+      target = self._weights.logical_abstract(self.state)
     if checkpointer is self.checkpointer:
       checkpointer.wait()
     state, metadata = checkpointer.restore(step, target=target)
-    self.state = state
+    self.state = state if self._weights is None else self._weights.to_stored(state)
     self.history = History.from_dict(metadata["history"])
     self._sync_model()
     logger.info("Trainer: restored step %d from %s", self.step, checkpointer.directory)
@@ -593,6 +654,8 @@ class _Loop:
   def _dispatch(self, batches: list[Any], step: int) -> int:
     """Runs `batches` from global step `step`; returns the next step."""
     t, k = self.t, self.t.steps_per_execution
+    if not t._weights_planned:
+      t._lay_out_weights(t.placement.put(batches[0]))
     for s in range(step, step + len(batches)):
       t.session.step(index=s)
     sizes = [_size(b) for b in batches]
