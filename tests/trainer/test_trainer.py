@@ -322,3 +322,20 @@ def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_app
   # Tuned before step 0, so no step runs (or compiles) the observe phase's all-xla program.
   reports = trainer._train_step.report(memory=False)
   assert len(reports) == 1 and not any("(observe)" in k for r in reports for k in r.kernels)
+
+
+def test_training_does_not_delete_the_arrays_the_model_was_built_with():
+  # The train step donates its state; on one device a plain device_put would
+  # hand the step the model's own buffers, and the first step would delete them.
+  model = m.NnxMLP()
+  before = [np.array(x) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))]
+  held = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))  # the user's references
+  data = m.regression_data()
+  Trainer(model, m.optimizer(), m.nnx_loss, **QUIET).fit(data, batch_size=16, steps=2)
+  for array, value in zip(held, before):
+    assert not array.is_deleted()
+    np.testing.assert_array_equal(np.asarray(array), value)
+  # A second trainer built from arrays the first has trained from works.
+  twin = m.NnxMLP()
+  nnx.update(twin, nnx.state(model))
+  Trainer(twin, m.optimizer(), m.nnx_loss, **QUIET).fit(data, batch_size=16, steps=1)

@@ -348,7 +348,10 @@ class Placement:
     """`tree` replicated on every device of the mesh (every process passes the
     same values, as each initialises the model from the same seed)."""
     if jax.process_count() == 1:
-      return jax.device_put(tree, self.replicated)
+      # Copies: the train step donates its state, and device_put alone can hand
+      # it the caller's own buffers to delete (one device, or the first shard
+      # of a replicated array), even with may_alias=False.
+      return jax.device_put(jax.tree_util.tree_map(_copy, tree), self.replicated)
     return jax.tree_util.tree_map(self._replicate_global, tree)
 
   def _replicate_global(self, x: Any) -> Any:
@@ -358,3 +361,8 @@ class Placement:
                                       impl=impl)
     host = np.asarray(jax.device_get(x))
     return jax.make_array_from_callback(host.shape, self.replicated, lambda index: host[index])
+
+
+def _copy(x: Any) -> Any:
+  """A jax.Array in fresh buffers; anything else as it is."""
+  return x.copy() if isinstance(x, jax.Array) else x
