@@ -46,7 +46,7 @@ def test_matching_rows_still_train():
 def test_a_batch_of_a_new_shape_after_the_cached_check_is_still_checked():
   from tunedjax.trainer._data import BatchChecker
   rng = np.random.default_rng(0)
-  batch = lambda n, w=8: {"x": rng.normal(size=(n, w)).astype(np.float32),  # noqa: E731
+  batch = lambda n, w=8: {"x": rng.normal(size=(n, w)).astype(np.float32),
                           "y": rng.normal(size=n).astype(np.float32)}
   checker = BatchChecker("train_data")
   for i in range(3):  # the first checks; the next two are found among those that passed
@@ -70,6 +70,7 @@ def test_a_batch_of_a_new_shape_after_the_cached_check_is_still_checked():
 def test_one_device_placement_hands_numpy_batches_to_the_step_and_trains_identically():
   import jax
   from jax.sharding import Mesh
+
   from tunedjax.trainer._data import Placement
 
   one = Mesh(np.array(jax.devices()[:1]), ("data",))
