@@ -134,6 +134,52 @@ def first_call(name: str, step: Callable[..., Any], args: tuple[Any, ...],
           t.ratio("tj.jit O1, warm tuning cache"))
 
 
+def first_call_parts(step: Callable[..., Any], args: tuple[Any, ...],
+                     rounds: int) -> tuple[str, dict[str, float]]:
+  """Where the first call's time goes: trace (with the passes), lowering, compiling.
+
+  Fresh functions each round, `jax.jit` and `tj.jit` interleaved; each is
+  traced, lowered and compiled by hand (`.trace`, `.lower`, `.compile`:
+  what a first call does before it runs). Compiling is also given in CPU
+  seconds of the process (XLA:CPU compiles on several threads), which move
+  less with the machine's load than wall time. `tj.jit`'s trace is split
+  by its `SignatureReport.trace_s` (tracing the function and running the
+  passes) and the share the layout pass and kernel selection spend in their
+  own evaluations.
+  """
+  parts: dict[str, list[float]] = {}
+
+  def add(key: str, value: float) -> None:
+    parts.setdefault(key, []).append(value)
+
+  for r in range(rounds):
+    for name in (("jax", "tj") if r % 2 == 0 else ("tj", "jax")):
+      fn = jax.jit(_fresh(step)) if name == "jax" else tj.jit(_fresh(step))
+      t0 = time.perf_counter()
+      traced = fn.trace(*args)
+      t1 = time.perf_counter()
+      lowered = traced.lower()
+      t2 = time.perf_counter()
+      cpu = time.process_time()
+      lowered.compile()
+      add(f"{name} compile cpu", time.process_time() - cpu)
+      t3 = time.perf_counter()
+      add(f"{name} trace", t1 - t0)
+      add(f"{name} lower", t2 - t1)
+      add(f"{name} compile", t3 - t2)
+      add(f"{name} eqns", len(traced.jaxpr.eqns))
+  m = {k: statistics.median(v) for k, v in parts.items()}
+  rows = ["| part | `jax.jit` (s) | `tj.jit` (s) | difference (s) |", "|---|---:|---:|---:|"]
+  for part in ("trace", "lower", "compile", "compile cpu"):
+    label = {"trace": "trace (tj: + passes)", "lower": "lower to StableHLO",
+             "compile": "XLA compile (wall)", "compile cpu": "XLA compile (process CPU)"}[part]
+    rows.append(f"| {label} | {m['jax ' + part]:.3f} | {m['tj ' + part]:.3f} | "
+                f"{m['tj ' + part] - m['jax ' + part]:+.3f} |")
+  rows.append(f"| top-level equations | {m['jax eqns']:.0f} | {m['tj eqns']:.0f} | "
+              f"{m['tj eqns'] - m['jax eqns']:+.0f} |")
+  return "\n".join(rows), m
+
+
 def end_to_end(name: str, step: Callable[..., Any], args: tuple[Any, ...],
                rounds: int) -> tuple[str, dict[str, float]]:
   fns: dict[str, Callable[[], Any]] = {"jax.jit": _ready(jax.jit(step), args)}
@@ -161,6 +207,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--image", type=int, default=64, help="ResNet/MobileNet image size")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--first-call", action="store_true",
+                      help="only the first-call tables (and where the time goes); no --write")
   args = parser.parse_args(argv)
   rounds = args.rounds or (2 if args.quick else 7)
   image = 16 if args.quick else args.image
@@ -170,6 +218,16 @@ def main(argv=None) -> int:
 
   tj.set_config({**tj.get_config().to_dict(), "kernel": {"enable": True},
                  "layout": {"enable": True}})
+  if args.first_call:
+    resnet_step, resnet_args = resnet_problem(image, quick=args.quick)
+    first_resnet, r_resnet = first_call(
+        f"ResNet-18 NCHW train step, batch 8, {image}x{image}", resnet_step, resnet_args,
+        max(3, rounds // 2))
+    parts, _ = first_call_parts(resnet_step, resnet_args, max(3, rounds // 2))
+    print(f"Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
+          f"{first_resnet}\n\nWhere the time goes (medians):\n\n{parts}\n\n"
+          f"ResNet-18 first call: {r_resnet:.3f}x `jax.jit`'s")
+    return 0
   steady, s = steady_state(rounds, calls)
   print(steady, file=sys.stderr)
   mlp_step, mlp_args = mlp_problem()

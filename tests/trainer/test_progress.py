@@ -173,3 +173,37 @@ def test_update_after_close_raises():
 ])
 def test_si(value, text):
   assert si(value) == text
+
+
+def test_figures_given_as_functions_are_computed_only_when_shown():
+  out, clock = io.StringIO(), _Clock()
+  calls = []
+
+  def throughput():
+    calls.append(clock.t)
+    return 1000.0 + clock.t
+
+  p = Progress(total=None, mode="log", log_every_s=10, stream=out, clock=clock)
+  for t in range(25):
+    clock.t = float(t)
+    p.update(t + 1, loss=lambda t=t: 1.0 / (t + 1), samples_per_s=throughput)
+  assert calls == [0.0, 10.0, 20.0]  # once per line written, not once per step
+  p.close()  # the held-back line is formatted now, with its own step's figures
+  assert calls[-1] == 24.0
+  assert out.getvalue().splitlines() == [
+      "train step 1 loss 1 1k samples/s",
+      "train step 11 loss 0.09091 1.01k samples/s",
+      "train step 21 loss 0.04762 1.02k samples/s",
+      "train step 25 loss 0.04 1.02k samples/s",
+  ]
+
+
+def test_bar_postfix_is_formatted_once_per_redraw_and_shows_the_last_figures_at_close():
+  out, clock = io.StringIO(), _Clock()
+  calls = []
+  with Progress(total=None, mode="bar", stream=out, clock=clock) as p:
+    for step in range(1, 101):  # no clock movement: one redraw interval
+      p.update(step, loss=lambda step=step: calls.append(step) or 1.0 / step)
+    assert calls == [1]
+  assert calls == [1, 100]  # close shows the last update's figures
+  assert "loss=0.01" in out.getvalue()

@@ -46,6 +46,14 @@ def si(value: float) -> str:
   return f"{value:.3g}P"
 
 
+Figure = Any  # a number or a string, a function returning one, or None (not shown)
+
+
+def _shown(figure: Figure) -> Any:
+  """A figure's value: a function given for it is called now."""
+  return figure() if callable(figure) else figure
+
+
 def _value(v: Any) -> str:
   if isinstance(v, float):
     return f"{v:.4g}"
@@ -109,8 +117,10 @@ class Progress:
       mode = "bar" if notebook or _isatty(self._stream) else "log"
     self.mode = mode
     self._closed = False
-    self._last_print: float | None = None  # clock time of the last log line
-    self._pending: str | None = None  # a log line not written yet
+    self._last_print: float | None = None  # clock time of the last log line / bar postfix
+    # The figures of an update not shown yet: log mode's held-back line, or
+    # the bar's postfix between refreshes (formatted only when shown).
+    self._pending: tuple[int, tuple[Any, ...]] | None = None
     self._started = False
     self._bar: Any = None
     if mode == "bar":
@@ -132,8 +142,10 @@ class Progress:
     """Whether `close` has run."""
     return self._closed
 
-  def _postfix(self, loss: float | None, samples_per_s: float | None,
-               phase: str | None, extra: dict[str, Any], sep: str) -> list[str]:
+  def _postfix(self, loss: Figure, samples_per_s: Figure, phase: Figure,
+               extra: dict[str, Any], sep: str) -> list[str]:
+    loss, samples_per_s, phase = _shown(loss), _shown(samples_per_s), _shown(phase)
+    extra = {k: _shown(v) for k, v in extra.items()}
     parts = []
     if loss is not None:
       parts.append(f"loss{sep}{float(loss):.4g}")
@@ -144,10 +156,14 @@ class Progress:
     parts.extend(f"{k}{sep}{_value(v)}" for k, v in extra.items())
     return parts
 
-  def update(self, step: int, *, loss: float | None = None,
-             samples_per_s: float | None = None, phase: str | None = None,
-             n: int = 1, **extra: float | str) -> None:
+  def update(self, step: int, *, loss: Figure = None, samples_per_s: Figure = None,
+             phase: Figure = None, n: int = 1, **extra: Figure) -> None:
     """Advances by `n` steps and shows the latest figures.
+
+    Each figure may be given as a function of no arguments instead of a
+    value: it is called only if the figures are shown (a log line is
+    written, the bar's postfix is refreshed), so a figure that costs host
+    time is not computed on every step. Figures are formatted only when shown.
 
     Args:
       step: the global step count after this update (the 120 of "step
@@ -166,6 +182,10 @@ class Progress:
       raise RuntimeError("Progress.update() after close(); make a new Progress.")
     if self.mode == "off":
       return
+    figures = (loss, samples_per_s, phase, extra)
+    now = self._clock()
+    last = self._total is not None and step >= self._total
+    due = self._last_print is None or last
     if self.mode == "bar":
       bar = self._bar
       if not self._started and step - n > 0:
@@ -173,24 +193,34 @@ class Progress:
         # counts from `initial`.
         bar.initial = bar.n = bar.last_print_n = step - n
       self._started = True
-      bar.set_postfix_str(", ".join(self._postfix(loss, samples_per_s, phase, extra, "=")),
-                          refresh=False)
+      # tqdm redraws at most every `mininterval` seconds: the postfix is
+      # formatted as often, and the held figures at `close`.
+      if due or now - self._last_print >= bar.mininterval:
+        self._set_postfix(figures)
+        self._last_print, self._pending = now, None
+      else:
+        self._pending = (step, figures)
       bar.update(n)
       return
+    if due or now - self._last_print >= self._log_every_s:
+      self._write(self._line(step, figures))
+      self._last_print, self._pending = now, None
+    else:
+      self._pending = (step, figures)
+
+  def _set_postfix(self, figures: tuple[Any, ...]) -> None:
+    loss, samples_per_s, phase, extra = figures
+    self._bar.set_postfix_str(", ".join(self._postfix(loss, samples_per_s, phase, extra, "=")),
+                              refresh=False)
+
+  def _line(self, step: int, figures: tuple[Any, ...]) -> str:
+    loss, samples_per_s, phase, extra = figures
     line = f"{self._desc} {self._unit} {step}"
     if self._total is not None:
       line += f"/{self._total}"
       if self._total > 0:
         line += f" ({100 * step // self._total}%)"
-    line = " ".join([line, *self._postfix(loss, samples_per_s, phase, extra, " ")])
-    now = self._clock()
-    last = self._total is not None and step >= self._total
-    if self._last_print is None or last or now - self._last_print >= self._log_every_s:
-      self._write(line)
-      self._last_print = now
-      self._pending = None
-    else:
-      self._pending = line
+    return " ".join([line, *self._postfix(loss, samples_per_s, phase, extra, " ")])
 
   def _write(self, line: str) -> None:
     self._stream.write(line + "\n")
@@ -213,8 +243,10 @@ class Progress:
     if self._closed:
       return
     self._closed = True
+    pending, self._pending = self._pending, None
     if self._bar is not None:
+      if pending is not None:
+        self._set_postfix(pending[1])
       self._bar.close()
-    elif self._pending is not None:
-      self._write(self._pending)
-      self._pending = None
+    elif pending is not None:
+      self._write(self._line(*pending))

@@ -686,7 +686,7 @@ class _Loop:
       return
     info, outs = self.pending
     self.pending = None
-    values = jax.device_get(outs)  # one array per dispatch
+    values = [np.asarray(o) for o in outs]  # one array per dispatch
     now = time.perf_counter()
     share = (now - self.last_ready) / len(info)
     self.last_ready = now
@@ -706,11 +706,11 @@ class _Loop:
       t.history.record_step(step, loss, share, samples=size, metrics=metrics,
                             skipped=not finite)
       self.callbacks.on_step_end(t, step, {"loss": loss, **metrics, "skipped": not finite})
+    # Figures that cost host time are functions: computed only when shown.
     self.bar.update(info[-1][0] + 1, loss=t.history.losses[-1],
-                    samples_per_s=(t.history.throughput(last=50)
-                                   if self.bar.mode != "off" else None),
-                    phase=t.session.phase(t.config) if t.config.kernel.enable else None,
-                    n=len(info))
+                    samples_per_s=lambda: t.history.throughput(last=50),
+                    phase=(lambda: t.session.phase(t.config)) if t.config.kernel.enable
+                    else None, n=len(info))
 
   def _evaluate(self, step: int) -> dict[str, float]:
     results = self.t.evaluate(self.eval_data, batch_size=self.batch_size)
