@@ -540,7 +540,8 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
   ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
   with tj.config_context(config):
     got = tj_step(*full_args)
-  agree = {"tunedjax": agreement(float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
+  agree = {"tunedjax (tj.jit, kernel selection)": agreement(
+      float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
 
   variants: dict[str, Callable[[], Any]] = {}
   notes: dict[str, str] = {}
