@@ -14,7 +14,9 @@ the same step with batch norm written out in primitive ops as JAX computes
 it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
 MobileNet-style step's batch norms call `tunedjax.autotune._bn_family.batch_norm`
 (the batch-norm op family's call site: the reference under `jax.jit`, the
-tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`. The
+tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`, routed to
+the same family under `tj.jit` by `autotune.route_batch_norm` (as the Trainer
+does). `--bf16` also times tunedjax on the opt-in mixed-precision policy. The
 strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
 ``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
 gives the same step.
