@@ -14,7 +14,9 @@ the same step with batch norm written out in primitive ops as JAX computes
 it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
 MobileNet-style step's batch norms call `tunedjax.autotune._bn_family.batch_norm`
 (the batch-norm op family's call site: the reference under `jax.jit`, the
-tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`. The
+tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`, routed to
+the same family under `tj.jit` by `autotune.route_batch_norm` (as the Trainer
+does). `--bf16` also times tunedjax on the opt-in mixed-precision policy. The
 strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
 ``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
 gives the same step.
@@ -92,15 +94,15 @@ def _torch_or_reexec() -> Any:
 
 torch = _torch_or_reexec()
 
+import _harness  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import kernels as kernels_bench  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 from jax import lax  # pylint: disable=wrong-import-position
 
-import _harness  # pylint: disable=wrong-import-position
-import kernels as kernels_bench  # pylint: disable=wrong-import-position
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
@@ -157,6 +159,9 @@ def demo_jax(width: int, classes: int = 10):
       conv.padding = ((1, 1), (1, 1))
   graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
 
+  # nnx.BatchNorm onto the batch-norm family under tj.jit (as the Trainer does); under
+  # jax.jit, outside kernel selection, Flax's own code.
+  @autotune.route_batch_norm()
   def loss(params, stats, x, y):
     m = nnx.merge(graphdef, params, stats, copy=True)
     logits = m(x)
@@ -537,7 +542,8 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
   ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
   with tj.config_context(config):
     got = tj_step(*full_args)
-  agree = {"tunedjax": agreement(float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
+  agree = {"tunedjax (tj.jit, kernel selection)": agreement(
+      float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
 
   variants: dict[str, Callable[[], Any]] = {}
   notes: dict[str, str] = {}
@@ -575,11 +581,6 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
       if name == BASELINE:
         profiles["PyTorch eager, channels_last"] = torch_profile(variants[name],
                                                                  args.profile_steps)
-  for name, err in agree.items():
-    print(f"{net}: one step, {name} vs jax.jit: relative error {err:.1e}", file=sys.stderr)
-  bad = {n: e for n, e in agree.items() if not e <= AGREEMENT_BOUND}
-  if bad:
-    raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
 
   def tj_run():
     with tj.config_context(config):
@@ -587,18 +588,37 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
 
   variants["jax.jit"] = _block(xla_step, full_args)
   variants["tunedjax (tj.jit, kernel selection)"] = tj_run
-  if net == "mobilenet":  # the batch-norm family's share: the same step, batch norm pinned to xla
-    pinned = {"kernel": {"enable": True, "hints": {"batch_norm": "xla"}},
-              "cache": {"dir": cache_dir}}
-    with tj.config_context(pinned):
-      tj_pinned = tj.jit(step, session=session)
-      jax.block_until_ready(tj_pinned(*full_args))
 
-    def tj_pinned_run():
-      with tj.config_context(pinned):
-        return jax.block_until_ready(tj_pinned(*full_args))
+  def tj_variant(name: str, variant_config: dict[str, Any]) -> None:
+    """Another tj.jit of the step under `variant_config` (same session: tuned buckets reused)."""
+    with tj.config_context(variant_config):
+      fn = tj.jit(step, session=session)
+      out = jax.block_until_ready(fn(*full_args))
+    if not variant_config.get("mixed_precision", {}).get("enable"):
+      agree[name] = agreement(float(out[0]), flat_names(out[1]), ref_loss, ref_grads)
+    else:  # bfloat16 compute: reported, not held to the float32 bound
+      notes[name] = (f"bf16 compute: one step vs jax.jit "
+                     f"{agreement(float(out[0]), flat_names(out[1]), ref_loss, ref_grads):.1e}")
 
-    variants["tunedjax, batch norm pinned to xla"] = tj_pinned_run
+    def run():
+      with tj.config_context(variant_config):
+        return jax.block_until_ready(fn(*full_args))
+
+    variants[name] = run
+
+  cache = {"dir": cache_dir}
+  # The batch-norm family's share: the same step, batch norm pinned to the reference.
+  tj_variant("tunedjax, batch norm pinned to xla",
+             {"kernel": {"enable": True, "hints": {"batch_norm": "xla"}}, "cache": cache})
+  if args.bf16:  # the opt-in mixed-precision path (bfloat16 compute, float32 parameters)
+    tj_variant("tunedjax, mixed precision (bf16 compute)",
+               {"kernel": {"enable": True}, "mixed_precision": {"enable": True},
+                "cache": cache})
+  for name, err in agree.items():
+    print(f"{net}: one step, {name} vs jax.jit: relative error {err:.1e}", file=sys.stderr)
+  bad = {n: e for n, e in agree.items() if not e <= AGREEMENT_BOUND}
+  if bad:
+    raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
   baseline = BASELINE if BASELINE in variants else "jax.jit"
   timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1)
 
@@ -635,23 +655,23 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
   for r in results:
     t = r.timings
     lines += ["", f"### {r.name}, {r.shape}", "",
-              "| variant | ms per step | ratio to baseline | per-round range | "
-              "one step vs jax.jit | note |", "|---|---:|---:|---:|---:|---|"]
+              ("| variant | ms per step | ratio to baseline | per-round range | "
+              "one step vs jax.jit | note |"), "|---|---:|---:|---:|---:|---|"]
     for name in t.runs:
       lo, hi = t.spread(name)
       err = r.agreement.get(name)
       note = r.notes.get(name, "")
-      if name.startswith("tunedjax"):
+      if name == "tunedjax (tj.jit, kernel selection)":
         note = f"tuning {r.tuning_s:.0f} s on the first call"
       lines.append(f"| {name} | {1e3 * t.median(name):.1f} | {t.ratio(name):.2f} | "
                    f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | {note} |")
     groups = sorted({g for prof in r.profiles.values() for g in prof[0]},
                     key=lambda g: -max(p[0].get(g, 0.0) for p in r.profiles.values()))
     sides = list(r.profiles)
-    lines += ["", f"Where the time goes (ms per step, {args.profile_steps} profiled steps; "
+    lines += ["", (f"Where the time goes (ms per step, {args.profile_steps} profiled steps; "
               "PyTorch: `torch.profiler` self CPU time per aten op; JAX: `jax.profiler` "
               "thunk time per HLO instruction of the compiled step, summed over threads, grouped "
-              "by what the instruction computes):", "",
+              "by what the instruction computes):"), "",
               "| group | " + " | ".join(sides) + " |",
               "|---|" + "---:|" * len(sides)]
     for g in groups:
@@ -665,9 +685,9 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
           f"`{n}` ({k}) {ms:.1f}" for n, k, ms in top[:8]) + "."]
     shown = [b for b in r.buckets if b.op == "batch_norm" or b.kernel not in (None, "xla")]
     if r.buckets:
-      lines += ["", f"tunedjax's kernel buckets (`autotune.explain`; times from the tuner, "
+      lines += ["", (f"tunedjax's kernel buckets (`autotune.explain`; times from the tuner, "
                 f"forward only): {len(r.buckets)} buckets, {len(r.buckets) - len(shown)} of "
-                "them convolutions left on xla; the others:",
+                "them convolutions left on xla; the others:"),
                 "", "| bucket | sites | kernel | xla (ms) | kernel (ms) | speedup |",
                 "|---|---:|---|---:|---:|---:|"]
       for b in shown:
@@ -688,6 +708,8 @@ def main(argv=None) -> int:
   parser.add_argument("--net", choices=("mobilenet", "demo", "both"), default="both")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
   parser.add_argument("--profile-steps", type=int, default=None)
+  parser.add_argument("--bf16", action="store_true",
+                      help="also time tunedjax with the mixed-precision policy (bf16 compute)")
   args = parser.parse_args(argv)
   args.rounds = args.rounds or (2 if args.quick else 9)
   args.profile_steps = args.profile_steps or (1 if args.quick else 3)

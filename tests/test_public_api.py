@@ -17,11 +17,12 @@ PUBLIC = {
                  "History", "Trainer", "trainer", "AttentionSwap", "use_tuned_attention"},
     "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
+    "tunedjax.autotune": {"BatchNormSpec", "BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
                           "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
                           "Stats", "TuningSession", "default_session", "device_fingerprint",
                           "dispatch", "explain", "hint", "kernels", "op_families",
                           "register_kernel", "register_op_family", "select_kernels", "stats",
+                          "batch_norm", "route_batch_norm",
                           "step", "unregister_kernel", "unregister_op_family"},
     "tunedjax.mixed_precision": {
         "DEFAULT_ALLOW", "DEFAULT_DENY", "DEFAULT_FOLLOW", "DynamicLossScale",

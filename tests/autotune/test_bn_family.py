@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tunedjax as tj
 from tunedjax import autotune
@@ -17,17 +18,18 @@ KERNELS = [name for name, _, _ in _bn_kernels.KERNELS]
 
 
 def _reference64(x, scale, bias, ct, eps):
-  """Forward and the VJP of sum(y * ct), float64, through JAX's autodiff of the plain formula."""
+  """(y, mean, var) and the VJP of their cotangents `ct` (a triple), float64, through JAX's
+  autodiff of the plain formula."""
   with jax.enable_x64(True):
     def f(x, scale, bias):
       axes = tuple(range(x.ndim - 1))
       mean = jnp.mean(x, axes)
       var = jnp.mean((x - mean) ** 2, axes)
-      return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+      return (x - mean) / jnp.sqrt(var + eps) * scale + bias, mean, var
     args = [jnp.asarray(a, jnp.float64) for a in (x, scale, bias)]
-    y, vjp = jax.vjp(f, *args)
-    grads = vjp(jnp.asarray(ct, jnp.float64))
-    return np.asarray(y), [np.asarray(g) for g in grads]
+    outs, vjp = jax.vjp(f, *args)
+    grads = vjp(tuple(jnp.asarray(c, jnp.float64) for c in ct))
+    return [np.asarray(o) for o in outs], [np.asarray(g) for g in grads]
 
 
 def _rel(a, b):
@@ -38,8 +40,9 @@ def _rel(a, b):
 def _draw(rng, shape, offset):
   c = shape[-1]
   x = rng.normal(size=shape) * (0.5 + rng.random(c)) + offset * rng.normal(size=c)
+  ct = tuple(rng.normal(size=s).astype(np.float32) for s in (shape, (c,), (c,)))
   return (x.astype(np.float32), rng.normal(size=c).astype(np.float32),
-          rng.normal(size=c).astype(np.float32), rng.normal(size=shape).astype(np.float32))
+          rng.normal(size=c).astype(np.float32), ct)
 
 
 @pytest.mark.slow
@@ -54,13 +57,19 @@ def test_kernel_matches_float64_forward_and_gradient(kernel, shape, offset, seed
   x, scale, bias, ct = _draw(rng, shape, offset)
   spec = BatchNormSpec.from_arrays(x, epsilon=eps)
   fn = autotune.kernels("batch_norm")[KERNELS.index(kernel)].fn
-  y, vjp = jax.vjp(lambda *a: fn(*a, spec), jnp.asarray(x), jnp.asarray(scale),
-                   jnp.asarray(bias))
-  grads = vjp(jnp.asarray(ct))
-  want_y, want_grads = _reference64(x, scale, bias, ct, eps)
-  assert _rel(y, want_y) < 2e-5
-  for name, got, want in zip(("dx", "dscale", "dbias"), grads, want_grads):
-    assert _rel(got, want) < 2e-4, name  # float32 against float64, >= 16 rows
+  outs, vjp = jax.vjp(lambda *a: fn(*a, spec), jnp.asarray(x), jnp.asarray(scale),
+                      jnp.asarray(bias))
+  want_outs, want_grads = _reference64(x, scale, bias, ct, eps)
+  for name, got, want in zip(("y", "mean", "var"), outs, want_outs):
+    assert _rel(got, want) < 2e-5, name
+  # The output's cotangent alone (as a loss of y only gives), then all three: the
+  # statistics' cotangents (Flax's running averages, if differentiated) reach dx too.
+  only_y = (ct[0], np.zeros_like(ct[1]), np.zeros_like(ct[2]))
+  for cts in (only_y, ct):
+    grads = vjp(tuple(jnp.asarray(c) for c in cts))
+    want_grads = _reference64(x, scale, bias, cts, eps)[1]
+    for name, got, want in zip(("dx", "dscale", "dbias"), grads, want_grads):
+      assert _rel(got, want) < 2e-4, name  # float32 against float64, >= 16 rows
 
 
 def test_a_large_mean_does_not_cancel_the_variance(rng):
@@ -68,16 +77,20 @@ def test_a_large_mean_does_not_cancel_the_variance(rng):
   x = (1e3 + 0.1 * rng.normal(size=(16, 4, 4, 8))).astype(np.float32)
   scale, bias = np.ones(8, np.float32), np.zeros(8, np.float32)
   spec = BatchNormSpec.from_arrays(x)
-  want, _ = _reference64(x, scale, bias, x, 1e-5)
+  want, _ = _reference64(x, scale, bias, (x, scale, scale), 1e-5)
   for name in ("fused", "fused_dot"):
-    assert _rel(getattr(_bn_kernels, name)(x, scale, bias, spec), want) < 1e-3, name
+    y, _, var = getattr(_bn_kernels, name)(x, scale, bias, spec)
+    assert _rel(y, want[0]) < 1e-3 and _rel(var, want[2]) < 1e-3, name
 
 
 def test_outside_kernel_selection_batch_norm_is_the_reference(rng):
   x, scale, bias, _ = _draw(rng, (4, 3, 3, 5), 1.0)
   spec = BatchNormSpec.from_arrays(x)
   np.testing.assert_array_equal(_bn_family.batch_norm(x, scale, bias),
-                                _bn_kernels.xla(x, scale, bias, spec))
+                                _bn_kernels.xla(x, scale, bias, spec)[0])
+  for got, want in zip(_bn_family.batch_norm_stats(x, scale, bias),
+                       _bn_kernels.xla(x, scale, bias, spec)):
+    np.testing.assert_array_equal(got, want)
   with pytest.raises(tj.TunedJaxError, match=r"scale must have shape \(C,\) = \(5,\)"):
     _bn_family.batch_norm(x, scale[:3], bias)
 

@@ -40,6 +40,10 @@ from tunedjax._tuning import Stats as Stats
 from tunedjax._tuning import TuningSession as TuningSession
 from tunedjax._tuning import default_session as default_session
 from tunedjax._tuning import device_fingerprint as device_fingerprint
+from tunedjax.autotune import _registry  # noqa: F401  # first: it registers the families
+from tunedjax.autotune._bn_family import batch_norm as batch_norm
+from tunedjax.autotune._bn_flax import route_batch_norm as route_batch_norm
+from tunedjax.autotune._bn_spec import BatchNormSpec as BatchNormSpec
 from tunedjax.autotune._conv_spec import ConvSpec as ConvSpec
 from tunedjax.autotune._explain import BucketChoice as BucketChoice
 from tunedjax.autotune._explain import explain as explain
@@ -61,6 +65,7 @@ from tunedjax.autotune._select import dispatch as dispatch
 from tunedjax.autotune._select import select_kernels as select_kernels
 
 __all__ = [
+    "BatchNormSpec",
     "BucketChoice",
     "Cache",
     "CacheEntry",
@@ -73,6 +78,7 @@ __all__ = [
     "OpFamily",
     "Stats",
     "TuningSession",
+    "batch_norm",
     "default_session",
     "device_fingerprint",
     "dispatch",
@@ -82,6 +88,7 @@ __all__ = [
     "op_families",
     "register_kernel",
     "register_op_family",
+    "route_batch_norm",
     "select_kernels",
     "stats",
     "step",

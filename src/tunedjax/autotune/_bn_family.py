@@ -1,10 +1,11 @@
-"""The built-in ``"batch_norm"`` op family and its call-site function `batch_norm`.
+"""The built-in ``"batch_norm"`` op family and its call sites `batch_norm`, `batch_norm_stats`.
 
 Batch norm on batch statistics (training mode), channels last: a call-site
 family, because its fused backward must be in place before `jax.grad` runs
 (a jaxpr seen after differentiation holds the backward's equations already).
-`batch_norm(x, scale, bias)` builds a `BatchNormSpec` and calls
-`autotune.dispatch`: outside kernel selection (plain `jax.jit`) it runs the
+`batch_norm(x, scale, bias)` (and `batch_norm_stats`, which also returns
+the batch's mean and variance, for running averages) builds a
+`BatchNormSpec` and calls `autotune.dispatch`: outside kernel selection (plain `jax.jit`) it runs the
 reference, ``xla``; under `tunedjax.jit` with kernel selection on, the
 bucket's measured winner among ``xla``, ``fused`` and ``fused_dot``
 (`_bn_kernels`), each checked against ``xla`` on random operands first.
@@ -31,8 +32,7 @@ import numpy as np
 from tunedjax._config import BUCKETS
 from tunedjax._errors import BAD_CHOICE, AutotuneError, ConfigError, format_choices
 from tunedjax._tuning import random_array
-from tunedjax.autotune import _bn_kernels
-from tunedjax.autotune import _registry
+from tunedjax.autotune import _bn_kernels, _registry
 from tunedjax.autotune._bn_spec import BatchNormSpec
 from tunedjax.autotune._bucket import pow2
 
@@ -87,6 +87,31 @@ def register() -> None:
     _registry.register_kernel(NAME, name, fn, applicable=applicable, replace=True)
 
 
+def batch_norm_stats(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
+                     epsilon: float = 1e-5) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`batch_norm`, and the batch's per-channel mean and (biased) variance.
+
+  The statistics are those the normalisation used, differentiable like the
+  output; Flax's `BatchNorm` folds them into its running averages.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4, 4, 3)), jnp.float32)
+    >>> y, mean, var = batch_norm_stats(x, jnp.ones(3), jnp.zeros(3))
+    >>> bool(jnp.allclose(mean, x.mean((0, 1, 2)), atol=1e-6)), var.shape
+    (True, (3,))
+  """
+  c = x.shape[-1] if x.ndim else None
+  for name, v in (("scale", scale), ("bias", bias)):
+    if x.ndim < 2 or tuple(v.shape) != (c,):
+      raise AutotuneError(f"batch_norm: {name} must have shape (C,) = ({c},) for x of shape "
+                          f"{tuple(x.shape)} (rank >= 2, channels last), got "
+                          f"{tuple(v.shape)}.")
+  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
+  spec = BatchNormSpec.from_arrays(x, epsilon=epsilon)
+  return _select.dispatch(NAME, spec, x, scale.astype(x.dtype), bias.astype(x.dtype))
+
+
 def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                epsilon: float = 1e-5) -> jax.Array:
   """Batch norm on batch statistics over every axis but the last, kernel-selected.
@@ -95,7 +120,8 @@ def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   (biased) variance of each channel over the batch and spatial axes, as
   Flax's `BatchNorm` computes in training. Outside kernel selection it runs
   the reference; under `tunedjax.jit` with kernel selection on, its bucket's
-  fastest checked kernel (forward and backward).
+  fastest checked kernel (forward and backward). `route_batch_norm` sends
+  Flax's `BatchNorm` layers here.
 
   Args:
     x: the input, channels last (``(N, H, W, C)``, or any rank >= 2).
@@ -108,13 +134,12 @@ def batch_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
 
   Raises:
     AutotuneError: `scale` or `bias` is not of shape ``(C,)``.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4, 4, 3)), jnp.float32)
+    >>> y = batch_norm(x, 2 * jnp.ones(3), jnp.zeros(3))
+    >>> round(float(y.std()), 3)
+    2.0
   """
-  c = x.shape[-1] if x.ndim else None
-  for name, v in (("scale", scale), ("bias", bias)):
-    if x.ndim < 2 or tuple(v.shape) != (c,):
-      raise AutotuneError(f"batch_norm: {name} must have shape (C,) = ({c},) for x of shape "
-                          f"{tuple(x.shape)} (rank >= 2, channels last), got "
-                          f"{tuple(v.shape)}.")
-  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
-  spec = BatchNormSpec.from_arrays(x, epsilon=epsilon)
-  return _select.dispatch(NAME, spec, x, scale.astype(x.dtype), bias.astype(x.dtype))
+  return batch_norm_stats(x, scale, bias, epsilon=epsilon)[0]

@@ -1,8 +1,10 @@
 """The ``"batch_norm"`` family's kernels: batch norm on batch statistics, channels last.
 
-Each kernel is ``fn(x, scale, bias, spec) -> y`` with ``y = (x - mean) *
-rsqrt(var + eps) * scale + bias``, the statistics (biased variance) over every
-axis but the last, and differentiable in all three operands:
+Each kernel is ``fn(x, scale, bias, spec) -> (y, mean, var)`` with ``y = (x -
+mean) * rsqrt(var + eps) * scale + bias``, the statistics (``mean`` and the
+biased variance ``var``, each ``(C,)``) over every axis but the last, and all
+three outputs differentiable in all three operands (Flax's `BatchNorm` keeps
+the statistics for its running averages):
 
 - ``xla``: the computation as JAX's autodiff sees it when written out (two
   passes for the statistics: the mean, then the mean of squared deviations;
@@ -12,7 +14,8 @@ axis but the last, and differentiable in all three operands:
   the variance away) and the fused backward formula, a `jax.custom_vjp`:
   ``dx = scale * inv / n * (n * dy - sum(dy) - xhat * sum(dy * xhat))``,
   ``dscale = sum(dy * xhat)``, ``dbias = sum(dy)``: two reductions and one
-  elementwise pass instead of autodiff's chain.
+  elementwise pass instead of autodiff's chain; the statistics' cotangents
+  add ``dmean / n + 2 * dvar * (x - mean) / n`` to ``dx`` inside that pass.
 - ``fused_dot``: the same, with each column sum written as a matrix product
   with a vector of ones (`ones @ x2d`), which XLA:CPU hands to its matmul
   library (multi-threaded) instead of a reduction loop.
@@ -22,9 +25,9 @@ Example:
   >>> from tunedjax.autotune._bn_spec import BatchNormSpec
   >>> x = np.random.default_rng(0).normal(size=(4, 3, 3, 2)).astype(np.float32)
   >>> spec = BatchNormSpec.from_arrays(x)
-  >>> y = fused(x, np.ones(2, np.float32), np.zeros(2, np.float32), spec)
-  >>> np.allclose(y.reshape(-1, 2).mean(0), 0.0, atol=1e-5)
-  True
+  >>> y, mean, var = fused(x, np.ones(2, np.float32), np.zeros(2, np.float32), spec)
+  >>> np.allclose(y.reshape(-1, 2).mean(0), 0.0, atol=1e-5), np.allclose(mean, x.mean((0, 1, 2)))
+  (True, True)
 """
 
 from __future__ import annotations
@@ -42,11 +45,15 @@ from tunedjax.autotune._bn_spec import BatchNormSpec
 _FUSED_DTYPES = ("float32", "float64")
 
 
-def xla(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> jax.Array:
+Outputs = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def xla(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
   """The reference: the statistics and the normalisation as written, autodiff's backward."""
   axes = tuple(range(x.ndim - 1))
   mean, var = jnp.mean(x, axes), jnp.var(x, axes)
-  return (x - mean) * lax.rsqrt(var + jnp.asarray(spec.epsilon, x.dtype)) * scale + bias
+  y = (x - mean) * lax.rsqrt(var + jnp.asarray(spec.epsilon, x.dtype)) * scale + bias
+  return y, mean, var
 
 
 def _colsum(a: jax.Array, how: str) -> jax.Array:
@@ -67,8 +74,8 @@ def _stats(x2: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
   return shift + mean_d, var
 
 
-@functools.lru_cache(maxsize=None)
-def _fused_fn(how: str, epsilon: float) -> Callable[..., jax.Array]:
+@functools.cache
+def _fused_fn(how: str, epsilon: float) -> Callable[..., Outputs]:
   """The custom-VJP batch norm whose sums are taken `how` (``"sum"`` or ``"dot"``)."""
 
   def forward(x, scale, bias):
@@ -77,14 +84,15 @@ def _fused_fn(how: str, epsilon: float) -> Callable[..., jax.Array]:
     mean, var = _stats(x2, how)
     inv = lax.rsqrt(var + jnp.asarray(epsilon, x.dtype))
     y = (x - mean) * (scale * inv) + bias
-    return y, (x, mean, inv, scale)
+    return (y, mean, var), (x, mean, inv, scale)
 
   @jax.custom_vjp
   def bn(x, scale, bias):
     return forward(x, scale, bias)[0]
 
-  def backward(residuals, dy):
+  def backward(residuals, cotangents):
     x, mean, inv, scale = residuals
+    dy, dmean, dvar = cotangents
     c = x.shape[-1]
     n = x.size // c
     centred = x - mean
@@ -92,20 +100,22 @@ def _fused_fn(how: str, epsilon: float) -> Callable[..., jax.Array]:
     sdy = _colsum(dy2, how)
     sdyxhat = _colsum(dy2 * centred.reshape(-1, c), how) * inv  # sum(dy * xhat)
     k = scale * inv
-    dx = k * (dy - sdy / n - centred * (inv * sdyxhat / n))
+    # dx = k * (dy - sdy / n - xhat * sdyxhat / n) + dmean / n + 2 * dvar * centred / n,
+    # with the per-channel terms gathered first: one elementwise pass over x.
+    dx = k * dy - (k * sdy - dmean) / n - centred * ((k * inv * sdyxhat - 2 * dvar) / n)
     return dx, sdyxhat.astype(scale.dtype), sdy.astype(scale.dtype)
 
   bn.defvjp(forward, backward)
   return bn
 
 
-def fused(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> jax.Array:
+def fused(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
   """One-pass statistics, the fused backward formula; sums as reductions."""
   return _fused_fn("sum", float(spec.epsilon))(x, scale, bias)
 
 
 def fused_dot(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec
-              ) -> jax.Array:
+              ) -> Outputs:
   """One-pass statistics, the fused backward formula; sums as products with ones."""
   return _fused_fn("dot", float(spec.epsilon))(x, scale, bias)
 

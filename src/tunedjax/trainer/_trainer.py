@@ -27,6 +27,7 @@ from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
 from tunedjax._errors import format_choices
 from tunedjax._jit import jit as tj_jit
+from tunedjax.autotune._bn_flax import route_batch_norm
 from tunedjax.mixed_precision._policy import canonical_dtype
 from tunedjax.trainer import _relayout
 from tunedjax.trainer import _step
@@ -232,6 +233,7 @@ class Trainer:
     allreduce = self._allreduce(allreduce_dtype)
     step = _step.packed(_step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips,
                                               allreduce=allreduce), self._out_names)
+    step = route_batch_norm()(step)  # Flax BatchNorm -> the batch_norm family, when tuning
     # This trainer's kernel-tuning phase, step counter and statistics.
     self.session = _tuning.TuningSession(f"Trainer-{id(self):x}")
     self._step_fn = step

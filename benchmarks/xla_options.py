@@ -1,0 +1,217 @@
+"""XLA:CPU compiler options, per compiled program: does any beat the defaults?
+
+`jax.jit(f).lower(*args).compile(compiler_options={...})` takes XLA's
+DebugOptions per executable. This script compiles three train steps with
+each candidate option set that keeps float semantics (no fast math, no
+fast min/max, no flush-to-zero), checks each against the default program's
+outputs, and times the candidates against the default in interleaved rounds
+(the default timed twice: the A/A control):
+
+- the MobileNet-style step of `benchmarks/kernels.py` through `tunedjax.jit`
+  with kernel selection on (its batch norms through the batch-norm family),
+  batch 32 at 64x64;
+- the demo network (`tunedjax.demo.DemoNet`, width 32, batch 128 at 32x32)
+  through `tunedjax.jit`, its `nnx.BatchNorm` layers routed to the family;
+- the control: the ResNet-style step of `benchmarks/kernels.py` under plain
+  `jax.jit`, batch 16 at 32x32.
+
+A candidate that chooses fusions (the library fusion types) whose compiled
+HLO is the default's is reported as "no effect" and not timed (a library this
+jaxlib was built without, or one that does not apply to the program); the
+others act below the HLO (code generation, scheduling, threads) and are
+always timed.
+
+Run: `.venv/bin/python benchmarks/xla_options.py [--quick] [--rounds N] [--reps N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import _harness
+import jax
+import jax.numpy as jnp
+import kernels as kernels_bench
+import numpy as np
+import optax
+from flax import nnx
+
+import tunedjax as tj
+from tunedjax import autotune
+from tunedjax.autotune import _bn_family
+from tunedjax.demo import DemoNet
+
+BOUND = 1e-4  # largest relative error against the default program (float32 rounding)
+
+# name -> compiler options. The fusion-type lists replace XLA's list; jaxlib 0.10.2's
+# default for YNNPACK is individual dots, convolutions and reductions.
+YNN_DEFAULT = ("LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,"
+               "LIBRARY_FUSION_TYPE_REDUCE")
+HLO_LEVEL = ("xla_cpu_experimental_ynn_fusion_type", "xla_cpu_experimental_xnn_graph_fusion_mode",
+             "xla_cpu_experimental_onednn_fusion_type", "xla_cpu_use_onednn")
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "YNNPACK as default, spelled out": {"xla_cpu_experimental_ynn_fusion_type": YNN_DEFAULT},
+    "YNNPACK + elementwise fusions": {
+        "xla_cpu_experimental_ynn_fusion_type": YNN_DEFAULT + ",LIBRARY_FUSION_TYPE_ELTWISE"},
+    "YNNPACK + dot fusions": {
+        "xla_cpu_experimental_ynn_fusion_type": YNN_DEFAULT + ",LIBRARY_FUSION_TYPE_DOT"},
+    "YNNPACK off": {"xla_cpu_experimental_ynn_fusion_type": ""},
+    "XNNPACK graph fusion, greedy": {
+        "xla_cpu_experimental_xnn_graph_fusion_mode": "XNN_GRAPH_FUSION_MODE_GREEDY"},
+    "oneDNN dot fusions": {
+        "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    "oneDNN": {"xla_cpu_use_onednn": True},
+    "512-bit vectors": {"xla_cpu_prefer_vector_width": 512},
+    "opt preset fast runtime": {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_RUNTIME"},
+    "memory-optimized scheduler": {
+        "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"},
+    "concurrency scheduler off": {"xla_cpu_enable_concurrency_optimized_scheduler": False},
+    "no fusion emitters": {"xla_cpu_use_fusion_emitters": False},
+    "Eigen single-threaded": {"xla_cpu_multi_thread_eigen": False},
+}
+
+
+def _normal(rng, shape, scale=1.0):
+  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
+
+
+def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+  """name -> (lowered program, args)."""
+  rng = np.random.default_rng(0)
+  config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
+  out = {}
+
+  # MobileNet-style step, tunedjax.
+  batch, size = (4, 32) if quick else (32, 64)
+  params, loss = kernels_bench.mobilenet(
+      rng, bn=lambda x, g, b: _bn_family.batch_norm(x, g, b, epsilon=1e-5))
+  step = kernels_bench.sgd_step(loss)
+  args = (params, _normal(rng, (batch, size, size, 3)),
+          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  with tj.config_context(config):
+    f = tj.jit(step, session=autotune.TuningSession())
+    jax.block_until_ready(f(*args))  # tunes
+    out[f"MobileNet step (tj.jit), batch {batch} at {size}x{size}"] = (f.lower(*args), args)
+
+  # DemoNet step, tunedjax, BatchNorm routed to the family.
+  width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
+  graphdef, dparams, stats = nnx.split(DemoNet(10, width=width, seed=0), nnx.Param,
+                                       nnx.BatchStat)
+
+  @autotune.route_batch_norm()
+  def demo_loss(params, stats, x, y):
+    m = nnx.merge(graphdef, params, stats, copy=True)
+    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+    return value, nnx.state(m, nnx.BatchStat)
+
+  def demo_step(params, stats, x, y):
+    (value, stats), grads = jax.value_and_grad(demo_loss, has_aux=True)(params, stats, x, y)
+    return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), stats
+
+  args = (dparams, stats, _normal(rng, (batch, size, size, 3)),
+          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  with tj.config_context(config):
+    f = tj.jit(demo_step, session=autotune.TuningSession())
+    jax.block_until_ready(f(*args))
+    out[f"demo step (tj.jit), batch {batch} at {size}x{size}"] = (f.lower(*args), args)
+
+  # Control: ResNet-style step, plain jax.jit.
+  batch, size = (4, 16) if quick else (16, 32)
+  params, loss = kernels_bench.resnet(rng)
+  args = (params, _normal(rng, (batch, size, size, 3)),
+          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  out[f"control: ResNet-style step (jax.jit), batch {batch} at {size}x{size}"] = (
+      jax.jit(kernels_bench.sgd_step(loss)).lower(*args), args)
+  return out
+
+
+def rel_error(got: Any, want: Any) -> float:
+  """Largest relative error over leaves; 1e-3 of the largest leaf as the least scale."""
+  leaves = [(np.asarray(g, np.float64), np.asarray(w, np.float64))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+  top = max(float(np.max(np.abs(w))) for _, w in leaves)
+  return max(float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-3 * top)
+             for g, w in leaves)
+
+
+def measure(name: str, lowered: Any, args: tuple[Any, ...], candidates: Mapping[str, dict],
+            rounds: int, reps: int) -> list[str]:
+  default = lowered.compile()
+  hlo = default.as_text()
+  want = jax.block_until_ready(default(*args))
+  variants: dict[str, Callable[[], Any]] = {}
+  notes: dict[str, str] = {}
+  skipped: list[str] = []
+
+  def runner(exe):
+    def run():
+      for _ in range(reps):
+        out = exe(*args)
+      return jax.block_until_ready(out)
+    return run
+
+  variants["default"] = runner(default)
+  for cand, options in candidates.items():
+    start = time.perf_counter()
+    try:
+      exe = lowered.compile(compiler_options=options)
+    except Exception as e:  # noqa: BLE001  # pylint: disable=broad-except
+      skipped.append(f"{cand} (refused: {str(e).splitlines()[0][:80]})")
+      continue
+    compile_s = time.perf_counter() - start
+    if any(k in HLO_LEVEL for k in options) and exe.as_text() == hlo:
+      skipped.append(f"{cand} (no effect)")
+      continue
+    err = rel_error(jax.block_until_ready(exe(*args)), want)
+    notes[cand] = f"rel. error {err:.1e}; compiled in {compile_s:.1f} s"
+    if not err <= BOUND:
+      skipped.append(f"{cand} (rel. error {err:.1e} > {BOUND:g})")
+      continue
+    variants[cand] = runner(exe)
+  print(f"{name}: timing {len(variants)} variants", file=sys.stderr)
+  t = _harness.interleaved(variants, baseline="default", rounds=rounds, warmup=1)
+  lines = ["", f"**{name}** ({reps} steps per timing)", "",
+           _harness.ratio_table(t, unit=f"ms per {reps} steps", notes=notes)]
+  if skipped:
+    lines += ["", "Not timed: " + "; ".join(skipped) + "."]
+  return lines
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--only", default=None, help="comma-separated candidate names")
+  args = parser.parse_args(argv)
+  rounds = args.rounds or (2 if args.quick else 9)
+  reps = args.reps or (1 if args.quick else 3)
+  candidates = CANDIDATES
+  if args.quick:  # the smoke run: one fusion-level and one code-generation candidate
+    candidates = {k: CANDIDATES[k] for k in ("YNNPACK + elementwise fusions", "512-bit vectors")}
+  if args.only:
+    candidates = {k: v for k, v in CANDIDATES.items() if k in args.only.split(",")}
+  load = os.getloadavg()[0]
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-xla-options-")
+  progs = programs(args.quick, cache_dir)
+  lines = ["## XLA:CPU compiler options per program", "",
+           ("`benchmarks/xla_options.py`: each candidate compiled with "
+           "`lower(...).compile(compiler_options=...)`, checked against the default program "
+           f"(bound {BOUND:g}), timed in {rounds} interleaved rounds; ratio = median of "
+           "per-round ratios to the default.")]
+  for name, (lowered, a) in progs.items():
+    lines += measure(name, lowered, a, candidates, rounds, reps)
+  lines += ["", f"Load average {load:.1f} before, {os.getloadavg()[0]:.1f} after. "
+            + _harness.machine_line()]
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
