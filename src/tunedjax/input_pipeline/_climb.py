@@ -284,6 +284,7 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
                fast_enough: float = float("inf"),
                seeds: Sequence[LoaderSettings] = (),
                known: Sequence[Trial] = (),
+               allowance: Callable[[float], float] | None = None,
                clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Climbs from `start` to the best-measured setting within the bounds.
 
@@ -312,6 +313,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
     known: trials measured before (an earlier phase): their settings are
       not measured again, and count in the choice; they are not in the
       result's `trials`.
+    allowance: `allowance(best batches/s so far) -> seconds` the climb may
+      take, within `budget_s`: a tuning that must stay a fraction of the
+      time the batches take shrinks as it finds faster settings.
     clock: seconds, monotonic (a fake one in tests).
 
   Returns:
@@ -341,7 +345,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
     seen = [*known, *trials]
     same = [t.seconds for t in seen if t.worker_count == settings.worker_count]
     if same:
-      return max(same)
+      # A trial in this process stops at the deadline (its threads start at
+      # once): the cheapest one bounds it. A worker start cannot be cut short.
+      return min(same) if settings.worker_count == 0 else max(same)
     per_worker = [t.startup_s / t.worker_count for t in seen if t.worker_count]
     startup = ((max(per_worker) if per_worker else DEFAULT_STARTUP_PER_WORKER_S)
                * settings.worker_count)
@@ -354,10 +360,13 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
       stopped = "max_batches"
       return False
     spent = clock() - t0
-    if spent >= budget_s or spent + estimate(settings) > budget_s:
+    budget = budget_s
+    if allowance is not None and scores:
+      budget = min(budget, allowance(max(score(s) for s in scores)))
+    if spent >= budget or spent + estimate(settings) > budget:
       stopped = "budget"
       return False
-    trial = dataclasses.replace(measure(settings, t0 + budget_s), phase=phase)
+    trial = dataclasses.replace(measure(settings, t0 + budget), phase=phase)
     trials.append(trial)
     batches += trial.batches
     scores.setdefault(settings, []).append(trial.batches_per_s)

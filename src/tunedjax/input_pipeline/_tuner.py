@@ -58,6 +58,12 @@ DEFAULT_MAX_PREFETCH_BUFFER = 16
 OVERHEAD = 0.1
 DEFAULT_EXPECTED_BATCHES = 1000
 CONSUMER_CALLS = 3  # the consumer is timed alone on this many calls, at most
+# The first estimate reads this many batches here, one after the other, at most
+# (and stops after SERIAL_LIMIT_S): what a batch costs read in series.
+SERIAL_BATCHES = 8
+SERIAL_LIMIT_S = 0.02
+MIN_ALLOWANCE_S = 0.02  # the least time a search may take, beyond the first estimate
+MIN_WINDOW_S = 0.004  # the shortest timing window of a trial
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -196,7 +202,9 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
       read = 1
       startup = 0.0 if warm else clock() - start
       for _ in range(warmup - 1):
-        if clock() >= deadline:  # a slow consumer: the budget beats draining buffers
+        # A slow consumer: the budget beats draining buffers. Alone, the drain
+        # always ends (a window that read the buffer would time nothing).
+        if (consumer is not None or consumer_s) and clock() >= deadline:
           break
         consume(next(iterator))
         read += 1
@@ -247,6 +255,22 @@ def _time_consumer(consumer: Callable[[Any], Any], batch: Any, *, calls: int,
   return statistics.median(times)
 
 
+def _time_serial(ds: Any, *, batches: int, limit_s: float,
+                 clock: Callable[[], float]) -> tuple[float, float, int]:
+  """(wall, CPU) seconds per batch of `ds` read here in series (no threads, no
+  workers: what ``read_threads=0`` reads), and the batches read. Batch 0 was
+  read before (the first read pays one-off costs); batches 1, 2, ... are
+  timed, at least two and at most `batches`, until `limit_s` has passed."""
+  t, cpu = clock(), time.process_time()
+  n = 0
+  while n < batches:
+    ds[1 + n % max(1, len(ds) - 1)]
+    n += 1
+    if n >= 2 and clock() - t >= limit_s:
+      break
+  return (max(clock() - t, 1e-9) / n, (time.process_time() - cpu) / n, n)
+
+
 def _ms(seconds: float | None) -> str:
   return "?" if seconds is None else f"{seconds * 1e3:.3g} ms"
 
@@ -275,6 +299,8 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                            pool=pool)(settings, deadline)
     return measure
 
+  batch_s: float | None = None
+
   def done(settings: LoaderSettings, rate: float, trials: Sequence[Trial], stopped: str,
            reason: str, batches: int) -> TuningResult:
     log.debug("dataloader tuning: %s", reason)
@@ -282,35 +308,72 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                         seconds=clock() - t0, batches=batches, stopped=stopped,
                         step_s=step_s, batch_s=batch_s, reason=reason)
 
+  # The first estimate, cheap: a few batches read here in series. It sizes the
+  # whole search, and a step slower than it by far needs no search at all.
+  serial_s, serial_cpu_s, serial_n = _time_serial(
+      ds, batches=SERIAL_BATCHES, limit_s=min(SERIAL_LIMIT_S, budget_s / 100), clock=clock)
+  if step_s is not None and serial_s <= margin * step_s:
+    batch_s = serial_s
+    return done(start, 1.0 / (step_s + serial_s), (), "consumer-bound",
+                f"kept {describe(start)}: the loader is not the bottleneck (a batch read "
+                f"in series takes {_ms(serial_s)}, the step {_ms(step_s)}: batches cost "
+                f"the step at most {serial_s / step_s:.1%})", serial_n)
+  # Tuning may cost OVERHEAD of the time the expected batches take (at the
+  # slower of a serial read and the step; re-sized after the probe): the
+  # search fits in it.
+  allowance = min(budget_s, max(OVERHEAD * expected_batches * max(serial_s, step_s or 0.0),
+                                MIN_ALLOWANCE_S))
+  window_s = min(2.0, max(MIN_WINDOW_S, allowance / 12))
+
   # The loader alone at the start: its batch time.
-  probe_window_s = min(0.25, max(0.01, budget_s / 1000))
-  probe = dataclasses.replace(measurer(probe_window_s, alone=True)(start, deadline),
-                              phase="probe")
+  probe = dataclasses.replace(measurer(window_s, alone=True)(start, deadline), phase="probe")
   batch_s = 1.0 / max(probe.batches_per_s, 1e-9)
+  batches = serial_n + probe.batches
   if step_s is not None and batch_s <= margin * step_s:
     return done(start, 1.0 / (step_s + batch_s), (), "consumer-bound",
                 f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
                 f"{_ms(batch_s)}, the step {_ms(step_s)}: even read in series, batches "
-                f"cost the step at most {batch_s / step_s:.1%})", probe.batches)
+                f"cost the step at most {batch_s / step_s:.1%})", batches)
+
+  # The allowance again, at the faster of the two reads now known.
+  allowance = min(budget_s, max(OVERHEAD * expected_batches
+                                * max(min(serial_s, batch_s), step_s or 0.0),
+                                MIN_ALLOWANCE_S))
+  window_s = min(window_s, max(MIN_WINDOW_S, allowance / 12))
+
+  # The serial read is a measurement of no read threads (steps in series with
+  # it, with a consumer): the climb starts knowing it.
+  # With a consumer, the start end to end, always (the climb compares with it).
+  known: list[Trial] = ([measurer(window_s)(start, max(deadline, clock() + window_s))]
+                        if with_consumer else [probe])
+  no_threads = start.replace(read_threads=0)
+  if (start.worker_count == 0 and start.read_threads != 0
+      and 0 in space.values["read_threads"]):
+    known.append(Trial(no_threads, batches_per_s=1.0 / (serial_s + (step_s or 0.0)),
+                       batches=serial_n, startup_s=0.0, seconds=serial_n * serial_s,
+                       phase="serial", cpu_s=serial_cpu_s))
 
   # Phase 1: the start's worker count (in this process for a start without
-  # workers), within OVERHEAD of the expected batches' time.
-  pace_s = max(batch_s, step_s or 0.0)
-  allowance = min(budget_s, max(OVERHEAD * expected_batches * pace_s, 0.05))
-  window_s = min(2.0, max(0.01, allowance / 12))
+  # workers), within what is left of the allowance (at least one window).
   here = dataclasses.replace(space, values={**space.values,
                                             "worker_count": [start.worker_count]})
-  known = () if with_consumer else (probe,)
   # With a consumer: a start as fast as the step alone hides the loader. Without
   # one, the allowance (not a speed) bounds the search.
   fast_enough = 1.0 / (step_s * (1 + margin)) if step_s else float("inf")
-  first_phase = hill_climb(measurer(window_s), start=start, space=here,
-                           budget_s=max(0.0, min(allowance, deadline - clock())),
-                           max_batches=None, fast_enough=fast_enough,
-                           trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
-                           margin=margin, clock=clock, known=known)
-  trials = [*(() if with_consumer else (probe,)), *first_phase.trials]
-  batches = probe.batches + first_phase.batches
+  spent = clock() - t0
+
+  def shrinking(rate: float) -> float:  # the allowance at the best rate so far
+    pace_s = max(min(serial_s, 1.0 / max(rate, 1e-9)), step_s or 0.0)
+    return max(window_s, OVERHEAD * expected_batches * pace_s - spent)
+
+  first_phase = hill_climb(
+      measurer(window_s), start=start, space=here,
+      budget_s=max(window_s, min(allowance - spent, deadline - clock())),
+      max_batches=None, fast_enough=fast_enough,
+      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
+      margin=margin, clock=clock, known=known, allowance=shrinking)
+  trials = [*known, *first_phase.trials]
+  batches += first_phase.batches + (known[0].batches if with_consumer else 0)
   if with_consumer and first_phase.stopped == "fast enough":
     e2e_s = 1.0 / first_phase.batches_per_s
     return done(start, first_phase.batches_per_s, trials, "consumer-bound",
@@ -328,31 +391,40 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                 f"chose {describe(best)}: searched the read threads and buffer only",
                 batches)
 
-  # Phase 2: worker processes, if they can pay back a process start.
+  # Phase 2: worker processes, if a tenth of what they could save pays for a
+  # worker trial. The fastest they could read: this process's CPU time per
+  # batch spread over the usable cores, each at the share of a core a thread
+  # gets now (the serial read's CPU time over its wall time: on a busy host a
+  # worker waits for a core as this process does).
   usable = max(1, host_fingerprint()["usable_cpus"])
+  share = min(1.0, max(0.05, serial_cpu_s / serial_s))
+  cores = usable * share
   cpus = [t.cpu_s for t in trials if t.cpu_s is not None]
-  floor_s = max(step_s or 0.0, min(cpus) / usable if cpus else 0.0)
+  floor_s = max(step_s or 0.0, min(cpus) / cores if cpus else 0.0)
   gain_s = best_s - floor_s
   others = [w for w in space.values["worker_count"] if w != start.worker_count]
   fewest = min(w for w in others if w > 0) if any(w > 0 for w in others) else 0
-  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + window_s
+  body_s = max((t.seconds - t.startup_s for t in trials), default=window_s)
+  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + body_s
   payoff_s = gain_s * expected_batches
+  where = f"{usable} cores at {share:.0%} of a core each"
   if gain_s <= margin * best_s:
     return done(best, statistics.median(scores[best]), trials, "converged",
                 f"chose {describe(best)}: worker processes cannot read faster (this "
                 f"process takes {_ms(min(cpus) if cpus else None)} of CPU a batch, "
-                f"{_ms(floor_s)} over {usable} cores; it reads one in {_ms(best_s)})",
-                batches)
-  if payoff_s < cost_s:
+                f"{_ms(floor_s)} over {where}; it "
+                f"reads one in {_ms(best_s)})", batches)
+  if OVERHEAD * payoff_s < cost_s:
     return done(best, statistics.median(scores[best]), trials, "converged",
                 f"chose {describe(best)}: worker processes could save at most "
                 f"{payoff_s:.2f} s over {expected_batches} batches (one in {_ms(best_s)} "
-                f"now, {_ms(floor_s)} at best), less than a worker trial costs "
-                f"(~{cost_s:.1f} s)", batches)
+                f"now, {_ms(floor_s)} at best over {where}); a "
+                f"worker trial (~{cost_s:.1f} s) costs more than {OVERHEAD:.0%} of that",
+                batches)
   climbs_both = len(space.values["read_threads"]) > 1
   second_phase = hill_climb(
       measurer(window_s), start=best, space=space,
-      budget_s=max(0.0, min(payoff_s, deadline - clock())), max_batches=None,
+      budget_s=max(0.0, min(OVERHEAD * payoff_s, deadline - clock())), max_batches=None,
       trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
       clock=clock, known=tuple(t for t in trials),
       seeds=seed_settings(best, space) if climbs_both else ())
@@ -361,8 +433,8 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
   for t in second_phase.trials:
     scores.setdefault(t.settings, []).append(t.batches_per_s)
   winner = second_phase.settings
-  if winner != start and (statistics.median(scores[winner])
-                          <= statistics.median(scores[start]) * (1 + margin)):
+  if winner != start and start in scores and (
+      statistics.median(scores[winner]) <= statistics.median(scores[start]) * (1 + margin)):
     winner = start
   return done(winner, statistics.median(scores[winner]), trials, second_phase.stopped,
               f"chose {describe(winner)} after the worker search (workers could save up to "
