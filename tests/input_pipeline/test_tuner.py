@@ -522,3 +522,33 @@ def test_worker_trials_only_when_a_tenth_of_their_saving_pays_for_one(
     assert result.worker_count == 0 and "costs more than 10%" in result.reason
   else:
     assert result.worker_count > 0
+
+
+class _Waves:
+  """An iterator of n read threads on a fake clock: batch i is ready at the
+  end of wave i // n + 1 (a wave takes `wave_s`), so n arrive together."""
+
+  def __init__(self, clock, n, wave_s):
+    self.clock, self.n, self.wave_s, self.i, self.t0 = clock, n, wave_s, 0, clock.now
+
+  def __next__(self):
+    self.clock.now = max(self.clock.now, self.t0 + (self.i // self.n + 1) * self.wave_s)
+    self.i += 1
+    return np.zeros(2)
+
+  def close(self):
+    pass
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16])
+def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, threads):
+  clock = FakeClock()
+  monkeypatch.setattr(_tuner._processes, "open_iterator",
+                      lambda ds, settings: _Waves(clock, threads, 1.0))
+  warmup, window = _tuner.trial_sizes(500, S(0, threads))
+  measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
+                                 consumer=None, consumer_s=None, clock=clock)
+  trial = measure(S(0, threads), clock.now + 1e-3)
+  # threads batches a second: not the burst of a wave that was ready already
+  assert trial.batches_per_s == pytest.approx(threads)
+  assert trial.batches <= 1 + max(2, threads)  # one wave timed, no drain of the buffer

@@ -192,6 +192,8 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
     elif consumer_s:
       time.sleep(consumer_s)
 
+  with_consumer = consumer is not None or bool(consumer_s)
+
   def measure(settings: LoaderSettings, deadline: float) -> Trial:
     start = clock()
     owner = pool if pool is not None else _Pool(keep=0)
@@ -204,18 +206,19 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
       for _ in range(warmup - 1):
         # A slow consumer: the budget beats draining buffers. Alone, the drain
         # always ends (a window that read the buffer would time nothing).
-        if (consumer is not None or consumer_s) and clock() >= deadline:
+        if with_consumer and clock() >= deadline:
           break
         consume(next(iterator))
         read += 1
       window_start = clock()
       cpu_start = time.process_time()
       window_end = min(deadline, window_start + max_window_s)
+      wave = 1 if with_consumer else _wave(settings)
       timed = 0
       while timed < window:
         consume(next(iterator))
         timed += 1
-        if clock() >= window_end and timed >= 2:
+        if clock() >= window_end and timed >= max(2, wave) and timed % wave == 0:
           break
       elapsed = max(clock() - window_start, 1e-9)
       cpu = time.process_time() - cpu_start
@@ -231,6 +234,16 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
                  cpu_s=cpu / timed if alone else None)
 
   return measure
+
+
+def _wave(settings: LoaderSettings) -> int:
+  """Batches that arrive together: read threads start a batch each at once
+  (and again each time the reader has taken a wave), so a window timed
+  from the end of one wave must end at the end of another, or it times
+  batches that were ready before it began."""
+  if settings.worker_count:
+    return settings.worker_count
+  return max(1, settings.read_threads)
 
 
 def _block(value: Any) -> None:
@@ -446,13 +459,20 @@ def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
 
   As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
   what the prefetch buffers hold once the workers are up (at most half the
-  batches), so that the window times the pipeline, not the buffers.
+  batches), so that the window times the pipeline, not the buffers. Read
+  threads in this process need none: they start one batch each at once and
+  the next wave only as the reader takes them, so the batches of a wave
+  arrive together, the first of them after the start-up; the window, from
+  the first batch to the end of a later wave (`_wave`), times whole waves.
 
   Example:
     >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
     (21, 479)
+    >>> trial_sizes(500, LoaderSettings(worker_count=0, read_threads=16))
+    (1, 499)
   """
-  warmup = max(1, min(_processes.buffered_batches(settings) + 1, tuning_steps // 2))
+  buffered = 0 if settings.worker_count == 0 else _processes.buffered_batches(settings)
+  warmup = max(1, min(buffered + 1, tuning_steps // 2))
   return warmup, max(1, tuning_steps - warmup)
 
 
