@@ -427,19 +427,29 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                 f"process takes {_ms(min(cpus) if cpus else None)} of CPU a batch, "
                 f"{_ms(floor_s)} over {where}; it "
                 f"reads one in {_ms(best_s)})", batches)
-  if OVERHEAD * payoff_s < cost_s:
+  # The whole tuning stays within OVERHEAD of the expected batches' time (at
+  # the best pace so far, shrinking as faster settings are found), and this
+  # phase within OVERHEAD of what workers could save.
+  spent = clock() - t0
+
+  def left(rate: float) -> float:
+    return OVERHEAD * expected_batches * max(1.0 / max(rate, 1e-9), step_s or 0.0) - spent
+
+  phase_s = min(OVERHEAD * payoff_s, left(1.0 / best_s))
+  if phase_s < cost_s:
     return done(best, statistics.median(scores[best]), trials, "converged",
                 f"chose {describe(best)}: worker processes could save at most "
                 f"{payoff_s:.2f} s over {expected_batches} batches (one in {_ms(best_s)} "
-                f"now, {_ms(floor_s)} at best over {where}); a "
-                f"worker trial (~{cost_s:.1f} s) costs more than {OVERHEAD:.0%} of that",
+                f"now, {_ms(floor_s)} at best over {where}); a worker trial "
+                f"(~{cost_s:.1f} s) does not fit in {OVERHEAD:.0%} of that or in what is "
+                f"left of {OVERHEAD:.0%} of the batches' time ({max(0.0, phase_s):.2f} s)",
                 batches)
   climbs_both = len(space.values["read_threads"]) > 1
   second_phase = hill_climb(
       measurer(window_s), start=best, space=space,
-      budget_s=max(0.0, min(OVERHEAD * payoff_s, deadline - clock())), max_batches=None,
+      budget_s=max(0.0, min(phase_s, deadline - clock())), max_batches=None,
       trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
-      clock=clock, known=tuple(t for t in trials),
+      clock=clock, known=tuple(t for t in trials), allowance=left,
       seeds=seed_settings(best, space) if climbs_both else ())
   trials += second_phase.trials
   batches += second_phase.batches
