@@ -52,8 +52,10 @@ class Trial:
     startup_s: seconds until the first batch (worker start).
     seconds: the whole trial, start to close.
     phase: "climb", "seed" (see `seed_settings`), "confirm" (the alternating
-      re-measurement) or "probe" (the start read alone, before deciding to
-      search).
+      re-measurement), "probe" (the start read alone, before deciding to
+      search) or "serial" (the first estimate: a few batches read in series
+      in this process, standing for no read threads; with a consumer, a
+      read then a step).
     cpu_s: this process's CPU seconds per batch in the window (all its
       threads), for a setting read in this process without a consumer;
       else None.

@@ -504,35 +504,41 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   """Finds the `LoaderSettings` (worker processes, read threads, per-worker
   prefetch buffer) that read a pipeline fastest.
 
-  Tuning has to pay for itself, so it first asks whether the loader is the
-  bottleneck at all: with `consumer` (e.g. the compiled training step, timed
-  alone on a ready batch) or `consumer_s` (its duration, slept: a step that
-  runs on an accelerator), it compares the step's time with the loader's
-  batch time at the start setting, and keeps the start without a search
-  when even reading in series could not cost the step more than `margin`
-  (or when the start, measured end to end, is already as fast as the step).
-  The result gives both times (`TuningResult.step_s`, `batch_s`) and the
-  reason.
+  Tuning has to pay for itself: it costs at most a tenth (`OVERHEAD`) of the
+  time the `expected_batches` take. It first reads a few batches here in
+  series (`SERIAL_BATCHES`): the first estimate, which sizes the rest and
+  stands for the setting without read threads. With `consumer` (e.g. the
+  compiled training step, timed alone on a ready batch) or `consumer_s` (its
+  duration, slept: a step that runs on an accelerator), it then asks whether
+  the loader is the bottleneck at all, and keeps the start without a search
+  when even reading in series (or the start's batch time) could not cost
+  the step more than `margin` (or when the start, measured end to end, is
+  already as fast as the step). The result gives both times
+  (`TuningResult.step_s`, `batch_s`) and the reason.
 
   Otherwise it hill-climbs from (`worker_count`, `read_threads`,
-  `prefetch_buffer`) in two phases. First the settings at the start's worker
-  count (in this process when the start has no workers: no process to start),
-  within a tenth of the time the `expected_batches` take at the start's
-  speed (`OVERHEAD`). Then worker processes (0 to `max_workers`), only if
-  they can pay back: the fastest they could read is this process's CPU time
-  per batch spread over the usable cores, and the time that could save over
-  `expected_batches` must exceed a worker trial's cost (a process start per
-  worker); that saving also bounds the phase's time. Each worker setting
-  starts its processes once: its re-measurements read on from the same warm
-  workers (`_Pool`). The read threads range over 0 to `max_read_threads`,
-  the per-worker buffer over 1 to `max_prefetch_buffer` and at most
-  `memory_budget` // (workers x one batch's bytes). Each trial reads a random
-  subset of the records: a warm-up, then a window that ends after
-  `tuning_steps` batches in all or a time slice, whichever comes first; the
-  whole tuning stays within `budget_s`. With a consumer it measures
-  end-to-end steps per second. The choice is stored in the persistent tuning
-  cache under this host and this pipeline, and reused without measuring.
-  Trials are logged at DEBUG on the ``tunedjax.input_pipeline`` logger.
+  `prefetch_buffer`) in two phases, the allowance shrinking as faster
+  settings are found. First the settings at the start's worker count (in
+  this process when the start has no workers: no process to start). Then
+  worker processes (0 to `max_workers`), only if a tenth of what they could
+  save pays for a worker trial: the fastest they could read is this
+  process's CPU time per batch spread over the usable cores, each at the
+  share of a core a thread gets now (on a busy host a worker waits for a
+  core too), and the time that could save over `expected_batches`, a tenth
+  of it, must exceed a trial's cost (a process start per worker) and fit
+  what is left of the allowance. Each worker setting starts its processes
+  once: its re-measurements read on from the same warm workers (`_Pool`).
+  The read threads range over 0 to `max_read_threads`, the per-worker
+  buffer over 1 to `max_prefetch_buffer` and at most `memory_budget` //
+  (workers x one batch's bytes). Each trial reads a random subset of the
+  records: a warm-up (the worker buffers; none for read threads, whose
+  windows time whole waves), then a window that ends after `tuning_steps`
+  batches in all or a time slice, whichever comes first; the whole tuning
+  stays within `budget_s`. With a consumer it measures end-to-end steps per
+  second. The choice is stored in the persistent tuning cache under this
+  host and this pipeline, and reused without measuring (the cache key does
+  not hold `expected_batches`). Trials are logged at DEBUG on the
+  ``tunedjax.input_pipeline`` logger.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -557,8 +563,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     consumer_s: seconds per step to simulate when there is no consumer.
     margin: relative gain that counts as better than noise.
     expected_batches: the batches the chosen setting will read (None:
-      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): what tuning must pay
-      back within.
+      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): the horizon tuning
+      must pay back within (`Trainer.fit` passes the steps of the fit).
     cache: True or None for the default tuning cache, False for none, a
       `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads",
