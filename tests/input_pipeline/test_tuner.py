@@ -197,7 +197,10 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
                                 max_read_threads=1, tuning_steps=40, budget_s=10,
                                 consumer=seen.append, cache=False)
-  trial_batches = sum(t.batches for t in result.trials)
+  # the "serial" trial is read here without the consumer (it models no read
+  # threads as a read then a step, in series)
+  assert [t.phase for t in result.trials][:2] == ["climb", "serial"]
+  trial_batches = sum(t.batches for t in result.trials if t.phase != "serial")
   assert trial_batches > 0 and result.batches > trial_batches  # + the probe, read alone
   # + one untimed warm-up (the compile), + the step timed alone on a ready batch
   assert 1 <= len(seen) - 1 - trial_batches <= _tuner.CONSUMER_CALLS
@@ -229,6 +232,8 @@ def test_a_slow_consumer_and_a_fast_loader_skip_the_search(cache_dir):
   assert result.step_s == pytest.approx(1.0, abs=0.05) and result.batch_s < 0.05
   assert "not the bottleneck" in result.reason and "1e+03 ms" in result.reason
   assert result.seconds < 6
+  # decided on the first estimate (a few batches read in series), no probe
+  assert "in series" in result.reason and result.batches <= _tuner.SERIAL_BATCHES
 
 
 def test_a_slow_loader_and_a_fast_consumer_search(cache_dir):
@@ -477,3 +482,74 @@ def test_the_loader_runs_with_the_settings_it_tuned(cache_dir, fake_measure):
   result = loader.tune(cache=False)
   assert result.settings == loader.settings == S(2, 1, 8)
   assert "prefetch_buffer=8" in repr(loader) and "prefetch_buffer" in result.table()
+
+
+def test_the_allowance_shrinks_as_the_climb_finds_faster_settings():
+  """A tuning bounded by a tenth of the batches' time stops sooner once it
+  has found that the batches will be read faster."""
+  speed = lambda w, t: 100.0 if t == 0 else 1.0  # no read threads: 100x faster
+
+  def climb(allowance):
+    clock = FakeClock()
+    return _run_climb(_fake_measure(clock, speed, body_s=0.5), clock, max_workers=0,
+                      start=(0, 16), budget_s=100.0, allowance=allowance)
+  assert climb(None).seconds > 2.0  # five 0.5 s trials and more
+  # 0.1 x 1000 batches: 100 s at 1/s, 1 s at 100/s
+  fast = climb(lambda rate: 0.1 * 1000 / rate)
+  # the first round's three trials (16, 8, 0 threads), then no more: 1.5 s > 1 s
+  assert fast.settings.read_threads == 0 and fast.stopped == "budget"
+  assert len(fast.trials) == 3 and fast.seconds <= 1.5 + 1e-9
+
+
+def _workers_pay(w, t, b):
+  return 40.0 if w else 10.0
+
+
+_workers_pay.with_buffer = True
+
+
+@pytest.mark.parametrize("expected_batches, searched", [(100, False), (10**5, True)])
+def test_worker_trials_only_when_a_tenth_of_their_saving_pays_for_one(
+    cache_dir, fake_measure, monkeypatch, expected_batches, searched):
+  fake_measure.speed = _workers_pay
+  # read in series: 0.1 s a batch, all of it CPU (an idle core)
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (0.1, 0.1, 2))
+  result = _tune(expected_batches=expected_batches, cache=False)
+  # workers could save up to 0.1 - 0.1 / cores s a batch: 5-9 s over 100
+  # batches, a tenth of which does not pay for a ~1.5 s worker start (nor
+  # does a tenth of the 100 batches' 10 s)
+  assert any(s.worker_count for s in fake_measure.seen) == searched
+  if not searched:
+    assert result.worker_count == 0 and "does not fit in 10%" in result.reason
+  else:
+    assert result.worker_count > 0
+
+
+class _Waves:
+  """An iterator of n read threads on a fake clock: batch i is ready at the
+  end of wave i // n + 1 (a wave takes `wave_s`), so n arrive together."""
+
+  def __init__(self, clock, n, wave_s):
+    self.clock, self.n, self.wave_s, self.i, self.t0 = clock, n, wave_s, 0, clock.now
+
+  def __next__(self):
+    self.clock.now = max(self.clock.now, self.t0 + (self.i // self.n + 1) * self.wave_s)
+    self.i += 1
+    return np.zeros(2)
+
+  def close(self):
+    pass
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16])
+def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, threads):
+  clock = FakeClock()
+  monkeypatch.setattr(_tuner._processes, "open_iterator",
+                      lambda ds, settings: _Waves(clock, threads, 1.0))
+  warmup, window = _tuner.trial_sizes(500, S(0, threads))
+  measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
+                                 consumer=None, consumer_s=None, clock=clock)
+  trial = measure(S(0, threads), clock.now + 1e-3)
+  # threads batches a second: not the burst of a wave that was ready already
+  assert trial.batches_per_s == pytest.approx(threads)
+  assert trial.batches <= 1 + max(2, threads)  # one wave timed, no drain of the buffer

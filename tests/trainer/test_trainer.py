@@ -263,7 +263,7 @@ def test_a_loader_is_tuned_with_the_step_before_the_first_step_and_data_is_uncha
     tuned = trainer.fit(loader(worker_count="auto", read_threads=0), steps=10)
   choice = tuned.tuning["dataloader"]
   assert choice["worker_count"] in (0, 1) and not choice["from_cache"]
-  assert {t["worker_count"] for t in choice["trials"]} == {0, 1}
+  assert {t["worker_count"] for t in choice["trials"]} == {0}  # 10 steps: no worker start pays
   assert tuned.losses == fixed.losses  # tuning read its own batches and ran a copy of the step
 
 

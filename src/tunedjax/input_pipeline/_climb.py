@@ -52,8 +52,10 @@ class Trial:
     startup_s: seconds until the first batch (worker start).
     seconds: the whole trial, start to close.
     phase: "climb", "seed" (see `seed_settings`), "confirm" (the alternating
-      re-measurement) or "probe" (the start read alone, before deciding to
-      search).
+      re-measurement), "probe" (the start read alone, before deciding to
+      search) or "serial" (the first estimate: a few batches read in series
+      in this process, standing for no read threads; with a consumer, a
+      read then a step).
     cpu_s: this process's CPU seconds per batch in the window (all its
       threads), for a setting read in this process without a consumer;
       else None.
@@ -284,6 +286,7 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
                fast_enough: float = float("inf"),
                seeds: Sequence[LoaderSettings] = (),
                known: Sequence[Trial] = (),
+               allowance: Callable[[float], float] | None = None,
                clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Climbs from `start` to the best-measured setting within the bounds.
 
@@ -312,6 +315,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
     known: trials measured before (an earlier phase): their settings are
       not measured again, and count in the choice; they are not in the
       result's `trials`.
+    allowance: `allowance(best batches/s so far) -> seconds` the climb may
+      take, within `budget_s`: a tuning that must stay a fraction of the
+      time the batches take shrinks as it finds faster settings.
     clock: seconds, monotonic (a fake one in tests).
 
   Returns:
@@ -341,7 +347,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
     seen = [*known, *trials]
     same = [t.seconds for t in seen if t.worker_count == settings.worker_count]
     if same:
-      return max(same)
+      # A trial in this process stops at the deadline (its threads start at
+      # once): the cheapest one bounds it. A worker start cannot be cut short.
+      return min(same) if settings.worker_count == 0 else max(same)
     per_worker = [t.startup_s / t.worker_count for t in seen if t.worker_count]
     startup = ((max(per_worker) if per_worker else DEFAULT_STARTUP_PER_WORKER_S)
                * settings.worker_count)
@@ -354,10 +362,13 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
       stopped = "max_batches"
       return False
     spent = clock() - t0
-    if spent >= budget_s or spent + estimate(settings) > budget_s:
+    budget = budget_s
+    if allowance is not None and scores:
+      budget = min(budget, allowance(max(score(s) for s in scores)))
+    if spent >= budget or spent + estimate(settings) > budget:
       stopped = "budget"
       return False
-    trial = dataclasses.replace(measure(settings, t0 + budget_s), phase=phase)
+    trial = dataclasses.replace(measure(settings, t0 + budget), phase=phase)
     trials.append(trial)
     batches += trial.batches
     scores.setdefault(settings, []).append(trial.batches_per_s)

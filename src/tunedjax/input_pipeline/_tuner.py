@@ -58,6 +58,12 @@ DEFAULT_MAX_PREFETCH_BUFFER = 16
 OVERHEAD = 0.1
 DEFAULT_EXPECTED_BATCHES = 1000
 CONSUMER_CALLS = 3  # the consumer is timed alone on this many calls, at most
+# The first estimate reads this many batches here, one after the other, at most
+# (and stops after SERIAL_LIMIT_S): what a batch costs read in series.
+SERIAL_BATCHES = 8
+SERIAL_LIMIT_S = 0.02
+MIN_ALLOWANCE_S = 0.02  # the least time a search may take, beyond the first estimate
+MIN_WINDOW_S = 0.004  # the shortest timing window of a trial
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -186,6 +192,8 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
     elif consumer_s:
       time.sleep(consumer_s)
 
+  with_consumer = consumer is not None or bool(consumer_s)
+
   def measure(settings: LoaderSettings, deadline: float) -> Trial:
     start = clock()
     owner = pool if pool is not None else _Pool(keep=0)
@@ -196,18 +204,21 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
       read = 1
       startup = 0.0 if warm else clock() - start
       for _ in range(warmup - 1):
-        if clock() >= deadline:  # a slow consumer: the budget beats draining buffers
+        # A slow consumer: the budget beats draining buffers. Alone, the drain
+        # always ends (a window that read the buffer would time nothing).
+        if with_consumer and clock() >= deadline:
           break
         consume(next(iterator))
         read += 1
       window_start = clock()
       cpu_start = time.process_time()
       window_end = min(deadline, window_start + max_window_s)
+      wave = 1 if with_consumer else _wave(settings)
       timed = 0
       while timed < window:
         consume(next(iterator))
         timed += 1
-        if clock() >= window_end and timed >= 2:
+        if clock() >= window_end and timed >= max(2, wave) and timed % wave == 0:
           break
       elapsed = max(clock() - window_start, 1e-9)
       cpu = time.process_time() - cpu_start
@@ -223,6 +234,16 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
                  cpu_s=cpu / timed if alone else None)
 
   return measure
+
+
+def _wave(settings: LoaderSettings) -> int:
+  """Batches that arrive together: read threads start a batch each at once
+  (and again each time the reader has taken a wave), so a window timed
+  from the end of one wave must end at the end of another, or it times
+  batches that were ready before it began."""
+  if settings.worker_count:
+    return settings.worker_count
+  return max(1, settings.read_threads)
 
 
 def _block(value: Any) -> None:
@@ -245,6 +266,22 @@ def _time_consumer(consumer: Callable[[Any], Any], batch: Any, *, calls: int,
     if sum(times) >= limit_s:
       break
   return statistics.median(times)
+
+
+def _time_serial(ds: Any, *, batches: int, limit_s: float,
+                 clock: Callable[[], float]) -> tuple[float, float, int]:
+  """(wall, CPU) seconds per batch of `ds` read here in series (no threads, no
+  workers: what ``read_threads=0`` reads), and the batches read. Batch 0 was
+  read before (the first read pays one-off costs); batches 1, 2, ... are
+  timed, at least two and at most `batches`, until `limit_s` has passed."""
+  t, cpu = clock(), time.process_time()
+  n = 0
+  while n < batches:
+    ds[1 + n % max(1, len(ds) - 1)]
+    n += 1
+    if n >= 2 and clock() - t >= limit_s:
+      break
+  return (max(clock() - t, 1e-9) / n, (time.process_time() - cpu) / n, n)
 
 
 def _ms(seconds: float | None) -> str:
@@ -275,6 +312,8 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                            pool=pool)(settings, deadline)
     return measure
 
+  batch_s: float | None = None
+
   def done(settings: LoaderSettings, rate: float, trials: Sequence[Trial], stopped: str,
            reason: str, batches: int) -> TuningResult:
     log.debug("dataloader tuning: %s", reason)
@@ -282,35 +321,72 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                         seconds=clock() - t0, batches=batches, stopped=stopped,
                         step_s=step_s, batch_s=batch_s, reason=reason)
 
+  # The first estimate, cheap: a few batches read here in series. It sizes the
+  # whole search, and a step slower than it by far needs no search at all.
+  serial_s, serial_cpu_s, serial_n = _time_serial(
+      ds, batches=SERIAL_BATCHES, limit_s=min(SERIAL_LIMIT_S, budget_s / 100), clock=clock)
+  if step_s is not None and serial_s <= margin * step_s:
+    batch_s = serial_s
+    return done(start, 1.0 / (step_s + serial_s), (), "consumer-bound",
+                f"kept {describe(start)}: the loader is not the bottleneck (a batch read "
+                f"in series takes {_ms(serial_s)}, the step {_ms(step_s)}: batches cost "
+                f"the step at most {serial_s / step_s:.1%})", serial_n)
+  # Tuning may cost OVERHEAD of the time the expected batches take (at the
+  # slower of a serial read and the step; re-sized after the probe): the
+  # search fits in it.
+  allowance = min(budget_s, max(OVERHEAD * expected_batches * max(serial_s, step_s or 0.0),
+                                MIN_ALLOWANCE_S))
+  window_s = min(2.0, max(MIN_WINDOW_S, allowance / 12))
+
   # The loader alone at the start: its batch time.
-  probe_window_s = min(0.25, max(0.01, budget_s / 1000))
-  probe = dataclasses.replace(measurer(probe_window_s, alone=True)(start, deadline),
-                              phase="probe")
+  probe = dataclasses.replace(measurer(window_s, alone=True)(start, deadline), phase="probe")
   batch_s = 1.0 / max(probe.batches_per_s, 1e-9)
+  batches = serial_n + probe.batches
   if step_s is not None and batch_s <= margin * step_s:
     return done(start, 1.0 / (step_s + batch_s), (), "consumer-bound",
                 f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
                 f"{_ms(batch_s)}, the step {_ms(step_s)}: even read in series, batches "
-                f"cost the step at most {batch_s / step_s:.1%})", probe.batches)
+                f"cost the step at most {batch_s / step_s:.1%})", batches)
+
+  # The allowance again, at the faster of the two reads now known.
+  allowance = min(budget_s, max(OVERHEAD * expected_batches
+                                * max(min(serial_s, batch_s), step_s or 0.0),
+                                MIN_ALLOWANCE_S))
+  window_s = min(window_s, max(MIN_WINDOW_S, allowance / 12))
+
+  # The serial read is a measurement of no read threads (steps in series with
+  # it, with a consumer): the climb starts knowing it.
+  # With a consumer, the start end to end, always (the climb compares with it).
+  known: list[Trial] = ([measurer(window_s)(start, max(deadline, clock() + window_s))]
+                        if with_consumer else [probe])
+  no_threads = start.replace(read_threads=0)
+  if (start.worker_count == 0 and start.read_threads != 0
+      and 0 in space.values["read_threads"]):
+    known.append(Trial(no_threads, batches_per_s=1.0 / (serial_s + (step_s or 0.0)),
+                       batches=serial_n, startup_s=0.0, seconds=serial_n * serial_s,
+                       phase="serial", cpu_s=serial_cpu_s))
 
   # Phase 1: the start's worker count (in this process for a start without
-  # workers), within OVERHEAD of the expected batches' time.
-  pace_s = max(batch_s, step_s or 0.0)
-  allowance = min(budget_s, max(OVERHEAD * expected_batches * pace_s, 0.05))
-  window_s = min(2.0, max(0.01, allowance / 12))
+  # workers), within what is left of the allowance (at least one window).
   here = dataclasses.replace(space, values={**space.values,
                                             "worker_count": [start.worker_count]})
-  known = () if with_consumer else (probe,)
   # With a consumer: a start as fast as the step alone hides the loader. Without
   # one, the allowance (not a speed) bounds the search.
   fast_enough = 1.0 / (step_s * (1 + margin)) if step_s else float("inf")
-  first_phase = hill_climb(measurer(window_s), start=start, space=here,
-                           budget_s=max(0.0, min(allowance, deadline - clock())),
-                           max_batches=None, fast_enough=fast_enough,
-                           trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
-                           margin=margin, clock=clock, known=known)
-  trials = [*(() if with_consumer else (probe,)), *first_phase.trials]
-  batches = probe.batches + first_phase.batches
+  spent = clock() - t0
+
+  def shrinking(rate: float) -> float:  # the allowance at the best rate so far
+    pace_s = max(min(serial_s, 1.0 / max(rate, 1e-9)), step_s or 0.0)
+    return max(window_s, OVERHEAD * expected_batches * pace_s - spent)
+
+  first_phase = hill_climb(
+      measurer(window_s), start=start, space=here,
+      budget_s=max(window_s, min(allowance - spent, deadline - clock())),
+      max_batches=None, fast_enough=fast_enough,
+      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
+      margin=margin, clock=clock, known=known, allowance=shrinking)
+  trials = [*known, *first_phase.trials]
+  batches += first_phase.batches + (known[0].batches if with_consumer else 0)
   if with_consumer and first_phase.stopped == "fast enough":
     e2e_s = 1.0 / first_phase.batches_per_s
     return done(start, first_phase.batches_per_s, trials, "consumer-bound",
@@ -328,41 +404,60 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                 f"chose {describe(best)}: searched the read threads and buffer only",
                 batches)
 
-  # Phase 2: worker processes, if they can pay back a process start.
+  # Phase 2: worker processes, if a tenth of what they could save pays for a
+  # worker trial. The fastest they could read: this process's CPU time per
+  # batch spread over the usable cores, each at the share of a core a thread
+  # gets now (the serial read's CPU time over its wall time: on a busy host a
+  # worker waits for a core as this process does).
   usable = max(1, host_fingerprint()["usable_cpus"])
+  share = min(1.0, max(0.05, serial_cpu_s / serial_s))
+  cores = usable * share
   cpus = [t.cpu_s for t in trials if t.cpu_s is not None]
-  floor_s = max(step_s or 0.0, min(cpus) / usable if cpus else 0.0)
+  floor_s = max(step_s or 0.0, min(cpus) / cores if cpus else 0.0)
   gain_s = best_s - floor_s
   others = [w for w in space.values["worker_count"] if w != start.worker_count]
   fewest = min(w for w in others if w > 0) if any(w > 0 for w in others) else 0
-  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + window_s
+  body_s = max((t.seconds - t.startup_s for t in trials), default=window_s)
+  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + body_s
   payoff_s = gain_s * expected_batches
+  where = f"{usable} cores at {share:.0%} of a core each"
   if gain_s <= margin * best_s:
     return done(best, statistics.median(scores[best]), trials, "converged",
                 f"chose {describe(best)}: worker processes cannot read faster (this "
                 f"process takes {_ms(min(cpus) if cpus else None)} of CPU a batch, "
-                f"{_ms(floor_s)} over {usable} cores; it reads one in {_ms(best_s)})",
-                batches)
-  if payoff_s < cost_s:
+                f"{_ms(floor_s)} over {where}; it "
+                f"reads one in {_ms(best_s)})", batches)
+  # The whole tuning stays within OVERHEAD of the expected batches' time (at
+  # the best pace so far, shrinking as faster settings are found), and this
+  # phase within OVERHEAD of what workers could save.
+  spent = clock() - t0
+
+  def left(rate: float) -> float:
+    return OVERHEAD * expected_batches * max(1.0 / max(rate, 1e-9), step_s or 0.0) - spent
+
+  phase_s = min(OVERHEAD * payoff_s, left(1.0 / best_s))
+  if phase_s < cost_s:
     return done(best, statistics.median(scores[best]), trials, "converged",
                 f"chose {describe(best)}: worker processes could save at most "
                 f"{payoff_s:.2f} s over {expected_batches} batches (one in {_ms(best_s)} "
-                f"now, {_ms(floor_s)} at best), less than a worker trial costs "
-                f"(~{cost_s:.1f} s)", batches)
+                f"now, {_ms(floor_s)} at best over {where}); a worker trial "
+                f"(~{cost_s:.1f} s) does not fit in {OVERHEAD:.0%} of that or in what is "
+                f"left of {OVERHEAD:.0%} of the batches' time ({max(0.0, phase_s):.2f} s)",
+                batches)
   climbs_both = len(space.values["read_threads"]) > 1
   second_phase = hill_climb(
       measurer(window_s), start=best, space=space,
-      budget_s=max(0.0, min(payoff_s, deadline - clock())), max_batches=None,
+      budget_s=max(0.0, min(phase_s, deadline - clock())), max_batches=None,
       trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
-      clock=clock, known=tuple(t for t in trials),
+      clock=clock, known=tuple(t for t in trials), allowance=left,
       seeds=seed_settings(best, space) if climbs_both else ())
   trials += second_phase.trials
   batches += second_phase.batches
   for t in second_phase.trials:
     scores.setdefault(t.settings, []).append(t.batches_per_s)
   winner = second_phase.settings
-  if winner != start and (statistics.median(scores[winner])
-                          <= statistics.median(scores[start]) * (1 + margin)):
+  if winner != start and start in scores and (
+      statistics.median(scores[winner]) <= statistics.median(scores[start]) * (1 + margin)):
     winner = start
   return done(winner, statistics.median(scores[winner]), trials, second_phase.stopped,
               f"chose {describe(winner)} after the worker search (workers could save up to "
@@ -374,13 +469,20 @@ def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
 
   As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
   what the prefetch buffers hold once the workers are up (at most half the
-  batches), so that the window times the pipeline, not the buffers.
+  batches), so that the window times the pipeline, not the buffers. Read
+  threads in this process need none: they start one batch each at once and
+  the next wave only as the reader takes them, so the batches of a wave
+  arrive together, the first of them after the start-up; the window, from
+  the first batch to the end of a later wave (`_wave`), times whole waves.
 
   Example:
     >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
     (21, 479)
+    >>> trial_sizes(500, LoaderSettings(worker_count=0, read_threads=16))
+    (1, 499)
   """
-  warmup = max(1, min(_processes.buffered_batches(settings) + 1, tuning_steps // 2))
+  buffered = 0 if settings.worker_count == 0 else _processes.buffered_batches(settings)
+  warmup = max(1, min(buffered + 1, tuning_steps // 2))
   return warmup, max(1, tuning_steps - warmup)
 
 
@@ -402,35 +504,41 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   """Finds the `LoaderSettings` (worker processes, read threads, per-worker
   prefetch buffer) that read a pipeline fastest.
 
-  Tuning has to pay for itself, so it first asks whether the loader is the
-  bottleneck at all: with `consumer` (e.g. the compiled training step, timed
-  alone on a ready batch) or `consumer_s` (its duration, slept: a step that
-  runs on an accelerator), it compares the step's time with the loader's
-  batch time at the start setting, and keeps the start without a search
-  when even reading in series could not cost the step more than `margin`
-  (or when the start, measured end to end, is already as fast as the step).
-  The result gives both times (`TuningResult.step_s`, `batch_s`) and the
-  reason.
+  Tuning has to pay for itself: it costs at most a tenth (`OVERHEAD`) of the
+  time the `expected_batches` take. It first reads a few batches here in
+  series (`SERIAL_BATCHES`): the first estimate, which sizes the rest and
+  stands for the setting without read threads. With `consumer` (e.g. the
+  compiled training step, timed alone on a ready batch) or `consumer_s` (its
+  duration, slept: a step that runs on an accelerator), it then asks whether
+  the loader is the bottleneck at all, and keeps the start without a search
+  when even reading in series (or the start's batch time) could not cost
+  the step more than `margin` (or when the start, measured end to end, is
+  already as fast as the step). The result gives both times
+  (`TuningResult.step_s`, `batch_s`) and the reason.
 
   Otherwise it hill-climbs from (`worker_count`, `read_threads`,
-  `prefetch_buffer`) in two phases. First the settings at the start's worker
-  count (in this process when the start has no workers: no process to start),
-  within a tenth of the time the `expected_batches` take at the start's
-  speed (`OVERHEAD`). Then worker processes (0 to `max_workers`), only if
-  they can pay back: the fastest they could read is this process's CPU time
-  per batch spread over the usable cores, and the time that could save over
-  `expected_batches` must exceed a worker trial's cost (a process start per
-  worker); that saving also bounds the phase's time. Each worker setting
-  starts its processes once: its re-measurements read on from the same warm
-  workers (`_Pool`). The read threads range over 0 to `max_read_threads`,
-  the per-worker buffer over 1 to `max_prefetch_buffer` and at most
-  `memory_budget` // (workers x one batch's bytes). Each trial reads a random
-  subset of the records: a warm-up, then a window that ends after
-  `tuning_steps` batches in all or a time slice, whichever comes first; the
-  whole tuning stays within `budget_s`. With a consumer it measures
-  end-to-end steps per second. The choice is stored in the persistent tuning
-  cache under this host and this pipeline, and reused without measuring.
-  Trials are logged at DEBUG on the ``tunedjax.input_pipeline`` logger.
+  `prefetch_buffer`) in two phases, the allowance shrinking as faster
+  settings are found. First the settings at the start's worker count (in
+  this process when the start has no workers: no process to start). Then
+  worker processes (0 to `max_workers`), only if a tenth of what they could
+  save pays for a worker trial: the fastest they could read is this
+  process's CPU time per batch spread over the usable cores, each at the
+  share of a core a thread gets now (on a busy host a worker waits for a
+  core too), and the time that could save over `expected_batches`, a tenth
+  of it, must exceed a trial's cost (a process start per worker) and fit
+  what is left of the allowance. Each worker setting starts its processes
+  once: its re-measurements read on from the same warm workers (`_Pool`).
+  The read threads range over 0 to `max_read_threads`, the per-worker
+  buffer over 1 to `max_prefetch_buffer` and at most `memory_budget` //
+  (workers x one batch's bytes). Each trial reads a random subset of the
+  records: a warm-up (the worker buffers; none for read threads, whose
+  windows time whole waves), then a window that ends after `tuning_steps`
+  batches in all or a time slice, whichever comes first; the whole tuning
+  stays within `budget_s`. With a consumer it measures end-to-end steps per
+  second. The choice is stored in the persistent tuning cache under this
+  host and this pipeline, and reused without measuring (the cache key does
+  not hold `expected_batches`). Trials are logged at DEBUG on the
+  ``tunedjax.input_pipeline`` logger.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -455,8 +563,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     consumer_s: seconds per step to simulate when there is no consumer.
     margin: relative gain that counts as better than noise.
     expected_batches: the batches the chosen setting will read (None:
-      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): what tuning must pay
-      back within.
+      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): the horizon tuning
+      must pay back within (`Trainer.fit` passes the steps of the fit).
     cache: True or None for the default tuning cache, False for none, a
       `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads",

@@ -412,7 +412,7 @@ class Trainer:
     checker = BatchChecker("train_data")
     with self._running(), Progress(total=total, mode=self._progress_mode, desc="train") as bar:
       callbacks.on_fit_start(self)
-      self._tune_loader(stream, bar)
+      self._tune_loader(stream, bar, total)
       loop = _Loop(self, stream, checker, bar, callbacks, target=target, epochs=epochs,
                    eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
       loop.run()
@@ -426,7 +426,7 @@ class Trainer:
       callbacks.on_fit_end(self, self.history)
     return self.history
 
-  def _tune_loader(self, stream: BatchStream, bar: Progress) -> None:
+  def _tune_loader(self, stream: BatchStream, bar: Progress, total: int | None) -> None:
     """Tunes a Loader's workers with the training step as the consumer."""
     loader = stream.loader
     if loader is None or not loader.needs_tuning:
@@ -450,7 +450,7 @@ class Trainer:
     self.session.step(index=self.step)
     if self.config.kernel.enable:
       self.session.end_observe()
-    result = loader.tune(consumer=consumer)
+    result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
       bar.message(f"Trainer: loader uses {result.worker_count} workers, "
