@@ -25,6 +25,12 @@ from typing import Any
 import jax
 
 import tunedjax
+# Each tuner registers its cache-entry validator when imported; `import
+# tunedjax` alone imports nothing (its names are lazy), so `cache import`
+# names them here.
+from tunedjax import autotune as _autotune  # noqa: F401
+from tunedjax import input_pipeline as _input_pipeline  # noqa: F401
+from tunedjax import layout as _layout  # noqa: F401
 from tunedjax._errors import TunedJaxError
 from tunedjax._jit import XLA_CACHE_SUBDIR
 from tunedjax._version import __version__
@@ -235,8 +241,8 @@ def _cmd_cache_export(args: argparse.Namespace) -> int:
 def _cmd_cache_import(args: argparse.Namespace) -> int:
   """``tunedjax cache import FILE [--dir DIR]``: validated, merged, per device.
 
-  ``import tunedjax`` above registered every tuner's entry validator (conv,
-  layout, dataloader), so each imported entry is checked before it is taken.
+  The tuners imported above registered their entry validators (the op
+  families', layout's, the loader's), so each imported entry is checked before it is taken.
   """
   cache, count, problems = import_file(args.file, args.dir)
   for problem in problems:

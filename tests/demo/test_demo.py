@@ -47,11 +47,19 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   base, tuned = report["runs"]["baseline"], report["runs"]["tunedjax"]
   assert base["loader"]["worker_count"] == 0 and base["kernels"] == {}
   assert tuned["kernel_cache_misses"] > 0 and tuned["kernel_tuning_s"] > 0  # a cold cache
-  assert tuned["loader"]["trials"] and not tuned["loader"]["from_cache"]
+  # Tuned, not read from the cache: searched, or kept because the step, not
+  # the loader, is the bottleneck (both times then in the report).
+  loader = tuned["loader"]
+  assert not loader["from_cache"]
+  assert loader["trials"] or (loader["stopped"] == "consumer-bound"
+                              and loader["step_s"] > loader["batch_s"] > 0)
   assert any(k.endswith("(tuned)") for k in tuned["kernels"])
   assert report["ratios"]["wall"] == pytest.approx(base["wall_s"] / tuned["wall_s"])
-  names = {k.name for k in autotune.kernels("conv")}
-  assert report["kernels"] and all(row["kernel"] in names for row in report["kernels"])
+  # Convolutions and, routed from Flax's BatchNorm, batch norms: each row's
+  # kernel is one of its own family's (the bucket label starts with the family).
+  names = {f.name: {k.name for k in autotune.kernels(f.name)} for f in autotune.op_families()}
+  assert report["kernels"] and all(row["kernel"] in names[row["bucket"].split()[0]]
+                                   for row in report["kernels"])
   assert {"depthwise", "matmul_1x1"} <= {row["kernel"] for row in report["kernels"]}
   assert report["warm_cache"] is False and report["machine"]["device"]
   png = (tmp_path / "out" / "demo.png").read_bytes()

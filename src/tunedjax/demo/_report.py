@@ -31,6 +31,8 @@ def _loader_cell(run: RunResult) -> str:
   chosen = f"{info['worker_count']} workers, {info['read_threads']} threads"
   if info.get("from_cache"):
     return chosen + " (from cache)"
+  if info.get("stopped") == "consumer-bound":
+    return chosen + f" (kept: the step is the bottleneck, checked in {info['seconds']:.1f} s)"
   if not info.get("trials"):
     return chosen + " (as given)"
   return chosen + f" (measured in {info['seconds']:.1f} s)"

@@ -21,6 +21,7 @@ def loader_summary(result: TuningResult) -> dict[str, Any]:
       "worker_count": result.worker_count, "read_threads": result.read_threads,
       "batches_per_s": result.batches_per_s, "from_cache": result.from_cache,
       "seconds": result.seconds, "stopped": result.stopped,
+      "reason": result.reason, "step_s": result.step_s, "batch_s": result.batch_s,
       "trials": [{"worker_count": t.worker_count, "read_threads": t.read_threads,
                   "batches_per_s": t.batches_per_s, "phase": t.phase}
                  for t in result.trials],
