@@ -304,6 +304,159 @@ def blocked_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
   return applicable
 
 
+# -- causal block-skipping attention ----------------------------------------------
+
+
+def _causal_blocks(block: int, spec: AttentionSpec):
+  """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
+
+  Queries and keys are cut into blocks of `block`; query block ``i`` attends key
+  blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
+  keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
+  gradients zero). The block pairs are walked by diagonal: diagonal ``d`` holds
+  the pairs ``(i, i - d)``, the query blocks ``d..`` against the key blocks
+  ``0..``: two contiguous slices, one batched `einsum` each, and only diagonal 0
+  needs the causal mask. The forward merges each diagonal's online-softmax
+  statistics (row maximum, sum, weighted values) into the running ones; the
+  backward walks the diagonals again, recomputing each one's probabilities from
+  the saved row maxima and sums. About half the score blocks of `blocked` are
+  computed, and no more than one ``[q_len, block]`` block of scores per head is
+  held at a time.
+  """
+  q_len = spec.q_len
+  kv_used = min(spec.kv_len, q_len)  # keys past the last query are never attended
+  nq, nk = -(-q_len // block), -(-kv_used // block)
+  dt = logits_dtype(spec.dtype)
+  scale = jnp.asarray(spec.scale, dt)
+  kh, g = spec.kv_heads, spec.groups
+  # Pairs (query block d + i, key block i) for i < n_d, per diagonal d.
+  diagonals = [(d, min(nq - d, nk)) for d in range(nq)]
+  inside = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]  # [B, B] on diagonal 0
+  key_valid = (jnp.arange(nk * block) < kv_used).reshape(nk, block)
+
+  def split(q, k, v):
+    """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""
+    b, _, _, h = q.shape
+    qb = _pad_axis(q, 1, nq * block).reshape(b, nq, block, kh, g, h)
+    kb, vb = (_pad_axis(x[:, :kv_used], 1, nk * block).reshape(b, nk, block, kh, h)
+              for x in (k, v))
+    return (jnp.transpose(qb, (0, 3, 4, 1, 2, 5)), jnp.transpose(kb, (0, 3, 1, 2, 4)),
+            jnp.transpose(vb, (0, 3, 1, 2, 4)))
+
+  def scores(qb, kb, d, n):
+    """Diagonal d's logits ``[b, K, G, n, B, B]``: masked (causal, padded keys) -inf."""
+    s = jnp.einsum("bkgith,bkish->bkgits", qb[:, :, :, d:d + n], kb[:, :, :n],
+                   preferred_element_type=dt) * scale
+    keep = key_valid[:n, None, :]  # [n, 1, B]
+    if d == 0:
+      keep = jnp.logical_and(keep, inside)
+    if d > 0 and kv_used % block == 0:
+      return s
+    return jnp.where(keep, s, -jnp.inf)
+
+  def to_rows(x, d, n, value):
+    """A diagonal's per-query-block `x` (axis 3) padded to all nq query blocks."""
+    return _pad_axis(jnp.pad(x, [(0, 0)] * 3 + [(d, 0)] + [(0, 0)] * (x.ndim - 4),
+                             constant_values=value), 3, nq, value)
+
+  def to_keys(x, n):
+    """A diagonal's per-key-block `x` (axis 2) padded to all nk key blocks."""
+    return _pad_axis(x, 2, nk)
+
+  def forward(q, k, v):
+    qb, kb, vb = split(q, k, v)
+    m = l = acc = None
+    for d, n in diagonals:
+      s = scores(qb, kb, d, n)
+      m_d = jnp.max(s, axis=-1)  # finite: each key block's first key is valid and seen
+      p = jnp.exp(s - m_d[..., None])
+      l_d = jnp.sum(p, axis=-1)
+      acc_d = jnp.einsum("bkgits,bkish->bkgith", p.astype(vb.dtype), vb[:, :, :n],
+                         preferred_element_type=dt)
+      m_d, l_d, acc_d = (to_rows(m_d, d, n, -jnp.inf), to_rows(l_d, d, n, 0),
+                         to_rows(acc_d, d, n, 0))
+      if m is None:
+        m, l, acc = m_d, l_d, acc_d
+        continue
+      m_new = jnp.maximum(m, m_d)
+      safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+      alpha, beta = jnp.exp(m - safe), jnp.exp(m_d - safe)
+      m, l = m_new, alpha * l + beta * l_d
+      acc = alpha[..., None] * acc + beta[..., None] * acc_d
+    out = acc / l[..., None]  # [b, K, G, nq, B, h]
+    b, _, _, h = q.shape
+    out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
+    return out[:, :q_len].astype(q.dtype), (m, l)
+
+  @jax.custom_vjp
+  def attend(q, k, v):
+    return forward(q, k, v)[0]
+
+  def attend_fwd(q, k, v):
+    out, stats = forward(q, k, v)
+    return out, (q, k, v, out, stats)
+
+  def attend_bwd(res, dout):
+    q, k, v, out, (m, l) = res
+    b, _, _, h = q.shape
+    qb, kb, vb = split(q, k, v)
+    as_blocks = lambda x: jnp.transpose(
+        _pad_axis(x, 1, nq * block).reshape(b, nq, block, kh, g, h), (0, 3, 4, 1, 2, 5))
+    do = as_blocks(dout).astype(dt)
+    delta = jnp.sum(do * as_blocks(out).astype(dt), axis=-1)  # [b, K, G, nq, B]
+    inv_l = 1 / l
+    dq = jnp.zeros(qb.shape, dt)
+    dk = jnp.zeros(kb.shape, dt)
+    dv = jnp.zeros(vb.shape, dt)
+    for d, n in diagonals:
+      rows = slice(d, d + n)
+      s = scores(qb, kb, d, n)
+      p = jnp.exp(s - m[:, :, :, rows, :, None]) * inv_l[:, :, :, rows, :, None]
+      do_d = do[:, :, :, rows]
+      dv = dv + to_keys(jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_d), n)
+      dp = jnp.einsum("bkgith,bkish->bkgits", do_d, vb[:, :, :n].astype(dt),
+                      preferred_element_type=dt)
+      ds = p * (dp - delta[:, :, :, rows, :, None]) * scale
+      dq = dq + to_rows(jnp.einsum("bkgits,bkish->bkgith", ds, kb[:, :, :n].astype(dt)),
+                        d, n, 0)
+      dk = dk + to_keys(jnp.einsum("bkgits,bkgith->bkish", ds, qb[:, :, :, rows].astype(dt)),
+                        n)
+    dq = jnp.transpose(dq, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)[:, :q_len]
+    unkey = lambda x, like: _pad_axis(
+        jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],
+        1, spec.kv_len).astype(like.dtype)
+    return dq.astype(q.dtype), unkey(dk, k), unkey(dv, v)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+def blocked_causal(block: int) -> Callable[..., jax.Array]:
+  """The kernel of causal attention over blocks of `block`, the masked blocks skipped."""
+
+  def kernel(*operands: Any) -> jax.Array:
+    *ops, spec = operands
+    q, k, v, _, _ = split_operands(tuple(ops), spec)
+    return _causal_blocks(block, spec)(q, k, v)
+
+  kernel.__name__ = kernel.__qualname__ = f"blocked_causal_{block}"
+  return kernel
+
+
+def blocked_causal_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
+  """Causal, no bias or boolean mask (grouped heads are fine), two query blocks or more.
+
+  A boolean mask could leave a row nothing to attend among the keys it may see,
+  and JAX then spreads it over every key, the skipped ones too.
+  """
+
+  def applicable(spec: AttentionSpec, platform: str) -> bool:
+    del platform
+    return spec.causal and spec.mask_kind == "none" and spec.q_len >= 2 * block
+
+  return applicable
+
+
 # -- query-chunked attention -------------------------------------------------
 
 QUERY_CHUNK = 256
@@ -434,6 +587,7 @@ def pallas_tpu_applicable(spec: AttentionSpec, platform: str) -> bool:
 
 
 BLOCKS = (128, 256, 512)
+CAUSAL_BLOCKS = (128, 256, 512)
 
 # (name, fn, applicable), the default first.
 KERNELS = (
@@ -441,6 +595,8 @@ KERNELS = (
     ("einsum", einsum, always),
     *((f"blocked_{n}", blocked(n), blocked_applicable(n)) for n in BLOCKS),
     ("query_chunked", query_chunked, query_chunked_applicable),
+    *((f"blocked_causal_{n}", blocked_causal(n), blocked_causal_applicable(n))
+      for n in CAUSAL_BLOCKS),
     ("cudnn", cudnn, cudnn_applicable),
     ("pallas_gpu", pallas_gpu, pallas_gpu_applicable),
     ("pallas_tpu", pallas_tpu, pallas_tpu_applicable),
