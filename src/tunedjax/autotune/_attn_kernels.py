@@ -17,6 +17,13 @@ Grouped-query attention: query head ``n`` reads key/value head ``n // G``.
   whose backward recomputes each block's probabilities: no more than one
   ``[q_len, block]`` block of scores per head is ever held, forward or
   backward. Applicable from two blocks of keys.
+- ``blocked_causal_128``, ``blocked_causal_256``, ``blocked_causal_512``:
+  causal attention that skips the masked blocks: queries and keys in blocks,
+  query block ``i`` against key blocks ``0..i`` only (about half the work of
+  ``blocked``), the pairs walked one diagonal at a time (one batched `einsum`
+  per diagonal), a `custom_vjp` whose backward recomputes per diagonal too.
+  Causal without bias or boolean mask (grouped heads are fine); from two
+  query blocks.
 - ``query_chunked``: ``einsum`` attention on chunks of 256 queries in turn
   (`lax.map`), each chunk rematerialised in the backward. From two chunks.
 - ``cudnn`` (GPU): `jax.nn.dot_product_attention(implementation="cudnn")`,
@@ -48,6 +55,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunedjax.autotune._attn_spec import AttentionSpec, split_operands
 
@@ -307,21 +315,50 @@ def blocked_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
 # -- causal block-skipping attention ----------------------------------------------
 
 
+def _causal_groups(q_blocks: int, k_blocks: int) -> list[list[tuple[int, int, int]]]:
+  """The block pairs a causal attention computes, in groups of `q_blocks` pairs.
+
+  The pairs ``(i, j)``, ``j <= i``, in diagonal order (``d = i - j`` = 0, 1, ...),
+  cut into groups of `q_blocks` (the last may be shorter); each group as its
+  pieces ``(d, i0, n)``: the pairs ``(i0 + a, i0 + a - d)`` for ``a < n``, one
+  contiguous run of query blocks and of key blocks each.
+
+  Example:
+    >>> _causal_groups(3, 3)
+    [[(0, 0, 3)], [(1, 1, 2), (2, 2, 1)]]
+  """
+  pairs = [(d, i) for d in range(q_blocks) for i in range(d, min(q_blocks, k_blocks + d))]
+  groups = []
+  for start in range(0, len(pairs), q_blocks):
+    pieces: list[tuple[int, int, int]] = []
+    for d, i in pairs[start:start + q_blocks]:
+      if pieces and pieces[-1][0] == d and pieces[-1][1] + pieces[-1][2] == i:
+        pieces[-1] = (d, pieces[-1][1], pieces[-1][2] + 1)
+      else:
+        pieces.append((d, i, 1))
+    groups.append(pieces)
+  return groups
+
+
 def _causal_blocks(block: int, spec: AttentionSpec):
   """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
 
   Queries and keys are cut into blocks of `block`; query block ``i`` attends key
   blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
   keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
-  gradients zero). The block pairs are walked by diagonal: diagonal ``d`` holds
-  the pairs ``(i, i - d)``, the query blocks ``d..`` against the key blocks
-  ``0..``: two contiguous slices, one batched `einsum` each, and only diagonal 0
-  needs the causal mask. The forward merges each diagonal's online-softmax
-  statistics (row maximum, sum, weighted values) into the running ones; the
-  backward walks the diagonals again, recomputing each one's probabilities from
-  the saved row maxima and sums. About half the score blocks of `blocked` are
-  computed, and no more than one ``[q_len, block]`` block of scores per head is
-  held at a time.
+  gradients zero). The block pairs are taken in diagonal order (diagonal ``d``:
+  query blocks ``d..`` against key blocks ``0..``, contiguous slices) and cut into
+  groups of as many pairs as there are query blocks (`_causal_groups`): one
+  batched `einsum` per group, every group (but perhaps the last) of one shape,
+  so XLA reuses one group's buffers for the next. The pairs on diagonal 0 and
+  the last, partial key block are masked; the others are whole. The forward
+  merges each piece's online-softmax statistics (row maximum, sum, weighted
+  values) into the running ones; the backward walks the groups again,
+  recomputing the probabilities from the saved row maxima and sums. About half
+  the score blocks of `blocked` are computed; the groups run one after another
+  (`lax.optimization_barrier`), so the scores held are one group's,
+  ``[q_len, block]`` per head (with XLA's copies of it: probabilities, their
+  gradients).
   """
   q_len = spec.q_len
   kv_used = min(spec.kv_len, q_len)  # keys past the last query are never attended
@@ -329,10 +366,43 @@ def _causal_blocks(block: int, spec: AttentionSpec):
   dt = logits_dtype(spec.dtype)
   scale = jnp.asarray(spec.scale, dt)
   kh, g = spec.kv_heads, spec.groups
-  # Pairs (query block d + i, key block i) for i < n_d, per diagonal d.
-  diagonals = [(d, min(nq - d, nk)) for d in range(nq)]
-  inside = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]  # [B, B] on diagonal 0
-  key_valid = (jnp.arange(nk * block) < kv_used).reshape(nk, block)
+  groups = _causal_groups(nq, nk)
+  inside = np.arange(block)[:, None] >= np.arange(block)[None, :]
+  key_valid = (np.arange(nk * block) < kv_used).reshape(nk, 1, block)
+
+  def keep_of(pieces):
+    """A group's ``[n, B, B]`` mask (None: nothing masked)."""
+    parts = [np.broadcast_to(key_valid[i0 - d:i0 - d + n] & (inside if d == 0 else True),
+                             (n, block, block)) for d, i0, n in pieces]
+    keep = np.concatenate(parts)
+    return None if keep.all() else keep
+
+  def rows(x, pieces, axis=3):
+    """The group's query blocks of `x` (blocks on `axis`), concatenated."""
+    take = lambda a, n: jax.lax.slice_in_dim(x, a, a + n, axis=axis)
+    return jnp.concatenate([take(i0, n) for _, i0, n in pieces], axis=axis)
+
+  def keys(x, pieces):
+    return jnp.concatenate([x[:, :, i0 - d:i0 - d + n] for d, i0, n in pieces], axis=2)
+
+  def pieces_of(x, pieces, axis):
+    """`x`'s group axis cut back into its pieces."""
+    out, a = [], 0
+    for _, _, n in pieces:
+      out.append(jax.lax.slice_in_dim(x, a, a + n, axis=axis))
+      a += n
+    return out
+
+  def to_rows(x, i0, value):
+    """A piece's per-query-block `x` (axis 3) padded to all nq query blocks."""
+    widths = [(0, 0)] * x.ndim
+    widths[3] = (i0, nq - i0 - x.shape[3])
+    return jnp.pad(x, widths, constant_values=value)
+
+  def to_keys(x, j0):
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (j0, nk - j0 - x.shape[2])
+    return jnp.pad(x, widths)
 
   def split(q, k, v):
     """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""
@@ -343,46 +413,37 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     return (jnp.transpose(qb, (0, 3, 4, 1, 2, 5)), jnp.transpose(kb, (0, 3, 1, 2, 4)),
             jnp.transpose(vb, (0, 3, 1, 2, 4)))
 
-  def scores(qb, kb, d, n):
-    """Diagonal d's logits ``[b, K, G, n, B, B]``: masked (causal, padded keys) -inf."""
-    s = jnp.einsum("bkgith,bkish->bkgits", qb[:, :, :, d:d + n], kb[:, :, :n],
+  def scores(qb, kb, pieces):
+    """A group's logits ``[b, K, G, n, B, B]``: masked (causal, padded keys) -inf."""
+    s = jnp.einsum("bkgith,bkish->bkgits", rows(qb, pieces), keys(kb, pieces),
                    preferred_element_type=dt) * scale
-    keep = key_valid[:n, None, :]  # [n, 1, B]
-    if d == 0:
-      keep = jnp.logical_and(keep, inside)
-    if d > 0 and kv_used % block == 0:
-      return s
-    return jnp.where(keep, s, -jnp.inf)
-
-  def to_rows(x, d, n, value):
-    """A diagonal's per-query-block `x` (axis 3) padded to all nq query blocks."""
-    return _pad_axis(jnp.pad(x, [(0, 0)] * 3 + [(d, 0)] + [(0, 0)] * (x.ndim - 4),
-                             constant_values=value), 3, nq, value)
-
-  def to_keys(x, n):
-    """A diagonal's per-key-block `x` (axis 2) padded to all nk key blocks."""
-    return _pad_axis(x, 2, nk)
+    keep = keep_of(pieces)
+    return s if keep is None else jnp.where(keep, s, -jnp.inf)
 
   def forward(q, k, v):
     qb, kb, vb = split(q, k, v)
     m = l = acc = None
-    for d, n in diagonals:
-      s = scores(qb, kb, d, n)
-      m_d = jnp.max(s, axis=-1)  # finite: each key block's first key is valid and seen
-      p = jnp.exp(s - m_d[..., None])
-      l_d = jnp.sum(p, axis=-1)
-      acc_d = jnp.einsum("bkgits,bkish->bkgith", p.astype(vb.dtype), vb[:, :, :n],
+    for pieces in groups:
+      if m is not None:  # one group's scores at a time: the next waits for this one's
+        qb, kb, vb, m, l, acc = jax.lax.optimization_barrier((qb, kb, vb, m, l, acc))
+      s = scores(qb, kb, pieces)
+      m_g = jnp.max(s, axis=-1)  # finite: each key block's first key is valid and seen
+      p = jnp.exp(s - m_g[..., None])
+      l_g = jnp.sum(p, axis=-1)
+      acc_g = jnp.einsum("bkgits,bkish->bkgith", p.astype(vb.dtype), keys(vb, pieces),
                          preferred_element_type=dt)
-      m_d, l_d, acc_d = (to_rows(m_d, d, n, -jnp.inf), to_rows(l_d, d, n, 0),
-                         to_rows(acc_d, d, n, 0))
-      if m is None:
-        m, l, acc = m_d, l_d, acc_d
-        continue
-      m_new = jnp.maximum(m, m_d)
-      safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
-      alpha, beta = jnp.exp(m - safe), jnp.exp(m_d - safe)
-      m, l = m_new, alpha * l + beta * l_d
-      acc = alpha[..., None] * acc + beta[..., None] * acc_d
+      for (_, i0, _), m_p, l_p, acc_p in zip(pieces, pieces_of(m_g, pieces, 3),
+                                             pieces_of(l_g, pieces, 3),
+                                             pieces_of(acc_g, pieces, 3)):
+        m_p, l_p, acc_p = to_rows(m_p, i0, -jnp.inf), to_rows(l_p, i0, 0), to_rows(acc_p, i0, 0)
+        if m is None:
+          m, l, acc = m_p, l_p, acc_p
+          continue
+        m_new = jnp.maximum(m, m_p)
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        alpha, beta = jnp.exp(m - safe), jnp.exp(m_p - safe)
+        m, l = m_new, alpha * l + beta * l_p
+        acc = alpha[..., None] * acc + beta[..., None] * acc_p
     out = acc / l[..., None]  # [b, K, G, nq, B, h]
     b, _, _, h = q.shape
     out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
@@ -408,19 +469,23 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     dq = jnp.zeros(qb.shape, dt)
     dk = jnp.zeros(kb.shape, dt)
     dv = jnp.zeros(vb.shape, dt)
-    for d, n in diagonals:
-      rows = slice(d, d + n)
-      s = scores(qb, kb, d, n)
-      p = jnp.exp(s - m[:, :, :, rows, :, None]) * inv_l[:, :, :, rows, :, None]
-      do_d = do[:, :, :, rows]
-      dv = dv + to_keys(jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_d), n)
-      dp = jnp.einsum("bkgith,bkish->bkgits", do_d, vb[:, :, :n].astype(dt),
+    for pieces in groups:
+      qb, kb, vb, dq, dk, dv = jax.lax.optimization_barrier((qb, kb, vb, dq, dk, dv))
+      s = scores(qb, kb, pieces)
+      p = jnp.exp(s - rows(m, pieces)[..., None]) * rows(inv_l, pieces)[..., None]
+      do_g = rows(do, pieces)
+      dv_g = jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_g)
+      dp = jnp.einsum("bkgith,bkish->bkgits", do_g, keys(vb, pieces).astype(dt),
                       preferred_element_type=dt)
-      ds = p * (dp - delta[:, :, :, rows, :, None]) * scale
-      dq = dq + to_rows(jnp.einsum("bkgits,bkish->bkgith", ds, kb[:, :, :n].astype(dt)),
-                        d, n, 0)
-      dk = dk + to_keys(jnp.einsum("bkgits,bkgith->bkish", ds, qb[:, :, :, rows].astype(dt)),
-                        n)
+      ds = p * (dp - rows(delta, pieces)[..., None]) * scale
+      dq_g = jnp.einsum("bkgits,bkish->bkgith", ds, keys(kb, pieces).astype(dt))
+      dk_g = jnp.einsum("bkgits,bkgith->bkish", ds, rows(qb, pieces).astype(dt))
+      for (d, i0, _), dq_p, dk_p, dv_p in zip(pieces, pieces_of(dq_g, pieces, 3),
+                                              pieces_of(dk_g, pieces, 2),
+                                              pieces_of(dv_g, pieces, 2)):
+        dq = dq + to_rows(dq_p, i0, 0)
+        dk = dk + to_keys(dk_p, i0 - d)
+        dv = dv + to_keys(dv_p, i0 - d)
     dq = jnp.transpose(dq, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)[:, :q_len]
     unkey = lambda x, like: _pad_axis(
         jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],

@@ -1,0 +1,130 @@
+"""The causal block-skipping kernels (``blocked_causal_*``) against JAX's attention in float64.
+
+Query block ``i`` attends key blocks ``0..i`` only: checked against the float64
+reference, forward and the gradients of query, key and value, on lengths that
+are and are not multiples of the block, with fewer keys than queries and more
+(JAX's causal mask is top-left aligned), grouped heads and bfloat16; and that
+the skipped blocks are really not computed (XLA's flop count).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tunedjax as tj
+from tunedjax import autotune
+from tunedjax.autotune import _attn_kernels as K
+from tunedjax.autotune._attn_spec import AttentionSpec
+
+from .helpers import draw, kernel_call, reference64, rel, vjp_of
+
+# (output, gradients) bounds relative to the largest reference value, as test_kernels'.
+BOUNDS = {"float32": (2e-5, 2e-4), "bfloat16": (3e-2, 8e-2)}
+
+
+def _check(block, q, k, v, ct, *, dtype="float32", scale=None):
+  want, want_grads = reference64(q, k, v, None, None, ct, is_causal=True, scale=scale)
+  out, grads = vjp_of(kernel_call(K.blocked_causal(block)), q, k, v, None, None, ct,
+                      is_causal=True, scale=scale)
+  fwd_bound, grad_bound = BOUNDS[dtype]
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert rel(out, want) < fwd_bound
+  for name, got, w, x in zip(("dq", "dk", "dv"), grads, want_grads, (q, k, v)):
+    assert got.dtype == x.dtype and got.shape == x.shape, name
+    # With one key to attend (one query, or one key) dq and dk are 0 but for rounding:
+    # errors relative to at least 0.01 (the inputs and cotangent are standard normal).
+    err = np.max(np.abs(np.asarray(got, np.float64) - w))
+    assert err < grad_bound * max(np.max(np.abs(w)), 1e-2), name
+
+
+@pytest.mark.parametrize("t,s,kv_heads,groups", [
+    (32, 32, 2, 1),   # four whole blocks of 8
+    (37, 37, 2, 3),   # a partial last block, grouped heads
+    (19, 37, 1, 2),   # fewer queries than keys: keys 19.. are never attended
+    (37, 19, 2, 2),   # more queries than keys: queries 19.. attend every key
+    (9, 1, 1, 1),     # one key: dq and dk are rounding noise around 0
+])
+def test_causal_kernel_matches_float64(t, s, kv_heads, groups, rng):
+  q, k, v, _, _, ct = draw(rng, 2, t, s, kv_heads, groups, 8)
+  _check(8, q, k, v, ct)
+
+
+def test_keys_past_the_last_query_get_zero_gradients(rng):
+  q, k, v, _, _, ct = draw(rng, 1, 12, 30, 1, 1, 8)
+  _, (_, dk, dv) = vjp_of(kernel_call(K.blocked_causal(8)), q, k, v, None, None, ct,
+                          is_causal=True)
+  assert not np.any(np.asarray(dk[:, 12:])) and not np.any(np.asarray(dv[:, 12:]))
+  assert np.all(np.any(np.asarray(dv[:, :12]) != 0, axis=-1))
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(b=st.integers(1, 2), t=st.integers(1, 50), s=st.integers(1, 50),
+       kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2, 4]),
+       h=st.sampled_from([4, 8]), block=st.sampled_from([8, 16]),
+       scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**16))
+def test_causal_kernel_matches_float64_on_random_shapes(b, t, s, kv_heads, groups, h, block,
+                                                        scale, seed):
+  q, k, v, _, _, ct = draw(np.random.default_rng(seed), b, t, s, kv_heads, groups, h)
+  _check(block, q, k, v, ct, scale=scale)
+
+
+def test_bfloat16_within_its_bound(rng):
+  q, k, v, _, _, ct = draw(rng, 1, 40, 40, 2, 2, 8, dtype=jnp.bfloat16)
+  _check(8, q, k, v, ct, dtype="bfloat16")
+
+
+def _flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+def test_the_masked_blocks_are_skipped(rng):
+  # 8 blocks of 16: 36 of the 64 block pairs are computed. XLA's flop count of the
+  # forward and of forward+backward, against the einsum kernel (every pair).
+  q, k, v, _, _, _ = draw(rng, 1, 128, 128, 2, 1, 32)
+  spec = AttentionSpec.from_arrays(q, k, is_causal=True)
+  causal, full = K.blocked_causal(16), K.einsum
+  fwd = lambda f: lambda q, k, v: f(q, k, v, spec)
+  both = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, spec) ** 2), argnums=(0, 1, 2))
+  assert _flops(fwd(causal), q, k, v) < 0.7 * _flops(fwd(full), q, k, v)
+  assert _flops(both(causal), q, k, v) < 0.7 * _flops(both(full), q, k, v)
+
+
+def test_applicable_to_causal_attention_without_bias_or_mask_from_two_blocks():
+  names = lambda spec: [k.name for k in autotune.kernels("attention")
+                        if k.name.startswith("blocked_causal") and k.applicable(spec, "cpu")]
+  causal = AttentionSpec(1, 1024, 1024, 8, 2, 64, "float32", causal=True)
+  assert names(causal) == ["blocked_causal_128", "blocked_causal_256", "blocked_causal_512"]
+  assert names(AttentionSpec(1, 300, 1024, 8, 8, 64, "bfloat16", causal=True)) == [
+      "blocked_causal_128"]
+  assert names(AttentionSpec(1, 1024, 1024, 8, 2, 64, "float32")) == []  # not causal
+  for extra in ({"mask_shape": (1, 1, 1, 1024)}, {"bias_shape": (1, 8, 1024, 1024),
+                                                  "bias_dtype": "float32"}):
+    assert names(AttentionSpec(1, 1024, 1024, 8, 8, 64, "float32", causal=True, **extra)) == []
+
+
+@pytest.mark.slow
+def test_registered_kernel_hinted_under_tj_jit_matches_jax(rng, tmp_path):
+  q, k, v, _, _, ct = draw(rng, 1, 300, 300, 2, 2, 16)  # 2 blocks of 128 and a partial one
+
+  def loss(q, k, v):
+    return jnp.sum(tj.attention(q, k, v, is_causal=True) * ct)
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  want, want_grads = reference64(q, k, v, None, None, ct, is_causal=True)
+  with tj.config_context({"kernel": {"enable": True,
+                                     "hints": {"attention": "blocked_causal_128"}},
+                          "cache": {"dir": str(tmp_path)}}):
+    f = tj.jit(grad, session=autotune.TuningSession())
+    value, grads = f(q, k, v)
+    choices = f.report(memory=False).last.kernel_report.of("attention")
+  assert [(c.kernel, c.why) for c in choices] == [("blocked_causal_128", "hint")]
+  assert abs(float(value) - float(np.sum(want * np.asarray(ct)))) < 1e-4 * float(
+      np.sum(np.abs(want * np.asarray(ct))))
+  for got, w in zip(grads, want_grads):
+    assert rel(got, w) < 2e-4
