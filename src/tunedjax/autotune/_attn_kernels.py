@@ -340,25 +340,56 @@ def _causal_groups(q_blocks: int, k_blocks: int) -> list[list[tuple[int, int, in
   return groups
 
 
+def _causal_schedule(q_blocks: int, k_blocks: int) -> dict[str, np.ndarray]:
+  """`_causal_groups` as arrays for a `lax.scan`, each group padded to `q_blocks` pairs.
+
+  ``q``/``k``: each pair's query and key block (a padding pair: block 0, and
+  ``pad`` set); ``diagonal``: whether ``i == j`` (only those pairs need the
+  causal mask); ``lanes[o]``: the pair's query block where this is the row's
+  ``o``-th pair in its group, else ``q_blocks`` (a scratch row), so that each
+  lane writes distinct rows; ``row``/``col``: the query and key blocks, padding
+  pairs sent to the scratch row ``q_blocks`` / column ``k_blocks``.
+
+  Example:
+    >>> _causal_schedule(3, 3)["lanes"].tolist()
+    [[[0, 1, 2]], [[1, 2, 3]], [[3, 3, 2]]]
+  """
+  groups = _causal_groups(q_blocks, k_blocks)
+  pairs = [[(i0 + a, i0 + a - d) for d, i0, n in pieces for a in range(n)]
+           for pieces in groups]
+  lane_count = max(max(sum(r == i for r, _ in g) for i in range(q_blocks)) for g in pairs)
+  n, p = len(pairs), q_blocks
+  out = {"q": np.zeros((n, p), np.int32), "k": np.zeros((n, p), np.int32),
+         "pad": np.ones((n, p), bool), "diagonal": np.zeros((n, p), bool),
+         "row": np.full((n, p), q_blocks, np.int32), "col": np.full((n, p), k_blocks, np.int32),
+         "lanes": np.full((n, lane_count, p), q_blocks, np.int32)}
+  for g, group in enumerate(pairs):
+    seen: dict[int, int] = {}
+    for a, (i, j) in enumerate(group):
+      out["q"][g, a], out["k"][g, a], out["pad"][g, a] = i, j, False
+      out["diagonal"][g, a], out["row"][g, a], out["col"][g, a] = i == j, i, j
+      out["lanes"][g, seen.get(i, 0), a] = i
+      seen[i] = seen.get(i, 0) + 1
+  return out
+
+
 def _causal_blocks(block: int, spec: AttentionSpec):
   """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
 
   Queries and keys are cut into blocks of `block`; query block ``i`` attends key
   blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
   keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
-  gradients zero). The block pairs are taken in diagonal order (diagonal ``d``:
-  query blocks ``d..`` against key blocks ``0..``, contiguous slices) and cut into
-  groups of as many pairs as there are query blocks (`_causal_groups`): one
-  batched `einsum` per group, every group (but perhaps the last) of one shape,
-  so XLA reuses one group's buffers for the next. The pairs on diagonal 0 and
-  the last, partial key block are masked; the others are whole. The forward
-  merges each piece's online-softmax statistics (row maximum, sum, weighted
-  values) into the running ones; the backward walks the groups again,
-  recomputing the probabilities from the saved row maxima and sums. About half
-  the score blocks of `blocked` are computed; the groups run one after another
-  (`lax.optimization_barrier`), so the scores held are one group's,
-  ``[q_len, block]`` per head (with XLA's copies of it: probabilities, their
-  gradients).
+  gradients zero). The block pairs, in diagonal order, are cut into groups of
+  as many pairs as there are query blocks (`_causal_schedule`), and a
+  `lax.scan` walks the groups: each step gathers its pairs' query and key
+  blocks and computes their scores in one batched `einsum` (``[q_len, block]``
+  per head, what a step of `blocked` holds), masking only the pairs on the
+  diagonal and the padded keys. The forward merges the step's online-softmax
+  statistics (row maximum, sum, weighted values) into the running ones, one
+  lane of distinct rows at a time; the backward walks the groups again,
+  recomputing the probabilities from the saved row maxima and sums, and
+  scatter-adds the gradients of the blocks. About half the score blocks of
+  `blocked` are computed.
   """
   q_len = spec.q_len
   kv_used = min(spec.kv_len, q_len)  # keys past the last query are never attended
@@ -366,43 +397,8 @@ def _causal_blocks(block: int, spec: AttentionSpec):
   dt = logits_dtype(spec.dtype)
   scale = jnp.asarray(spec.scale, dt)
   kh, g = spec.kv_heads, spec.groups
-  groups = _causal_groups(nq, nk)
-  inside = np.arange(block)[:, None] >= np.arange(block)[None, :]
-  key_valid = (np.arange(nk * block) < kv_used).reshape(nk, 1, block)
-
-  def keep_of(pieces):
-    """A group's ``[n, B, B]`` mask (None: nothing masked)."""
-    parts = [np.broadcast_to(key_valid[i0 - d:i0 - d + n] & (inside if d == 0 else True),
-                             (n, block, block)) for d, i0, n in pieces]
-    keep = np.concatenate(parts)
-    return None if keep.all() else keep
-
-  def rows(x, pieces, axis=3):
-    """The group's query blocks of `x` (blocks on `axis`), concatenated."""
-    take = lambda a, n: jax.lax.slice_in_dim(x, a, a + n, axis=axis)
-    return jnp.concatenate([take(i0, n) for _, i0, n in pieces], axis=axis)
-
-  def keys(x, pieces):
-    return jnp.concatenate([x[:, :, i0 - d:i0 - d + n] for d, i0, n in pieces], axis=2)
-
-  def pieces_of(x, pieces, axis):
-    """`x`'s group axis cut back into its pieces."""
-    out, a = [], 0
-    for _, _, n in pieces:
-      out.append(jax.lax.slice_in_dim(x, a, a + n, axis=axis))
-      a += n
-    return out
-
-  def to_rows(x, i0, value):
-    """A piece's per-query-block `x` (axis 3) padded to all nq query blocks."""
-    widths = [(0, 0)] * x.ndim
-    widths[3] = (i0, nq - i0 - x.shape[3])
-    return jnp.pad(x, widths, constant_values=value)
-
-  def to_keys(x, j0):
-    widths = [(0, 0)] * x.ndim
-    widths[2] = (j0, nk - j0 - x.shape[2])
-    return jnp.pad(x, widths)
+  schedule = _causal_schedule(nq, nk)
+  inside = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
 
   def split(q, k, v):
     """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""
@@ -413,39 +409,45 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     return (jnp.transpose(qb, (0, 3, 4, 1, 2, 5)), jnp.transpose(kb, (0, 3, 1, 2, 4)),
             jnp.transpose(vb, (0, 3, 1, 2, 4)))
 
-  def scores(qb, kb, pieces):
-    """A group's logits ``[b, K, G, n, B, B]``: masked (causal, padded keys) -inf."""
-    s = jnp.einsum("bkgith,bkish->bkgits", rows(qb, pieces), keys(kb, pieces),
-                   preferred_element_type=dt) * scale
-    keep = keep_of(pieces)
-    return s if keep is None else jnp.where(keep, s, -jnp.inf)
+  def scores(qg, kg, x):
+    """A group's logits ``[b, K, G, P, B, B]``: masked (causal, padded keys) -inf."""
+    s = jnp.einsum("bkgith,bkish->bkgits", qg, kg, preferred_element_type=dt) * scale
+    key = x["k"][:, None, None] * block + jnp.arange(block)
+    keep = (key < kv_used) & ~x["pad"][:, None, None]
+    keep = keep & (~x["diagonal"][:, None, None] | inside)
+    return jnp.where(keep, s, -jnp.inf)
 
   def forward(q, k, v):
     qb, kb, vb = split(q, k, v)
-    m = l = acc = None
-    for pieces in groups:
-      if m is not None:  # one group's scores at a time: the next waits for this one's
-        qb, kb, vb, m, l, acc = jax.lax.optimization_barrier((qb, kb, vb, m, l, acc))
-      s = scores(qb, kb, pieces)
-      m_g = jnp.max(s, axis=-1)  # finite: each key block's first key is valid and seen
-      p = jnp.exp(s - m_g[..., None])
+    b, _, _, _, _, h = qb.shape
+    stats = (b, kh, g, nq + 1, block)  # a scratch row last
+
+    def step(carry, x):
+      m, l, acc = carry
+      qg, kg, vg = jnp.take(qb, x["q"], axis=3), jnp.take(kb, x["k"], axis=2), jnp.take(
+          vb, x["k"], axis=2)
+      s = scores(qg, kg, x)
+      m_g = jnp.max(s, axis=-1)
+      p = jnp.exp(s - jnp.where(jnp.isfinite(m_g), m_g, 0)[..., None])
       l_g = jnp.sum(p, axis=-1)
-      acc_g = jnp.einsum("bkgits,bkish->bkgith", p.astype(vb.dtype), keys(vb, pieces),
+      acc_g = jnp.einsum("bkgits,bkish->bkgith", p.astype(vg.dtype), vg,
                          preferred_element_type=dt)
-      for (_, i0, _), m_p, l_p, acc_p in zip(pieces, pieces_of(m_g, pieces, 3),
-                                             pieces_of(l_g, pieces, 3),
-                                             pieces_of(acc_g, pieces, 3)):
-        m_p, l_p, acc_p = to_rows(m_p, i0, -jnp.inf), to_rows(l_p, i0, 0), to_rows(acc_p, i0, 0)
-        if m is None:
-          m, l, acc = m_p, l_p, acc_p
-          continue
+      for lane in range(x["lanes"].shape[0]):
+        rows = x["lanes"][lane]
+        m_p = jnp.full(stats, -jnp.inf, dt).at[:, :, :, rows].set(m_g)
+        l_p = jnp.zeros(stats, dt).at[:, :, :, rows].set(l_g)
+        acc_p = jnp.zeros(stats + (h,), dt).at[:, :, :, rows].set(acc_g)
         m_new = jnp.maximum(m, m_p)
         safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
         alpha, beta = jnp.exp(m - safe), jnp.exp(m_p - safe)
         m, l = m_new, alpha * l + beta * l_p
         acc = alpha[..., None] * acc + beta[..., None] * acc_p
+      return (m, l, acc), None
+
+    init = (jnp.full(stats, -jnp.inf, dt), jnp.zeros(stats, dt), jnp.zeros(stats + (h,), dt))
+    (m, l, acc), _ = jax.lax.scan(step, init, schedule)
+    m, l, acc = m[:, :, :, :nq], l[:, :, :, :nq], acc[:, :, :, :nq]
     out = acc / l[..., None]  # [b, K, G, nq, B, h]
-    b, _, _, h = q.shape
     out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
     return out[:, :q_len].astype(q.dtype), (m, l)
 
@@ -466,31 +468,31 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     do = as_blocks(dout).astype(dt)
     delta = jnp.sum(do * as_blocks(out).astype(dt), axis=-1)  # [b, K, G, nq, B]
     inv_l = 1 / l
-    dq = jnp.zeros(qb.shape, dt)
-    dk = jnp.zeros(kb.shape, dt)
-    dv = jnp.zeros(vb.shape, dt)
-    for pieces in groups:
-      qb, kb, vb, dq, dk, dv = jax.lax.optimization_barrier((qb, kb, vb, dq, dk, dv))
-      s = scores(qb, kb, pieces)
-      p = jnp.exp(s - rows(m, pieces)[..., None]) * rows(inv_l, pieces)[..., None]
-      do_g = rows(do, pieces)
+
+    def step(carry, x):
+      dq, dk, dv = carry
+      rows = lambda t: jnp.take(t, x["q"], axis=3)
+      qg, kg, vg = rows(qb), jnp.take(kb, x["k"], axis=2), jnp.take(vb, x["k"], axis=2)
+      s = scores(qg, kg, x)
+      p = jnp.exp(s - rows(m)[..., None]) * rows(inv_l)[..., None]
+      do_g = rows(do)
       dv_g = jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_g)
-      dp = jnp.einsum("bkgith,bkish->bkgits", do_g, keys(vb, pieces).astype(dt),
-                      preferred_element_type=dt)
-      ds = p * (dp - rows(delta, pieces)[..., None]) * scale
-      dq_g = jnp.einsum("bkgits,bkish->bkgith", ds, keys(kb, pieces).astype(dt))
-      dk_g = jnp.einsum("bkgits,bkgith->bkish", ds, rows(qb, pieces).astype(dt))
-      for (d, i0, _), dq_p, dk_p, dv_p in zip(pieces, pieces_of(dq_g, pieces, 3),
-                                              pieces_of(dk_g, pieces, 2),
-                                              pieces_of(dv_g, pieces, 2)):
-        dq = dq + to_rows(dq_p, i0, 0)
-        dk = dk + to_keys(dk_p, i0 - d)
-        dv = dv + to_keys(dv_p, i0 - d)
-    dq = jnp.transpose(dq, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)[:, :q_len]
+      dp = jnp.einsum("bkgith,bkish->bkgits", do_g, vg.astype(dt), preferred_element_type=dt)
+      ds = p * (dp - rows(delta)[..., None]) * scale
+      dq_g = jnp.einsum("bkgits,bkish->bkgith", ds, kg.astype(dt))
+      dk_g = jnp.einsum("bkgits,bkgith->bkish", ds, qg.astype(dt))
+      return (dq.at[:, :, :, x["row"]].add(dq_g), dk.at[:, :, x["col"]].add(dk_g),
+              dv.at[:, :, x["col"]].add(dv_g)), None
+
+    scratch = lambda x, axis: jnp.zeros(x.shape[:axis] + (x.shape[axis] + 1,)
+                                        + x.shape[axis + 1:], dt)
+    (dq, dk, dv), _ = jax.lax.scan(step, (scratch(qb, 3), scratch(kb, 2), scratch(vb, 2)),
+                                   schedule)
+    dq = jnp.transpose(dq[:, :, :, :nq], (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
     unkey = lambda x, like: _pad_axis(
-        jnp.transpose(x, (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],
+        jnp.transpose(x[:, :, :nk], (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],
         1, spec.kv_len).astype(like.dtype)
-    return dq.astype(q.dtype), unkey(dk, k), unkey(dv, v)
+    return dq[:, :q_len].astype(q.dtype), unkey(dk, k), unkey(dv, v)
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
