@@ -95,6 +95,7 @@ def test_the_schedule_computes_each_unmasked_block_pair_once(q_blocks, k_blocks)
       assert len(set(rows.tolist())) == len(rows)
 
 
+@pytest.mark.slow
 def test_temporaries_are_a_block_of_scores_not_the_score_matrix(rng):
   # 1,024 tokens in blocks of 64: forward+backward temporaries well below one
   # [1024, 1024] score matrix per head, and below the einsum kernel's.
