@@ -112,7 +112,14 @@ def test_applicable_to_causal_attention_without_bias_or_mask_from_two_blocks():
   names = lambda spec: [k.name for k in autotune.kernels("attention")
                         if k.name.startswith("blocked_causal") and k.applicable(spec, "cpu")]
   causal = AttentionSpec(1, 1024, 1024, 8, 2, 64, "float32", causal=True)
-  assert names(causal) == ["blocked_causal_128", "blocked_causal_256", "blocked_causal_512"]
+  assert names(causal) == ["blocked_causal_128", "blocked_causal_256"]
+  # There, the kernels that compute every block pair are left out; not without causality.
+  everything = lambda spec: [k.name for k in autotune.kernels("attention")
+                             if k.applicable(spec, "cpu")]
+  assert everything(causal) == ["xla", "einsum", "blocked_causal_128", "blocked_causal_256"]
+  assert everything(AttentionSpec(1, 1024, 1024, 8, 8, 64, "float32", causal=True,
+                                  mask_shape=(1, 1, 1, 1024))) == [
+      "xla", "einsum", "blocked_128", "blocked_256", "blocked_512", "query_chunked"]
   assert names(AttentionSpec(1, 300, 1024, 8, 8, 64, "bfloat16", causal=True)) == [
       "blocked_causal_128"]
   assert names(AttentionSpec(1, 1024, 1024, 8, 2, 64, "float32")) == []  # not causal
