@@ -187,7 +187,9 @@ def section(rows: list[Row], step: dict[str, Any], lm: dict[str, int], rounds: i
   head = (f"{_harness.machine_line()} Load average {load[0]:.1f} before, {load[1]:.1f} "
           "after (the machine is shared: ratios move by +-15%).")
   how = (f"Per bucket: batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, not causal "
-         "and causal (the `blocked_causal_*` kernels apply to causal buckets only); "
+         "and causal (the `blocked_causal_*` kernels apply to causal buckets only, and "
+         "there the kernels that compute every block, `blocked_*` and `query_chunked`, "
+         "do not); "
          "each kernel pinned by `kernel.hints` through `tj.jit`, timed interleaved against "
          f"the reference `xla` (`jax.nn.dot_product_attention`), {rounds} rounds, medians "
          "of per-round ratios (speedup = xla time / kernel time); temporaries of the "
