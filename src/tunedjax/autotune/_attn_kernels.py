@@ -367,8 +367,11 @@ def _causal_schedule(q_blocks: int, k_blocks: int) -> dict[str, np.ndarray]:
   pairs sent to the scratch row ``q_blocks`` / column ``k_blocks``.
 
   Example:
-    >>> _causal_schedule(3, 3)["lanes"].tolist()
-    [[[0, 1, 2]], [[1, 2, 3]], [[3, 3, 2]]]
+    >>> s = _causal_schedule(3, 3)
+    >>> s["q"].tolist(), s["k"].tolist()
+    ([[0, 1, 2], [1, 2, 2]], [[0, 1, 2], [0, 1, 0]])
+    >>> s["lanes"][1].tolist()  # step 1 has query block 2 twice: a second lane
+    [[1, 2, 3], [3, 3, 2]]
   """
   groups = _causal_groups(q_blocks, k_blocks)
   pairs = [[(i0 + a, i0 + a - d) for d, i0, n in pieces for a in range(n)]
