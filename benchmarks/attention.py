@@ -1,7 +1,7 @@
 """Attention kernels per bucket, and a Transformer LM's train step tuned vs plain `jax.jit`.
 
-Part 1, per bucket (batch 1, 8 heads, head dim 64, float32, not causal, at
-1,024 / 2,048 / 4,096 tokens): every applicable ``"attention"`` kernel, pinned
+Part 1, per bucket (batch 1, 8 heads, head dim 64, float32, not causal and
+causal, at 1,024 / 2,048 / 4,096 tokens): every applicable ``"attention"`` kernel, pinned
 with ``kernel.hints``, through `tunedjax.jit`, timed interleaved against the
 reference (``xla``: ``jax.nn.dot_product_attention``) forward and forward +
 backward (the gradients of query, key and value for a random cotangent), with
@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 
 import tunedjax as tj
+from tunedjax.autotune._attn_spec import AttentionSpec
 from tunedjax.demo import TransformerLM, lm_data, lm_loss
 
 HEADS, HEAD_DIM = 8, 64
@@ -45,6 +46,7 @@ HEADS, HEAD_DIM = 8, 64
 @dataclasses.dataclass
 class Row:
   tokens: int
+  causal: bool
   kernel: str
   forward: float
   forward_ms: float
@@ -64,13 +66,18 @@ def _operands(tokens: int, seed: int = 0) -> tuple[jax.Array, ...]:
   return tuple(jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(4))
 
 
-def _forward(q, k, v, ct):
-  del ct
-  return tj.attention(q, k, v)
+def _forward(causal: bool):
+  def fn(q, k, v, ct):
+    del ct
+    return tj.attention(q, k, v, is_causal=causal)
+  return fn
 
 
-def _forward_backward(q, k, v, ct):
-  return jax.grad(lambda q, k, v: (tj.attention(q, k, v) * ct).sum(), argnums=(0, 1, 2))(q, k, v)
+def _forward_backward(causal: bool):
+  def fn(q, k, v, ct):
+    return jax.grad(lambda q, k, v: (tj.attention(q, k, v, is_causal=causal) * ct).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+  return fn
 
 
 def _compiled(fn, kernel: str, args) -> Any | None:
@@ -90,11 +97,15 @@ def _compiled(fn, kernel: str, args) -> Any | None:
   return call
 
 
-def bucket_rows(tokens: int, rounds: int) -> tuple[list[Row], dict[str, _harness.Timings]]:
+def bucket_rows(tokens: int, rounds: int, causal: bool = False
+                ) -> tuple[list[Row], dict[str, _harness.Timings]]:
   args = _operands(tokens)
-  kernels = [k.name for k in tj.autotune.kernels("attention")]
+  spec = AttentionSpec.from_arrays(args[0], args[1], is_causal=causal)
+  kernels = [k.name for k in tj.autotune.kernels("attention")
+             if k.applicable(spec, jax.default_backend())]  # no hint that does not apply
   timings, temps = {}, {}
-  for what, fn in (("forward", _forward), ("forward+backward", _forward_backward)):
+  for what, fn in (("forward", _forward(causal)),
+                   ("forward+backward", _forward_backward(causal))):
     calls = {}
     for name in kernels:
       call = _compiled(fn, name, args)
@@ -106,10 +117,10 @@ def bucket_rows(tokens: int, rounds: int) -> tuple[list[Row], dict[str, _harness
           temps[name] = figures.temp_bytes / 2**20 if figures else float("nan")
     timings[what] = _harness.interleaved(calls, baseline="xla", rounds=rounds)
   fwd, both = timings["forward"], timings["forward+backward"]
-  rows = [Row(tokens, name, 1 / fwd.ratio(name), 1e3 * fwd.median(name),
+  rows = [Row(tokens, causal, name, 1 / fwd.ratio(name), 1e3 * fwd.median(name),
               1 / both.ratio(name), 1e3 * both.median(name), temps.get(name, float("nan")))
           for name in fwd.runs if name in both.runs and name != _harness.CONTROL]
-  rows.append(Row(tokens, _harness.CONTROL, 1 / fwd.ratio(_harness.CONTROL),
+  rows.append(Row(tokens, causal, _harness.CONTROL, 1 / fwd.ratio(_harness.CONTROL),
                   1e3 * fwd.median(_harness.CONTROL), 1 / both.ratio(_harness.CONTROL),
                   1e3 * both.median(_harness.CONTROL), float("nan")))
   return rows, timings
@@ -169,23 +180,28 @@ def section(rows: list[Row], step: dict[str, Any], lm: dict[str, int], rounds: i
   speedup = 1 / t.ratio("tunedjax (tuned attention)")
   control = 1 / t.ratio(_harness.CONTROL)
   longest = max(lengths)
-  ref_temp = next(r.temp_mib for r in rows if r.tokens == longest and r.kernel == "xla")
-  blocked = [r for r in rows if r.tokens == longest and r.kernel.startswith("blocked")]
+  ref_temp = next(r.temp_mib for r in rows
+                  if r.tokens == longest and r.kernel == "xla" and not r.causal)
+  blocked = [r for r in rows if r.tokens == longest and not r.causal
+             and r.kernel.startswith("blocked")]
   head = (f"{_harness.machine_line()} Load average {load[0]:.1f} before, {load[1]:.1f} "
           "after (the machine is shared: ratios move by +-15%).")
-  how = (f"Per bucket: batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, not causal; "
+  how = (f"Per bucket: batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, not causal "
+         "and causal (the `blocked_causal_*` kernels apply to causal buckets only, and "
+         "there the kernels that compute every block, `blocked_*` and `query_chunked`, "
+         "do not); "
          "each kernel pinned by `kernel.hints` through `tj.jit`, timed interleaved against "
          f"the reference `xla` (`jax.nn.dot_product_attention`), {rounds} rounds, medians "
          "of per-round ratios (speedup = xla time / kernel time); temporaries of the "
          "compiled forward+backward from XLA's memory analysis.")
   lines = ["## Attention kernels and a Transformer LM step (`benchmarks/attention.py`)", "",
            head, "", how, "",
-           ("| tokens | kernel | forward speedup | forward (ms) | fwd+bwd speedup "
+           ("| tokens | causal | kernel | forward speedup | forward (ms) | fwd+bwd speedup "
            "| fwd+bwd (ms) | temporaries fwd+bwd (MiB) |"),
-           "|---:|---|---:|---:|---:|---:|---:|"]
+           "|---:|---|---|---:|---:|---:|---:|---:|"]
   for r in rows:
     temp = "" if r.kernel == _harness.CONTROL else f"{r.temp_mib:.0f}"
-    lines.append(f"| {r.tokens} | {r.kernel} | {r.forward:.2f}x | {r.forward_ms:.1f} | "
+    lines.append(f"| {r.tokens} | {'yes' if r.causal else 'no'} | {r.kernel} | {r.forward:.2f}x | {r.forward_ms:.1f} | "
                  f"{r.backward:.2f}x | {r.backward_ms:.1f} | {temp} |")
   whole = (f"Whole train step: `tunedjax.demo.TransformerLM` ({lm['layers']} layers, width "
            f"{lm['width']}, {HEADS} heads, causal, {lm['tokens']} tokens, batch 1, Adam), "
@@ -228,16 +244,20 @@ def main(argv=None) -> int:
     lm = {"tokens": 2048, "width": 256, "layers": 4}
   load_before = os.getloadavg()[0]
   started = time.perf_counter()
-  rows = []
-  for tokens in lengths:
-    got, _ = bucket_rows(tokens, rounds)
-    rows += got
-    for r in got:
-      print(f"{tokens:5d} tokens  {r.kernel:12s} forward {r.forward:5.2f}x ({r.forward_ms:8.1f} ms)"
-            f"  fwd+bwd {r.backward:5.2f}x ({r.backward_ms:8.1f} ms)  temporaries "
-            f"{r.temp_mib:8.1f} MiB", flush=True)
   with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-") as cache:
     step = lm_step(**lm, rounds=rounds + 2, cache=cache)
+  print(_harness.ratio_table(step["timings"]), f"\nkernels {step['kernels']}; first call "
+        f"{step['first_call_s']:.0f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+  rows = []
+  for tokens in lengths:
+    for causal in (False, True):
+      got, _ = bucket_rows(tokens, rounds, causal)
+      rows += got
+      for r in got:
+        print(f"{tokens:5d} tokens{' causal' if causal else ''}  {r.kernel:18s} forward "
+              f"{r.forward:5.2f}x ({r.forward_ms:8.1f} ms)  fwd+bwd {r.backward:5.2f}x "
+              f"({r.backward_ms:8.1f} ms)  temporaries "
+              f"{r.temp_mib:8.1f} MiB", flush=True)
   load_after = os.getloadavg()[0]
   t = step["timings"]
   speedup = 1 / t.ratio("tunedjax (tuned attention)")

@@ -17,7 +17,8 @@ from tunedjax.autotune._attn_spec import AttentionSpec
 
 from .helpers import rel
 
-T = 256  # two key blocks of 128: xla, einsum and blocked_128 apply
+T = 256  # two blocks of 128: xla, einsum and (causal) blocked_causal_128 apply
+CANDIDATES = {"xla", "einsum", "blocked_causal_128"}
 
 
 def _inputs(rng, t=T, heads=2, kv_heads=2, h=16):
@@ -59,13 +60,13 @@ def test_tuned_under_tj_jit_cached_and_a_second_session_tunes_nothing(rng, tmp_p
     f = tj.jit(grad, session=autotune.TuningSession())
     value, grads = f(q, k, v)
     ((kernel, why),) = _attention_choices(f)
-    assert why == "tuned" and kernel in ("xla", "einsum", "blocked_128")
+    assert why == "tuned" and kernel in CANDIDATES
     assert abs(float(value) - float(want_value)) <= 1e-5 * abs(float(want_value))
     for got, want in zip(grads, want_grads):
       assert rel(got, want) < 1e-4
     (row,) = [r for r in autotune.explain(_loss, q, k, v) if r.op == "attention"]
     assert row.bucket == f"attention 1x{T}x{T} h2/2 d16 float32 causal"
-    assert row.kernel == kernel and set(row.candidates) == {"xla", "einsum", "blocked_128"}
+    assert row.kernel == kernel and set(row.candidates) == CANDIDATES
     assert set(row.temp_bytes) == set(row.candidates) and row.temp_bytes["xla"] > 0
     # A restart: a new session reads the cache and tunes nothing.
     g = tj.jit(grad, session=autotune.TuningSession())
@@ -81,10 +82,10 @@ def test_tuned_under_tj_jit_cached_and_a_second_session_tunes_nothing(rng, tmp_p
 def test_hint_is_honoured_and_a_hint_that_does_not_apply_warns(rng, tmp_path):
   q, k, v = _inputs(rng)
   want = jax.jit(_loss)(q, k, v)
-  with tj.config_context(_config(tmp_path, hints={"attention": "blocked_128"})):
+  with tj.config_context(_config(tmp_path, hints={"attention": "blocked_causal_128"})):
     f = tj.jit(_loss, session=autotune.TuningSession())
     np.testing.assert_allclose(f(q, k, v), want, rtol=1e-5)
-    assert _attention_choices(f) == [("blocked_128", "hint")]
+    assert _attention_choices(f) == [("blocked_causal_128", "hint")]
   with tj.config_context(_config(tmp_path, hints={"attention": "pallas_gpu"})):
     g = tj.jit(_loss, session=autotune.TuningSession())
     with pytest.warns(autotune.HintWarning, match="attention='pallas_gpu' does not apply"):
@@ -142,9 +143,9 @@ def test_memory_objective_chooses_by_temporaries_under_tj_jit(rng, tmp_path):
   (entry,) = autotune.Cache(tmp_path).entries("attention")
   assert entry.key["objective"] == "memory"
   value = entry.value
-  assert set(value["temp_bytes"]) == {"xla", "einsum", "blocked_128"}
-  # The blocked kernel holds one [256, 128] block of scores, xla the whole [256, 256].
-  assert value["temp_bytes"]["blocked_128"] < value["temp_bytes"]["xla"]
+  assert set(value["temp_bytes"]) == CANDIDATES
+  # The blocked kernel holds one [256, 128] group of scores, xla the whole [256, 256].
+  assert value["temp_bytes"]["blocked_causal_128"] < value["temp_bytes"]["xla"]
   want = _tuner.choose({n: r for n, r in value["ratios"].items() if r <= _tuner.SCREEN_FACTOR},
                        value["temp_bytes"], objective="memory")[0]
   assert kernel == want

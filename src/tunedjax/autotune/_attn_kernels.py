@@ -17,6 +17,14 @@ Grouped-query attention: query head ``n`` reads key/value head ``n // G``.
   whose backward recomputes each block's probabilities: no more than one
   ``[q_len, block]`` block of scores per head is ever held, forward or
   backward. Applicable from two blocks of keys.
+- ``blocked_causal_128``, ``blocked_causal_256``:
+  causal attention that skips the masked blocks: queries and keys in blocks,
+  query block ``i`` against key blocks ``0..i`` only (about half the work of
+  ``blocked``), the pairs walked one diagonal at a time (one batched `einsum`
+  per diagonal), a `custom_vjp` whose backward recomputes per diagonal too.
+  Causal without bias or boolean mask (grouped heads are fine); from two
+  query blocks. Where one applies, ``blocked_*`` and ``query_chunked`` (which
+  compute every block) do not.
 - ``query_chunked``: ``einsum`` attention on chunks of 256 queries in turn
   (`lax.map`), each chunk rematerialised in the backward. From two chunks.
 - ``cudnn`` (GPU): `jax.nn.dot_product_attention(implementation="cudnn")`,
@@ -48,6 +56,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tunedjax.autotune._attn_spec import AttentionSpec, split_operands
 
@@ -294,12 +303,242 @@ def blocked(block: int) -> Callable[..., jax.Array]:
   return kernel
 
 
+def causal_skips(spec: AttentionSpec) -> bool:
+  """Whether a `blocked_causal_*` kernel applies: causal, no bias or mask, two blocks.
+
+  There, the kernels that compute every block pair (`blocked_*`,
+  `query_chunked`) do the same work twice over and hold more: they are left out,
+  so that a bucket's tuning budget goes to the candidates that can win.
+  """
+  return spec.causal and spec.mask_kind == "none" and spec.q_len >= 2 * min(CAUSAL_BLOCKS)
+
+
 def blocked_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
-  """At least two key blocks: shorter keys are one block of `einsum`."""
+  """At least two key blocks (shorter keys are one block of `einsum`), and not where a
+  `blocked_causal_*` kernel applies (`causal_skips`)."""
 
   def applicable(spec: AttentionSpec, platform: str) -> bool:
     del platform
-    return spec.kv_len >= 2 * block
+    return spec.kv_len >= 2 * block and not causal_skips(spec)
+
+  return applicable
+
+
+# -- causal block-skipping attention ----------------------------------------------
+
+# Blocks of 512 lost to 128 and 256 (fwd+bwd 2.0x xla against 3.2x at 2,048 tokens).
+CAUSAL_BLOCKS = (128, 256)
+
+
+
+def _causal_groups(q_blocks: int, k_blocks: int) -> list[list[tuple[int, int, int]]]:
+  """The block pairs a causal attention computes, in groups of `q_blocks` pairs.
+
+  The pairs ``(i, j)``, ``j <= i``, in diagonal order (``d = i - j`` = 0, 1, ...),
+  cut into groups of `q_blocks` (the last may be shorter); each group as its
+  pieces ``(d, i0, n)``: the pairs ``(i0 + a, i0 + a - d)`` for ``a < n``, one
+  contiguous run of query blocks and of key blocks each.
+
+  Example:
+    >>> _causal_groups(3, 3)
+    [[(0, 0, 3)], [(1, 1, 2), (2, 2, 1)]]
+  """
+  pairs = [(d, i) for d in range(q_blocks) for i in range(d, min(q_blocks, k_blocks + d))]
+  groups = []
+  for start in range(0, len(pairs), q_blocks):
+    pieces: list[tuple[int, int, int]] = []
+    for d, i in pairs[start:start + q_blocks]:
+      if pieces and pieces[-1][0] == d and pieces[-1][1] + pieces[-1][2] == i:
+        pieces[-1] = (d, pieces[-1][1], pieces[-1][2] + 1)
+      else:
+        pieces.append((d, i, 1))
+    groups.append(pieces)
+  return groups
+
+
+def _causal_schedule(q_blocks: int, k_blocks: int) -> dict[str, np.ndarray]:
+  """`_causal_groups` as arrays for a `lax.scan`, each group padded to `q_blocks` pairs.
+
+  ``q``/``k``: each pair's query and key block (a padding pair: block 0, and
+  ``pad`` set); ``diagonal``: whether ``i == j`` (only those pairs need the
+  causal mask); ``lanes[o]``: the pair's query block where this is the row's
+  ``o``-th pair in its group, else ``q_blocks`` (a scratch row), so that each
+  lane writes distinct rows; ``row``/``col``: the query and key blocks, padding
+  pairs sent to the scratch row ``q_blocks`` / column ``k_blocks``.
+
+  Example:
+    >>> s = _causal_schedule(3, 3)
+    >>> s["q"].tolist(), s["k"].tolist()
+    ([[0, 1, 2], [1, 2, 2]], [[0, 1, 2], [0, 1, 0]])
+    >>> s["lanes"][1].tolist()  # step 1 has query block 2 twice: a second lane
+    [[1, 2, 3], [3, 3, 2]]
+  """
+  groups = _causal_groups(q_blocks, k_blocks)
+  pairs = [[(i0 + a, i0 + a - d) for d, i0, n in pieces for a in range(n)]
+           for pieces in groups]
+  lane_count = max(max(sum(r == i for r, _ in g) for i in range(q_blocks)) for g in pairs)
+  n, p = len(pairs), q_blocks
+  out = {"q": np.zeros((n, p), np.int32), "k": np.zeros((n, p), np.int32),
+         "pad": np.ones((n, p), bool), "diagonal": np.zeros((n, p), bool),
+         "row": np.full((n, p), q_blocks, np.int32), "col": np.full((n, p), k_blocks, np.int32),
+         "lanes": np.full((n, lane_count, p), q_blocks, np.int32)}
+  for g, group in enumerate(pairs):
+    seen: dict[int, int] = {}
+    for a, (i, j) in enumerate(group):
+      out["q"][g, a], out["k"][g, a], out["pad"][g, a] = i, j, False
+      out["diagonal"][g, a], out["row"][g, a], out["col"][g, a] = i == j, i, j
+      out["lanes"][g, seen.get(i, 0), a] = i
+      seen[i] = seen.get(i, 0) + 1
+  return out
+
+
+def _causal_blocks(block: int, spec: AttentionSpec):
+  """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
+
+  Queries and keys are cut into blocks of `block`; query block ``i`` attends key
+  blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
+  keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
+  gradients zero). The block pairs, in diagonal order, are cut into groups of
+  as many pairs as there are query blocks (`_causal_schedule`), and a
+  `lax.scan` walks the groups: each step gathers its pairs' query and key
+  blocks and computes their scores in one batched `einsum` (``[q_len, block]``
+  per head, what a step of `blocked` holds), masking only the pairs on the
+  diagonal and the padded keys. The forward merges the step's online-softmax
+  statistics (row maximum, sum, weighted values) into the running ones, one
+  lane of distinct rows at a time; the backward walks the groups again,
+  recomputing the probabilities from the saved row maxima and sums, and
+  scatter-adds the gradients of the blocks. About half the score blocks of
+  `blocked` are computed.
+  """
+  q_len = spec.q_len
+  kv_used = min(spec.kv_len, q_len)  # keys past the last query are never attended
+  nq, nk = -(-q_len // block), -(-kv_used // block)
+  dt = logits_dtype(spec.dtype)
+  scale = jnp.asarray(spec.scale, dt)
+  kh, g = spec.kv_heads, spec.groups
+  schedule = _causal_schedule(nq, nk)
+  inside = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+
+  def split(q, k, v):
+    """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""
+    b, _, _, h = q.shape
+    qb = _pad_axis(q, 1, nq * block).reshape(b, nq, block, kh, g, h)
+    kb, vb = (_pad_axis(x[:, :kv_used], 1, nk * block).reshape(b, nk, block, kh, h)
+              for x in (k, v))
+    return (jnp.transpose(qb, (0, 3, 4, 1, 2, 5)), jnp.transpose(kb, (0, 3, 1, 2, 4)),
+            jnp.transpose(vb, (0, 3, 1, 2, 4)))
+
+  def scores(qg, kg, x):
+    """A group's logits ``[b, K, G, P, B, B]``: masked (causal, padded keys) -inf."""
+    s = jnp.einsum("bkgith,bkish->bkgits", qg, kg, preferred_element_type=dt) * scale
+    key = x["k"][:, None, None] * block + jnp.arange(block)
+    keep = (key < kv_used) & ~x["pad"][:, None, None]
+    keep = keep & (~x["diagonal"][:, None, None] | inside)
+    return jnp.where(keep, s, -jnp.inf)
+
+  def forward(q, k, v):
+    qb, kb, vb = split(q, k, v)
+    b, _, _, _, _, h = qb.shape
+    stats = (b, kh, g, nq + 1, block)  # a scratch row last
+
+    def step(carry, x):
+      m, l, acc = carry
+      qg, kg, vg = jnp.take(qb, x["q"], axis=3), jnp.take(kb, x["k"], axis=2), jnp.take(
+          vb, x["k"], axis=2)
+      s = scores(qg, kg, x)
+      m_g = jnp.max(s, axis=-1)
+      p = jnp.exp(s - jnp.where(jnp.isfinite(m_g), m_g, 0)[..., None])
+      l_g = jnp.sum(p, axis=-1)
+      acc_g = jnp.einsum("bkgits,bkish->bkgith", p.astype(vg.dtype), vg,
+                         preferred_element_type=dt)
+      for lane in range(x["lanes"].shape[0]):
+        rows = x["lanes"][lane]
+        m_p = jnp.full(stats, -jnp.inf, dt).at[:, :, :, rows].set(m_g)
+        l_p = jnp.zeros(stats, dt).at[:, :, :, rows].set(l_g)
+        acc_p = jnp.zeros(stats + (h,), dt).at[:, :, :, rows].set(acc_g)
+        m_new = jnp.maximum(m, m_p)
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        alpha, beta = jnp.exp(m - safe), jnp.exp(m_p - safe)
+        m, l = m_new, alpha * l + beta * l_p
+        acc = alpha[..., None] * acc + beta[..., None] * acc_p
+      return (m, l, acc), None
+
+    init = (jnp.full(stats, -jnp.inf, dt), jnp.zeros(stats, dt), jnp.zeros(stats + (h,), dt))
+    (m, l, acc), _ = jax.lax.scan(step, init, schedule)
+    m, l, acc = m[:, :, :, :nq], l[:, :, :, :nq], acc[:, :, :, :nq]
+    out = acc / l[..., None]  # [b, K, G, nq, B, h]
+    out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
+    return out[:, :q_len].astype(q.dtype), (m, l)
+
+  @jax.custom_vjp
+  def attend(q, k, v):
+    return forward(q, k, v)[0]
+
+  def attend_fwd(q, k, v):
+    out, stats = forward(q, k, v)
+    return out, (q, k, v, out, stats)
+
+  def attend_bwd(res, dout):
+    q, k, v, out, (m, l) = res
+    b, _, _, h = q.shape
+    qb, kb, vb = split(q, k, v)
+    as_blocks = lambda x: jnp.transpose(
+        _pad_axis(x, 1, nq * block).reshape(b, nq, block, kh, g, h), (0, 3, 4, 1, 2, 5))
+    do = as_blocks(dout).astype(dt)
+    delta = jnp.sum(do * as_blocks(out).astype(dt), axis=-1)  # [b, K, G, nq, B]
+    inv_l = 1 / l
+
+    def step(carry, x):
+      dq, dk, dv = carry
+      rows = lambda t: jnp.take(t, x["q"], axis=3)
+      qg, kg, vg = rows(qb), jnp.take(kb, x["k"], axis=2), jnp.take(vb, x["k"], axis=2)
+      s = scores(qg, kg, x)
+      p = jnp.exp(s - rows(m)[..., None]) * rows(inv_l)[..., None]
+      do_g = rows(do)
+      dv_g = jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_g)
+      dp = jnp.einsum("bkgith,bkish->bkgits", do_g, vg.astype(dt), preferred_element_type=dt)
+      ds = p * (dp - rows(delta)[..., None]) * scale
+      dq_g = jnp.einsum("bkgits,bkish->bkgith", ds, kg.astype(dt))
+      dk_g = jnp.einsum("bkgits,bkgith->bkish", ds, qg.astype(dt))
+      return (dq.at[:, :, :, x["row"]].add(dq_g), dk.at[:, :, x["col"]].add(dk_g),
+              dv.at[:, :, x["col"]].add(dv_g)), None
+
+    scratch = lambda x, axis: jnp.zeros(x.shape[:axis] + (x.shape[axis] + 1,)
+                                        + x.shape[axis + 1:], dt)
+    (dq, dk, dv), _ = jax.lax.scan(step, (scratch(qb, 3), scratch(kb, 2), scratch(vb, 2)),
+                                   schedule)
+    dq = jnp.transpose(dq[:, :, :, :nq], (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
+    unkey = lambda x, like: _pad_axis(
+        jnp.transpose(x[:, :, :nk], (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],
+        1, spec.kv_len).astype(like.dtype)
+    return dq[:, :q_len].astype(q.dtype), unkey(dk, k), unkey(dv, v)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+def blocked_causal(block: int) -> Callable[..., jax.Array]:
+  """The kernel of causal attention over blocks of `block`, the masked blocks skipped."""
+
+  def kernel(*operands: Any) -> jax.Array:
+    *ops, spec = operands
+    q, k, v, _, _ = split_operands(tuple(ops), spec)
+    return _causal_blocks(block, spec)(q, k, v)
+
+  kernel.__name__ = kernel.__qualname__ = f"blocked_causal_{block}"
+  return kernel
+
+
+def blocked_causal_applicable(block: int) -> Callable[[AttentionSpec, str], bool]:
+  """Causal, no bias or boolean mask (grouped heads are fine), two query blocks or more.
+
+  A boolean mask could leave a row nothing to attend among the keys it may see,
+  and JAX then spreads it over every key, the skipped ones too.
+  """
+
+  def applicable(spec: AttentionSpec, platform: str) -> bool:
+    del platform
+    return spec.causal and spec.mask_kind == "none" and spec.q_len >= 2 * block
 
   return applicable
 
@@ -359,9 +598,9 @@ def query_chunked(*operands: Any) -> jax.Array:
 
 
 def query_chunked_applicable(spec: AttentionSpec, platform: str) -> bool:
-  """At least two query chunks."""
+  """At least two query chunks, and not where a `blocked_causal_*` kernel applies."""
   del platform
-  return spec.q_len >= 2 * QUERY_CHUNK
+  return spec.q_len >= 2 * QUERY_CHUNK and not causal_skips(spec)
 
 
 # -- GPU and TPU kernels ------------------------------------------------------
@@ -441,6 +680,8 @@ KERNELS = (
     ("einsum", einsum, always),
     *((f"blocked_{n}", blocked(n), blocked_applicable(n)) for n in BLOCKS),
     ("query_chunked", query_chunked, query_chunked_applicable),
+    *((f"blocked_causal_{n}", blocked_causal(n), blocked_causal_applicable(n))
+      for n in CAUSAL_BLOCKS),
     ("cudnn", cudnn, cudnn_applicable),
     ("pallas_gpu", pallas_gpu, pallas_gpu_applicable),
     ("pallas_tpu", pallas_tpu, pallas_tpu_applicable),
