@@ -236,6 +236,20 @@ def test_a_slow_consumer_and_a_fast_loader_skip_the_search(cache_dir):
   assert "in series" in result.reason and result.batches <= _tuner.SERIAL_BATCHES
 
 
+def test_a_consumer_bound_finding_is_cached_like_a_search(cache_dir):
+  offset = [0.0]
+
+  def slow_step(batch):  # every step "takes" 1 s of the fake clock
+    offset[0] += 1.0
+  clock = lambda: time.perf_counter() + offset[0]
+  options = dict(batch_size=4, max_workers=2, max_read_threads=16, read_threads=16,
+                 tuning_steps=100, budget_s=6, consumer=slow_step, clock=clock)
+  first = ip.tune_worker_count(np.arange(400.0), **options)
+  assert first.stopped == "consumer-bound" and not first.from_cache
+  again = ip.tune_worker_count(np.arange(400.0), **options)  # a restart: nothing measured
+  assert again.from_cache and again.settings == first.settings and again.trials == ()
+
+
 def test_a_slow_loader_and_a_fast_consumer_search(cache_dir):
   offset = [0.0]
   clock = lambda: time.perf_counter() + offset[0]

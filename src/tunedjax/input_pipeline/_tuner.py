@@ -658,7 +658,9 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                      clock=clock)
   finally:
     pool.close_all()
-  if store is not None and result.trials:
+  # A search's result, or the finding that the step, not the loader, is the
+  # bottleneck (no trials): either way a restart need not measure again.
+  if store is not None and (result.trials or result.stopped == "consumer-bound"):
     store.put(NAMESPACE, key, {
         **result.settings.to_dict(),
         "batches_per_s": result.batches_per_s, "seconds": result.seconds,
