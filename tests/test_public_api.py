@@ -17,7 +17,7 @@ PUBLIC = {
                  "History", "Trainer", "trainer", "AttentionSwap", "use_tuned_attention"},
     "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"BatchNormSpec", "BucketChoice", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
+    "tunedjax.autotune": {"BatchNormSpec", "BucketChoice", "BucketTemporaries", "Cache", "CacheEntry", "ConvSpec", "DeviceFingerprint",
                           "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
                           "Stats", "TuningSession", "default_session", "device_fingerprint",
                           "dispatch", "explain", "hint", "kernels", "op_families",

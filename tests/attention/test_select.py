@@ -191,3 +191,20 @@ def test_no_warning_and_reference_for_float16_on_cpu(rng):
   want = jax.nn.dot_product_attention(q.astype(jnp.float32), q.astype(jnp.float32),
                                       q.astype(jnp.float32), is_causal=True)
   assert out.dtype == jnp.float16 and rel(out, want) < 5e-3
+
+
+def test_the_report_shows_the_temporaries_each_tuned_bucket_saves(rng, tmp_path):
+  q, k, v = _inputs(rng)
+  grad = jax.grad(_loss, argnums=(0, 1, 2))
+  with tj.config_context(_config(tmp_path)):
+    for why in ("tuned", "hit"):  # tuned now, then read from the cache by a new session
+      f = tj.jit(grad, session=autotune.TuningSession())
+      f(q, k, v)
+      report = f.report(memory=False).last.kernel_report
+      ((kernel, got_why),) = _attention_choices(f)
+      assert got_why == why
+      (temps,) = report.temporaries
+      record = autotune.Cache(tmp_path).entries("attention")[0].value["temp_bytes"]
+      assert temps.bucket.startswith(f"attention 1x{T}x{T}") and temps.kernel == kernel
+      assert (temps.default_bytes, temps.kernel_bytes) == (record["xla"], record[kernel])
+      assert report.temp_bytes_saved == record["xla"] - record[kernel]

@@ -45,16 +45,56 @@ class KernelChoice:
 
 
 @dataclasses.dataclass(frozen=True)
+class BucketTemporaries:
+  """The temporaries of one tuned bucket's kernel against its family's default.
+
+  From the tuner's record (each candidate's compiled forward, or
+  forward+backward, as the family is timed), so what a choice saves in memory
+  shows beside what it saves in time.
+
+  Attributes:
+    bucket: the bucket's label.
+    kernel: the kernel that runs.
+    default_bytes: the default kernel's temporaries.
+    kernel_bytes: the chosen kernel's temporaries.
+
+  Example:
+    >>> t = BucketTemporaries("attention 1x4096x4096 h8/8 d64 float32", "blocked_128",
+    ...                       2**30, 2**27)
+    >>> t.saved_bytes == 7 * 2**27
+    True
+  """
+  bucket: str
+  kernel: str
+  default_bytes: int
+  kernel_bytes: int
+
+  @property
+  def saved_bytes(self) -> int:
+    """Bytes of temporaries the choice saves (negative: it needs more)."""
+    return self.default_bytes - self.kernel_bytes
+
+  def __str__(self) -> str:
+    mib = lambda b: f"{b / 2**20:.1f} MiB"
+    return (f"{self.bucket}: {self.kernel} {mib(self.kernel_bytes)} against "
+            f"{mib(self.default_bytes)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelReport:
   """The kernel-selection pass's report for one trace.
 
   Attributes:
     choices: one `KernelChoice` per (op, kernel, why), in first-seen order.
     tuning_s: seconds spent tuning buckets during this trace.
+    temporaries: one `BucketTemporaries` per bucket decided by the tuner or
+      the cache whose record has temporaries for both its kernel and the
+      default (hinted, observed and default-only buckets have none).
   """
 
   choices: tuple[KernelChoice, ...] = ()
   tuning_s: float = 0.0
+  temporaries: tuple[BucketTemporaries, ...] = ()
   name = "kernel_selection"
 
   def _count(self, *whys: str) -> int:
@@ -92,9 +132,17 @@ class KernelReport:
     """``{"<op> <kernel> (<why>)": count}``, for display."""
     return {str(c): c.count for c in self.choices}
 
+  @property
+  def temp_bytes_saved(self) -> int:
+    """Temporaries the chosen kernels save against the defaults, over the buckets."""
+    return sum(t.saved_bytes for t in self.temporaries)
+
   def __str__(self) -> str:
     parts = ", ".join(f"{c}: {c.count}" for c in self.choices) or "no kernel sites"
-    return f"{parts}; cache hits {self.hits}, misses {self.misses}, tuning {self.tuning_s:.1f} s"
+    text = f"{parts}; cache hits {self.hits}, misses {self.misses}, tuning {self.tuning_s:.1f} s"
+    if any(t.saved_bytes for t in self.temporaries):
+      text += f"; kernel temporaries {self.temp_bytes_saved / 2**20:+.1f} MiB saved"
+    return text
 
 
 class Tally:
@@ -104,6 +152,15 @@ class Tally:
     self._lock = threading.Lock()
     self._counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
     self._tuning_s = 0.0
+    self._temps: dict[str, BucketTemporaries] = {}
+
+  def add_temporaries(self, bucket: str, kernel: str, temp_bytes: Mapping[str, int],
+                      default: str) -> None:
+    """Records a bucket's temporaries from its tuning record (``{kernel: bytes}``)."""
+    if kernel in temp_bytes and default in temp_bytes:
+      with self._lock:
+        self._temps[bucket] = BucketTemporaries(bucket, kernel, int(temp_bytes[default]),
+                                                int(temp_bytes[kernel]))
 
   def add(self, op: str, kernel: str, why: str) -> None:
     """Counts one site of `op` that runs `kernel` because of `why`."""
@@ -119,4 +176,4 @@ class Tally:
     with self._lock:
       return KernelReport(tuple(KernelChoice(op, k, why, n)
                                 for (op, k, why), n in self._counts.items()),
-                          tuning_s=self._tuning_s)
+                          tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()))

@@ -156,6 +156,7 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     if value is not None:
       session.record(hit=True, config=config)
       why["why"] = _report.HIT
+      why["temp_bytes"] = value.get("temp_bytes", {})
       return value["winner"]
     if phase == _tuning.APPLY:
       session.record(hit=False, config=config)
@@ -170,12 +171,15 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     session.record(hit=False, tuning_s=result.tuning_s, tuned=True, config=config)
     selection.tally.add_tuning(result.tuning_s)
     why["why"] = _report.TUNED
+    why["temp_bytes"] = result.temp_bytes
     return result.winner
 
   all_names = sorted(k.name for k in _registry.kernels(family.name))
   name = _multihost.agree(leader_decides, all_names)
   if name not in names:
     return default, _report.NOT_APPLICABLE
+  if "temp_bytes" in why:
+    selection.tally.add_temporaries(label, name, why["temp_bytes"], default)
   return name, why.get("why", _report.RECEIVED)
 
 
