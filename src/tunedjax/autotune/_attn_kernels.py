@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -639,7 +640,12 @@ def pallas_gpu(*operands: Any, interpret: bool = False) -> jax.Array:
   """
   *ops, spec = operands
   q, k, v, _, _ = split_operands(tuple(ops), spec)
-  from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    # jax 0.12 deprecates this module in favour of tokamax, which is not a
+    # dependency here; the kernel itself is unchanged, so it stays a candidate.
+    warnings.filterwarnings("ignore", category=DeprecationWarning,
+                            message=r".*pallas\.ops\.gpu\.attention is deprecated")
+    from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
   return attention.mha(q, k, v, None, sm_scale=spec.scale, causal=spec.causal,
                        interpret=interpret)
 
