@@ -83,8 +83,8 @@ if _typing.TYPE_CHECKING:
   from tunedjax._errors import LayoutError as LayoutError
   from tunedjax._errors import RewriteError as RewriteError
   from tunedjax._errors import TunedJaxError as TunedJaxError
-  from tunedjax._jit import Jitted as Jitted
   from tunedjax._jit import JitReport as JitReport
+  from tunedjax._jit import Jitted as Jitted
   from tunedjax._jit import jit as jit
   from tunedjax._version import __version__ as __version__
   from tunedjax.trainer import History as History
