@@ -42,7 +42,6 @@ NAME = "attention"
 
 # Relative error allowed against the reference, over the output and every gradient.
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
-_TOLERANCE_ACCELERATOR = {"float32": 5e-3}  # TF32 matmuls on GPUs, bf16 passes on TPUs
 
 
 def attention_tolerance(dtype: Any, platform: str = "cpu") -> float:
@@ -52,10 +51,7 @@ def attention_tolerance(dtype: Any, platform: str = "cpu") -> float:
     >>> attention_tolerance("float32"), attention_tolerance("bfloat16")
     (0.0001, 0.05)
   """
-  name = np.dtype(dtype).name
-  if platform != "cpu" and name in _TOLERANCE_ACCELERATOR:
-    return _TOLERANCE_ACCELERATOR[name]
-  return _TOLERANCE.get(name, 1e-3)
+  return _registry.tolerance_from(_TOLERANCE, dtype, platform)
 
 
 def _axes(shape: tuple[int, ...] | None) -> str | None:

@@ -111,6 +111,26 @@ def causal_mask(q_start: Any, q_len: int, k_start: Any, k_len: int) -> jax.Array
   return kj <= qi
 
 
+def masked_logits(qg: Any, k: Any, bias: Any, mask: Any, causal: Any, spec: AttentionSpec,
+                  dt: Any) -> tuple[jax.Array, Any]:
+  """Scaled logits ``[b, K, G, t, s]`` of grouped queries `qg` against keys `k`, with
+  `bias` added and masked entries at `large_negative`; and the keep mask (None: all).
+
+  `mask` and `causal` (a ``[t, s]`` keep matrix or None) combine; `bias` and
+  `mask` are the slices for these queries and keys, in the caller's layout.
+  """
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=dt)
+  s = s * jnp.asarray(spec.scale, dt)
+  if bias is not None:
+    s = (s + grouped(bias, spec)).astype(dt)
+  keep = None if mask is None else grouped(mask, spec)
+  if causal is not None:
+    keep = causal if keep is None else jnp.logical_and(keep, causal)
+  if keep is not None:
+    s = jnp.where(keep, s, large_negative(dt))
+  return s, keep
+
+
 def einsum(*operands: Any) -> jax.Array:
   """``softmax(q k^T * scale + bias, masked) v`` written out, grouped heads as an axis."""
   *ops, spec = operands
@@ -118,16 +138,8 @@ def einsum(*operands: Any) -> jax.Array:
   b, t, _, h = q.shape
   dt = logits_dtype(q.dtype)
   qg = q.reshape(b, t, spec.kv_heads, spec.groups, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=dt)
-  logits = logits * jnp.asarray(spec.scale, dt)
-  if bias is not None:
-    logits = (logits + grouped(bias, spec)).astype(dt)
-  keep = None if mask is None else grouped(mask, spec)
-  if spec.causal:
-    c = causal_mask(0, t, 0, spec.kv_len)
-    keep = c if keep is None else jnp.logical_and(keep, c)
-  if keep is not None:
-    logits = jnp.where(keep, logits, large_negative(dt))
+  causal = causal_mask(0, t, 0, spec.kv_len) if spec.causal else None
+  logits, _ = masked_logits(qg, k, bias, mask, causal, spec, dt)
   probs = jax.nn.softmax(logits.astype(jnp.promote_types(dt, jnp.float32)), axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
   return out.reshape(q.shape).astype(q.dtype)
@@ -200,17 +212,9 @@ def _blocked_attention(block: int, spec: AttentionSpec):
 
   def scores(qg, x, bias, mask):
     """One key block's logits ``[b, K, G, t, block]`` (masked, padded keys -inf) and keep."""
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, x["k"], preferred_element_type=dt) * scale
-    bias_j = x.get("bias", bias)
-    if bias_j is not None:
-      s = (s + grouped(bias_j, spec)).astype(dt)
-    mask_j = x.get("mask", mask)
-    keep = None if mask_j is None else grouped(mask_j, spec)
-    if spec.causal:
-      c = causal_mask(0, qg.shape[1], x["start"], block)
-      keep = c if keep is None else jnp.logical_and(keep, c)
-    if keep is not None:
-      s = jnp.where(keep, s, large_negative(dt))
+    causal = causal_mask(0, qg.shape[1], x["start"], block) if spec.causal else None
+    s, keep = masked_logits(qg, x["k"], x.get("bias", bias), x.get("mask", mask), causal,
+                            spec, dt)
     valid = x["start"] + jnp.arange(block) < kv_len
     s = jnp.where(valid, s, -jnp.inf)
     return s, keep
@@ -572,18 +576,8 @@ def query_chunked_attention(chunk: int, q: Any, k: Any, v: Any, bias: Any, mask:
     qc = x["q"]
     dt = logits_dtype(qc.dtype)
     qg = qc.reshape(b, chunk, spec.kv_heads, spec.groups, h)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=dt)
-    s = s * jnp.asarray(spec.scale, dt)
-    bias_c = x.get("bias", bias)
-    if bias_c is not None:
-      s = (s + grouped(bias_c, spec)).astype(dt)
-    mask_c = x.get("mask", mask)
-    keep = None if mask_c is None else grouped(mask_c, spec)
-    if spec.causal:
-      c = causal_mask(x["start"], chunk, 0, spec.kv_len)
-      keep = c if keep is None else jnp.logical_and(keep, c)
-    if keep is not None:
-      s = jnp.where(keep, s, large_negative(dt))
+    causal = causal_mask(x["start"], chunk, 0, spec.kv_len) if spec.causal else None
+    s, _ = masked_logits(qg, k, x.get("bias", bias), x.get("mask", mask), causal, spec, dt)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v)
     return o.reshape(b, chunk, n, h).astype(q.dtype)

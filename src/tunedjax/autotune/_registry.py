@@ -61,10 +61,22 @@ def default_tolerance(dtype: Any, platform: str = "cpu") -> float:
     >>> default_tolerance("float32"), default_tolerance("bfloat16")
     (0.0001, 0.03)
   """
+  return tolerance_from(_TOLERANCE, dtype, platform)
+
+
+def tolerance_from(table: Mapping[str, float], dtype: Any, platform: str = "cpu", *,
+                   accelerator: Mapping[str, float] = _TOLERANCE_ACCELERATOR) -> float:
+  """A family's tolerance for `dtype` from its `table` (by dtype name; 1e-3 for
+  others), or from `accelerator` off CPU, where float32 runs in TF32/bf16 passes.
+
+  Example:
+    >>> tolerance_from({"float32": 1e-4}, "float32"), tolerance_from({}, "float32", "gpu")
+    (0.0001, 0.005)
+  """
   name = np.dtype(dtype).name
-  if platform != "cpu" and name in _TOLERANCE_ACCELERATOR:
-    return _TOLERANCE_ACCELERATOR[name]
-  return _TOLERANCE.get(name, 1e-3)
+  if platform != "cpu" and name in accelerator:
+    return accelerator[name]
+  return table.get(name, 1e-3)
 
 
 @dataclasses.dataclass(frozen=True)
