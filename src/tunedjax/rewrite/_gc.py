@@ -59,12 +59,12 @@ def _expire(pause: int) -> None:
 
 
 @contextlib.contextmanager
-def paused(limit_s: float = LIMIT_S) -> Iterator[None]:
+def paused(limit_s: float | None = None) -> Iterator[None]:
   """The collector is off inside the block, for at most `limit_s` seconds.
 
   Args:
     limit_s: seconds after which the collector is turned back on (counted
-      from the outermost open block).
+      from the outermost open block); default `LIMIT_S`.
   """
   global _depth, _owner, _timer, _pause
   with _lock:
@@ -73,7 +73,7 @@ def paused(limit_s: float = LIMIT_S) -> Iterator[None]:
       gc.disable()
       _owner = True
       _pause += 1
-      _timer = threading.Timer(limit_s, _expire, (_pause,))
+      _timer = threading.Timer(LIMIT_S if limit_s is None else limit_s, _expire, (_pause,))
       _timer.daemon = True
       _timer.start()
   try:
