@@ -47,6 +47,7 @@ from tunedjax.autotune import _select
 from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
 from tunedjax.rewrite import _compat
+from tunedjax.rewrite import _gc
 
 logger = logging.getLogger("tunedjax.jit")
 
@@ -463,7 +464,9 @@ class Jitted(Generic[P, R]):
       if kernel_stages:
         selection = kernel_stages[0].selection = _select.new_selection(
             platform=platform, config=config, session=session)
-      with _tuning.using_session(session), _selecting(selection):
+      # Python's garbage collector paused while tracing and rewriting, for at
+      # most `_gc.LIMIT_S` (a full collection costs about the whole trace).
+      with _tuning.using_session(session), _selecting(selection), _gc.paused():
         out = program(*dyn_args, **dyn_kwargs)
       signature = _signature(dyn_args, dyn_kwargs, static)
       report = SignatureReport(
