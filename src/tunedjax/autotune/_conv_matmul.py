@@ -3,9 +3,9 @@
 ``matmul_1x1`` handles kernels whose every spatial size is 1: the convolution
 is then a (grouped) matrix product over channels, after padding, lhs dilation
 and strides are applied to the input by `lax.pad` and a strided slice.
-``im2col`` gathers the input values every kernel tap meets by explicit strided
-slices (not `lax.conv_general_dilated_patches`, whose backward crashes
-XLA:CPU at 15x15), stacks them and multiplies once. Both handle any dimension
+``im2col`` gathers the input values every kernel tap meets with one gather
+whose indices are fixed at trace time (not `lax.conv_general_dilated_patches`,
+whose backward crashes XLA:CPU at 15x15) and multiplies once. Both handle any dimension
 numbers (transposed to channels-last), padding (negative too), strides, lhs
 and rhs dilation and feature groups, for operands of one floating dtype;
 neither handles ``batch_group_count > 1``. ``im2col`` is limited to kernels
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tunedjax.autotune import _conv_layout as layout
@@ -75,6 +76,23 @@ def _grouped_matmul(patches: Any, w: Any, groups: int, spec: ConvSpec) -> Any:
   return y.transpose(1, 0, 2).reshape(m, o)
 
 
+def _patch_index(padded: tuple[int, ...], out_spatial: tuple[int, ...],
+                 taps: list[tuple[int, ...]], spec: ConvSpec) -> np.ndarray:
+  """``[*out_spatial, taps]`` flat positions of the padded input each tap meets.
+
+  Position ``(o, t)`` is where output position ``o`` reads kernel tap ``t``
+  (strides and rhs dilation applied): the strided slices `window_slice`
+  takes, computed on an index grid instead of the values.
+  """
+  grid = np.arange(math.prod(padded)).reshape(padded)
+  columns = []
+  for tap in taps:
+    window = tuple(slice(k * rd, k * rd + (o - 1) * ws + 1, ws) for k, rd, ws, o in
+                   zip(tap, spec.rhs_dilation, spec.window_strides, out_spatial))
+    columns.append(grid[window])
+  return np.stack(columns, -1).astype(np.int32)
+
+
 def _conv_by_taps(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   x = layout.lhs_to_channels_last(lhs, spec)
   w = layout.rhs_to_channels_last(rhs, spec)
@@ -87,9 +105,17 @@ def _conv_by_taps(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   out_cl = layout.out_shape_channels_last(spec)
   out_spatial = out_cl[1:-1]
   taps = list(itertools.product(*(range(k) for k in w.shape[:-2])))
-  cols = [layout.window_slice(x, t, out_spatial, spec) for t in taps]
-  patches = cols[0][..., None, :] if len(cols) == 1 else jnp.stack(cols, -2)
   m = math.prod(out_cl[:-1])
+  if len(taps) == 1:
+    patches = layout.window_slice(x, taps[0], out_spatial, spec)
+  else:
+    # One gather of every tap's positions (indices fixed at trace time) rather
+    # than a strided slice per tap and a stack: the same values and run time,
+    # about 6x less XLA compile time (a ResNet-18 step's ten im2col sites
+    # compiled in 1.2-1.7 s more than xla's; with the gather, as fast as xla's).
+    n, c = x.shape[0], x.shape[-1]
+    index = _patch_index(x.shape[1:-1], out_spatial, taps, spec)
+    patches = jnp.asarray(x).reshape(n, -1, c).at[:, index].get(mode="promise_in_bounds")
   patches = patches.reshape(m, len(taps), x.shape[-1])
   y = _grouped_matmul(patches, w, spec.feature_group_count, spec)
   y = y.reshape(out_cl).astype(layout.out_dtype(spec))
@@ -102,7 +128,7 @@ def conv_matmul_1x1(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
 
 
 def conv_im2col(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  """A convolution as strided slices, stacked, times the reshaped kernel."""
+  """A convolution as one gather of every tap's inputs times the reshaped kernel."""
   return _conv_by_taps(lhs, rhs, spec)
 
 
