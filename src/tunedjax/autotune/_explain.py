@@ -40,6 +40,10 @@ class BucketChoice:
     op: the op family (``"conv"``, ``"attention"``).
     temp_bytes: ``{kernel: bytes}``: the temporaries each candidate's
       compiled program needed when tuned (empty where not measured).
+    horizon: for a bucket kept on its default untuned because tuning it
+      could not pay back (`reason` starts with ``"cannot pay back"``), the
+      tuning horizon (program runs) that was decided for; a run with a
+      longer one tunes it. None otherwise.
   """
 
   bucket: str
@@ -53,6 +57,13 @@ class BucketChoice:
   reason: str = ""
   op: str = "conv"
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  horizon: int | None = None
+
+
+def _kept_for(value: Mapping[str, Any]) -> int | None:
+  """The horizon a "cannot pay back" entry was decided for, else None."""
+  record = value.get("payback") or {}
+  return int(record["horizon"]) if record.get("kept") else None
 
 
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
@@ -124,5 +135,5 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
         tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
-        temp_bytes=dict(value.get("temp_bytes", {}))))
+        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value)))
   return rows
