@@ -15,7 +15,7 @@ every site `decide` chooses, in this order:
    store the result and use its winner; in the apply phase use the default.
 
 With a tuning horizon (`TuningSession.horizon`: the Trainer sets the steps
-of its fit), step 4 first compiles and times the default alone, and keeps it
+of its fit) and ``kernel.payback`` on (the default), step 4 first compiles and times the default alone, and keeps it
 untuned when tuning the other candidates could not pay back within the
 horizon (`_tuner.Payback`: the default's time x the bucket's sites so far in
 this program x the horizon, against the expected cost of tuning; reason
@@ -167,7 +167,8 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     return default, _report.OBSERVE
   why = {}
   selection.sites[label] += 1
-  sites, horizon = selection.sites[label], session.horizon
+  sites = selection.sites[label]
+  horizon = session.horizon if config.kernel.payback else None
 
   def leader_decides() -> str:
     value = session.lookup(selection.cache, family.name, key)
