@@ -112,7 +112,7 @@ def test_a_short_first_call_is_confirmed_before_tuning(monkeypatch):
                                 payback=_tuner.Payback(horizon=2))
   assert calls == [["xla"], ["xla"]] and result.kept
   assert result.payback["default_s"] == pytest.approx(0.001)
-  assert list(result.timings) == ["xla"] and list(result.timings["xla"]) == [0.05]
+  assert list(result.timings) == ["xla"] and list(result.timings["xla"]) == [0.05, 0.001]
 
 
 def test_without_a_horizon_every_candidate_compiles_at_once(monkeypatch):
@@ -218,6 +218,7 @@ def test_a_bucket_kept_for_horizon_1_is_cached_with_it_and_retuned_for_a_longer_
     assert set(entry.value["timings"]) == {"xla"}  # nothing else was compiled or timed
     (row,) = _explain.explain(_conv, x, w)
     assert row.kernel == "xla" and row.horizon == 1 and row.reason.startswith("cannot pay back")
+    assert row.xla_ms == pytest.approx(1e3 * entry.value["payback"]["default_s"])
 
     again = _tuning.TuningSession("again", horizon=1)  # a restart, same horizon: no cost
     _trace(again, x, w, counts)

@@ -32,7 +32,9 @@ class BucketChoice:
     candidates: the kernels that can run it.
     kernel: the cached winner; the default (``"xla"``) when only it applies;
       None when the bucket is not in the cache (not tuned yet).
-    xla_ms: the default kernel's median time when tuned, in milliseconds.
+    xla_ms: the default kernel's median time when tuned, in milliseconds
+      (for a bucket kept because tuning could not pay back: the time that
+      decision was made from, its fastest call).
     kernel_ms: the winner's median time when tuned, in milliseconds.
     speedup: xla's time over the winner's (the median of per-round ratios).
     tuning_s: seconds tuning this bucket took.
@@ -131,7 +133,8 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     ratio = value.get("ratios", {}).get(winner)
     rows.append(BucketChoice(
         name, count, names, winner,
-        xla_ms=1e3 * statistics.median(base) if base else None,
+        xla_ms=(1e3 * value["payback"]["default_s"] if _kept_for(value) is not None
+                else 1e3 * statistics.median(base) if base else None),
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
         tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,

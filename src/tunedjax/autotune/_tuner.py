@@ -669,12 +669,14 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       default_screen = list(_tuning.time_interleaved(
           {default: _keeping(outputs, default, ref_run)}, rounds=1, warmup=0)[default])
       default_s, others = default_screen[0], len(by_name) - 1
+      default_calls = list(default_screen)
       cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
       if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
         # A short first call can be mostly one-time costs (the process's first
         # convolution: ~60 ms): a second call confirms before paying for tuning.
         again = _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
-        default_s = min(default_s, *again)
+        default_calls = [*default_screen, *again]
+        default_s = min(default_calls)
         cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
       record.update(horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
                     cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
@@ -686,7 +688,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
             f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
             f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
             f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
-            {default: default_screen}, {})
+            {default: default_calls}, {})
       compiled.update(_compile_all({n: f for n, f in functions.items() if n != default},
                                    args))
     else:
