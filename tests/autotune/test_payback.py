@@ -336,3 +336,30 @@ def test_the_trainer_tunes_with_the_steps_of_its_fit_as_horizon(monkeypatch, tmp
   kernels = history.tuning["kernels"]
   assert kernels and all(k.endswith("(cannot pay back)") for k in kernels), kernels
   assert trainer.session.stats().buckets_kept == len(seen)
+
+
+def test_sites_are_counted_per_bucket_not_per_label(monkeypatch, tmp_path):
+  # Two buckets with one label (the same shapes, other dimension numbers: a
+  # convolution and its input gradient look like this): each is its own first
+  # site. Counted by label, the second would have been a second site and tuned.
+  from tunedjax.autotune import _bucket, _registry  # pylint: disable=import-outside-toplevel
+  specs = [ConvSpec.from_arrays(np.ones((2, 6, 6, 4), np.float32),
+                                np.ones((3, 3, 4, 4), np.float32), padding="SAME",
+                                dimension_numbers=("NHWC", rhs, "NHWC"))
+           for rhs in ("HWIO", "HWOI")]
+  family = _registry.op_family("conv")
+  keys = [_bucket.bucket_key(s, _registry.applicable_kernels(s, "cpu"), family=family)
+          for s in specs]
+  assert family.label(keys[0]) == family.label(keys[1]) and keys[0] != keys[1]
+  others = {len(_registry.applicable_kernels(s, "cpu")) - 1 for s in specs}
+  assert len(others) == 1
+  FakeClock(monkeypatch, compile_s=0.015)  # 15 ms compile + 10 ms call per candidate
+  monkeypatch.setattr(_tuning, "time_interleaved",
+                      lambda runners, rounds=5, **kw: {n: [0.01] * rounds for n in runners})
+  with h.isolated_selection(tmp_path):
+    # Two sites of one bucket would pay (2 x 2n x 10 ms >= n x 25 ms); one does not.
+    session = _tuning.TuningSession(horizon=2 * others.pop())
+    selection = _select.new_selection(platform="cpu", session=session)
+    whys = [_select.decide(family, s, selection)[1] for s in specs]
+  assert whys == ["cannot pay back", "cannot pay back"]
+  assert sorted(selection.sites.values()) == [1, 1]

@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -73,8 +74,8 @@ class Selection:
     tally: the choices made so far.
     explain_only: look up the cache only (never tune, never record stats),
       for `explain`; `buckets` collects what was seen.
-    sites: ``{bucket label: sites decided so far}`` in this trace: the
-      calls of a bucket per run of the program, as known when a site is
+    sites: ``{bucket key as JSON: sites decided so far}`` in this trace:
+      the calls of a bucket per run of the program, as known when a site is
       decided (for the tuning horizon's payback check).
   """
 
@@ -166,8 +167,11 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if phase == _tuning.OBSERVE:
     return default, _report.OBSERVE
   why = {}
-  selection.sites[label] += 1
-  sites = selection.sites[label]
+  # By the full key: two buckets can share a label (a convolution and its input
+  # gradient differ only in their dimension numbers).
+  bucket = json.dumps(key, sort_keys=True, default=str)
+  selection.sites[bucket] += 1
+  sites = selection.sites[bucket]
   horizon = session.horizon if config.kernel.payback else None
 
   def leader_decides() -> str:
