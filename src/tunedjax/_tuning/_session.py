@@ -193,7 +193,10 @@ class TuningSession:
     tuning the bucket is expected to cost. None (the default, and what
     `tunedjax.jit` alone gets) tunes every bucket. The `Trainer` sets it to
     the number of steps each `fit` runs. Setting it raises `ValueError` on
-    anything but None or an int >= 1.
+    anything but None or an int >= 1. It is read when a program is traced:
+    `tunedjax.jit` re-traces when the phase moves, not when the horizon
+    changes, so a program traced in an earlier, shorter fit keeps its
+    choices in a later one (a new process re-decides from the cache).
 
     Example:
       >>> s = TuningSession()
