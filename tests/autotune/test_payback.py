@@ -14,7 +14,7 @@ from tests.autotune import selection_helpers as h
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax._tuning import _cache
-from tunedjax.autotune import _explain, _report, _select, _tuner
+from tunedjax.autotune import _explain, _payback, _report, _select, _tuner
 from tunedjax.autotune._conv_spec import ConvSpec
 
 FAST = {"rounds": 1, "budget_s": 3.0}
@@ -129,14 +129,14 @@ def test_a_cached_decision_holds_for_a_shorter_horizon_and_not_a_longer_one():
   value = {"winner": "xla", "payback": {"horizon": 48, "sites": 1, "default_s": 0.002,
                                         "cost_s": 0.5, "estimate_s": 0.25, "decided_s": 0.1,
                                         "kept": True}}
-  holds = lambda horizon, sites=1: _tuner.still_cannot_pay_back(value, horizon=horizon,
+  holds = lambda horizon, sites=1: _payback.still_cannot_pay_back(value, horizon=horizon,
                                                                 sites=sites)
   assert holds(48) and holds(1) and holds(200)  # 0.4 s < 0.5 s
   assert not holds(250) and not holds(None)  # 0.5 s: pays; unbounded: always tune
   assert not holds(48, sites=6)  # a sixth site of the bucket in the program: pays
   tuned = {**value, "payback": {**value["payback"], "kept": False}}
-  assert not _tuner.still_cannot_pay_back(tuned, horizon=1)
-  assert not _tuner.still_cannot_pay_back({"winner": "xla"}, horizon=1)  # an older entry
+  assert not _payback.still_cannot_pay_back(tuned, horizon=1)
+  assert not _payback.still_cannot_pay_back({"winner": "xla"}, horizon=1)  # an older entry
 
 
 # -- the budget bounds timing, not compiles ----------------------------------------

@@ -17,7 +17,7 @@ every site `decide` chooses, in this order:
 With a tuning horizon (`TuningSession.horizon`: the Trainer sets the steps
 of its fit) and ``kernel.payback`` on (the default), step 4 first compiles and times the default alone, and keeps it
 untuned when tuning the other candidates could not pay back within the
-horizon (`_tuner.Payback`: the default's time x the bucket's sites so far in
+horizon (`_payback.Payback`: the default's time x the bucket's sites so far in
 this program x the horizon, against the expected cost of tuning; reason
 ``"cannot pay back"``). That decision is cached with its horizon and the
 numbers it was made from: a later lookup with an equal or shorter horizon
@@ -48,7 +48,7 @@ import jax
 from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
-from tunedjax.autotune import _hints, _multihost, _registry, _report, _tuner
+from tunedjax.autotune import _hints, _multihost, _payback, _registry, _report, _tuner
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -177,7 +177,7 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   def leader_decides() -> str:
     value = session.lookup(selection.cache, family.name, key)
     if value is not None and (not value.get("payback", {}).get("kept")
-                              or _tuner.still_cannot_pay_back(value, horizon=horizon,
+                              or _payback.still_cannot_pay_back(value, horizon=horizon,
                                                               sites=sites)):
       session.record(hit=True, config=config)
       why["why"] = _report.HIT
@@ -191,7 +191,7 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     if options.objective != objective:
       options = dataclasses.replace(options, objective=objective)
     # A bucket kept for a shorter horizon that now pays back is tuned outright.
-    payback = None if horizon is None or value is not None else _tuner.Payback(
+    payback = None if horizon is None or value is not None else _payback.Payback(
         horizon=horizon, sites=sites, cost_factor=session.tuning_cost_factor())
     result = _tuner.tune_bucket(spec, candidates, platform=selection.platform,
                                 options=options, label=label, family=family, payback=payback)
