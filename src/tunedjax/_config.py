@@ -240,6 +240,10 @@ class KernelConfig(_Section):
     objective: what the tuner minimises: ``"time"`` (default), or
       ``"memory"``: among the candidates within 10% of the fastest, the one
       whose compiled program needs the fewest temporary bytes.
+    payback: tune a bucket only when tuning it can pay back within the
+      run's horizon (the `Trainer` gives the steps of its fit; `tj.jit`
+      alone has none, so it tunes everything): default True. False tunes
+      every bucket, as for pre-tuning a cache with a short run.
 
   Example:
     >>> KernelConfig(tuning_range=[2, 5]).tuning_range
@@ -252,6 +256,7 @@ class KernelConfig(_Section):
   bucket: str = _field(_choice(*BUCKETS), "exact")
   hints: FrozenDict = _field(_check_hints, factory=FrozenDict)
   objective: str = _field(_choice(*OBJECTIVES), "time")
+  payback: bool = _field(_check_bool, True)
 
 
 @dataclasses.dataclass(frozen=True)

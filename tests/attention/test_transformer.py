@@ -82,7 +82,8 @@ def test_lm_loss_and_gradients_match_the_unswapped_model_with_every_kernel():
 
 def _fit(autotune, cache_dir):
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-  with tj.config_context({"cache": {"dir": str(cache_dir)}}):
+  # payback off: 4 steps of this tiny model could not pay back tuning its attention.
+  with tj.config_context({"cache": {"dir": str(cache_dir)}, "kernel": {"payback": False}}):
     trainer = tj.Trainer(TransformerLM(**TINY), optax.sgd(0.05), lm_loss, autotune=autotune,
                          mesh=mesh, progress=False)
     return trainer.fit(lm_data(4, 2, 64, vocab=32), batch_size=2, epochs=1)

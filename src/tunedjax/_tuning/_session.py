@@ -20,6 +20,13 @@ A session also remembers what its tuners measured (`lookup`/`store`: an
 in-process memo over the persistent `Cache`, so a readonly or unwritable
 cache still serves what this run measured) and which warnings it gave.
 
+Its **horizon** is how many times the tuned program is expected to run (the
+`Trainer` sets it to the steps of each fit; None, the default, means
+unbounded). Kernel selection tunes a bucket only when what tuning it could
+save within the horizon exceeds what tuning it is expected to cost; the
+session keeps the measured cost of past buckets (`record_tuning_cost`) so
+that estimate follows this machine (`tuning_cost_factor`).
+
 Example:
   >>> import tunedjax as tj
   >>> s = TuningSession()
@@ -35,6 +42,7 @@ import contextvars
 import dataclasses
 import json
 import logging
+import statistics
 import threading
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
@@ -46,6 +54,8 @@ logger = logging.getLogger("tunedjax.autotune")
 OBSERVE, TUNE, APPLY = "observe", "tune", "apply"
 PHASES = (OBSERVE, TUNE, APPLY)
 _MAX_STEPS_KEPT = 10_000
+# Past buckets whose measured tuning cost corrects the next estimate.
+_COST_SAMPLES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +95,8 @@ class Stats:
     tuning_s: seconds spent tuning in total.
     buckets_tuned: how many buckets were tuned.
     per_step: a `StepStats` for every step that looked anything up.
+    buckets_kept: how many buckets kept their default without tuning
+      because tuning them could not pay back within the horizon.
   """
 
   step: int | None
@@ -94,6 +106,7 @@ class Stats:
   tuning_s: float
   buckets_tuned: int
   per_step: tuple[StepStats, ...]
+  buckets_kept: int = 0
 
   @property
   def hit_rate(self) -> float:
@@ -121,6 +134,13 @@ def phase_of(step_index: int | None, tuning_range: tuple[int, int]) -> str:
   return TUNE if step_index < stop else APPLY
 
 
+def _check_horizon(value: Any) -> int | None:
+  if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    return value
+  raise ValueError("TuningSession.horizon must be None (unbounded) or an int >= 1 (the runs "
+                   f"the tuned program is expected to make), got {value!r}.")
+
+
 def _memo_key(cache: Any, namespace: str, key: Mapping[str, Any]) -> tuple[str, str, str]:
   where = str(getattr(cache, "path", None) or id(cache))
   return (where, namespace, json.dumps(key, sort_keys=True, default=str))
@@ -135,27 +155,68 @@ class TuningSession:
 
   Args:
     name: a label for logs and ``repr``.
+    horizon: how many times the tuned program is expected to run (an int
+      >= 1), or None for unbounded (see `horizon`).
 
   Example:
-    >>> s = TuningSession("run-a")
-    >>> s.step(), s.step(), s.step(index=10), s.current_step()
-    (0, 1, 10, 10)
+    >>> s = TuningSession("run-a", horizon=48)
+    >>> s.step(), s.step(), s.step(index=10), s.current_step(), s.horizon
+    (0, 1, 10, 10, 48)
     >>> s.reset(); s.current_step() is None
     True
   """
 
-  def __init__(self, name: str = "session"):
+  def __init__(self, name: str = "session", *, horizon: int | None = None):
     self.name = str(name)
     self._lock = threading.RLock()
+    self._horizon = _check_horizon(horizon)
     self._step: int | None = None
     self._per_step: dict[int | None, list[Any]] = {}
     self._buckets_tuned = 0
+    self._buckets_kept = 0
+    self._costs: list[float] = []
     self._measured: dict[tuple[str, str, str], dict[str, Any]] = {}
     self._warned: set[Hashable] = set()
     self._observe_done = False
 
   def __repr__(self) -> str:
     return f"TuningSession({self.name!r}, step={self.current_step()})"
+
+  # -- the tuning horizon -------------------------------------------------------
+
+  @property
+  def horizon(self) -> int | None:
+    """How many times the tuned program is expected to run; None: unbounded.
+
+    Kernel selection keeps a bucket's default kernel, untuned, when even a
+    kernel taking no time at all could not save within this many runs what
+    tuning the bucket is expected to cost. None (the default, and what
+    `tunedjax.jit` alone gets) tunes every bucket. The `Trainer` sets it to
+    the number of steps each `fit` runs. Setting it raises `ValueError` on
+    anything but None or an int >= 1. It is read when a program is traced:
+    `tunedjax.jit` re-traces when the phase moves, not when the horizon
+    changes, so a program traced in an earlier, shorter fit keeps its
+    choices in a later one (a new process re-decides from the cache).
+
+    Example:
+      >>> s = TuningSession()
+      >>> s.horizon is None
+      True
+      >>> s.horizon = 100; s.horizon
+      100
+      >>> s.horizon = 0
+      Traceback (most recent call last):
+      ...
+      ValueError: TuningSession.horizon must be None (unbounded) or an int >= 1 (the runs the tuned program is expected to make), got 0.
+    """
+    with self._lock:
+      return self._horizon
+
+  @horizon.setter
+  def horizon(self, value: int | None) -> None:
+    value = _check_horizon(value)
+    with self._lock:
+      self._horizon = value
 
   # -- steps and phases ---------------------------------------------------------
 
@@ -229,13 +290,15 @@ class TuningSession:
   # -- statistics ---------------------------------------------------------------
 
   def record(self, *, hit: bool | None = None, tuning_s: float = 0.0, tuned: bool = False,
-             config: Any = None) -> None:
+             kept: bool = False, config: Any = None) -> None:
     """Counts one cache lookup (and the tuning it caused) in the current step.
 
     Args:
       hit: True for a hit, False for a miss, None for no lookup.
       tuning_s: seconds spent tuning for it.
       tuned: whether a bucket was tuned.
+      kept: whether a bucket kept its default because tuning it could not
+        pay back within the horizon.
       config: the config (for the phase); default `get_config()`.
     """
     config = get_config() if config is None else config
@@ -252,6 +315,36 @@ class TuningSession:
         row[2] += 1
       row[3] += tuning_s
       self._buckets_tuned += int(tuned)
+      self._buckets_kept += int(kept)
+
+  def record_tuning_cost(self, estimated_s: float, measured_s: float) -> None:
+    """Remembers what tuning one bucket was estimated to cost and what it took.
+
+    Args:
+      estimated_s: the estimate made before tuning (> 0).
+      measured_s: the seconds the tuning then took.
+    """
+    if not (estimated_s > 0 and measured_s >= 0):
+      return
+    with self._lock:
+      self._costs.append(measured_s / estimated_s)
+      del self._costs[:-_COST_SAMPLES]
+
+  def tuning_cost_factor(self) -> float:
+    """How much the last buckets' tuning cost over its estimate (median; 1.0 before two).
+
+    Example:
+      >>> s = TuningSession()
+      >>> s.tuning_cost_factor()
+      1.0
+      >>> for est, took in ((1.0, 2.0), (1.0, 3.0), (2.0, 5.0)):
+      ...   s.record_tuning_cost(est, took)
+      >>> s.tuning_cost_factor()
+      2.5
+    """
+    with self._lock:
+      costs = list(self._costs)
+    return float(statistics.median(costs)) if len(costs) >= 2 else 1.0
 
   def stats(self, config: Any = None) -> Stats:
     """Cache hits, misses, hit rate and tuning seconds so far.
@@ -266,18 +359,21 @@ class TuningSession:
     with self._lock:
       rows = [StepStats(k, row[0], row[1], row[2], row[3])
               for k, row in self._per_step.items()]
-      current, tuned = self._step, self._buckets_tuned
+      current, tuned, kept = self._step, self._buckets_tuned, self._buckets_kept
     return Stats(step=current, phase=phase_of(current, config.kernel.tuning_range),
                  hits=sum(r.hits for r in rows), misses=sum(r.misses for r in rows),
                  tuning_s=float(sum(r.tuning_s for r in rows)), buckets_tuned=tuned,
-                 per_step=tuple(rows))
+                 per_step=tuple(rows), buckets_kept=kept)
 
   def reset(self) -> None:
-    """Forgets the step counter, the statistics and the measurements (caches are kept)."""
+    """Forgets the step counter, the statistics and the measurements (caches and
+    the horizon are kept)."""
     with self._lock:
       self._step = None
       self._per_step.clear()
       self._buckets_tuned = 0
+      self._buckets_kept = 0
+      self._costs.clear()
       self._measured.clear()
       self._warned.clear()
       self._observe_done = False

@@ -32,7 +32,9 @@ class BucketChoice:
     candidates: the kernels that can run it.
     kernel: the cached winner; the default (``"xla"``) when only it applies;
       None when the bucket is not in the cache (not tuned yet).
-    xla_ms: the default kernel's median time when tuned, in milliseconds.
+    xla_ms: the default kernel's median time when tuned, in milliseconds
+      (for a bucket kept because tuning could not pay back: the time that
+      decision was made from, its fastest call).
     kernel_ms: the winner's median time when tuned, in milliseconds.
     speedup: xla's time over the winner's (the median of per-round ratios).
     tuning_s: seconds tuning this bucket took.
@@ -40,6 +42,10 @@ class BucketChoice:
     op: the op family (``"conv"``, ``"attention"``).
     temp_bytes: ``{kernel: bytes}``: the temporaries each candidate's
       compiled program needed when tuned (empty where not measured).
+    horizon: for a bucket kept on its default untuned because tuning it
+      could not pay back (`reason` starts with ``"cannot pay back"``), the
+      tuning horizon (program runs) that was decided for; a run with a
+      longer one tunes it. None otherwise.
   """
 
   bucket: str
@@ -53,6 +59,13 @@ class BucketChoice:
   reason: str = ""
   op: str = "conv"
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  horizon: int | None = None
+
+
+def _kept_for(value: Mapping[str, Any]) -> int | None:
+  """The horizon a "cannot pay back" entry was decided for, else None."""
+  record = value.get("payback") or {}
+  return int(record["horizon"]) if record.get("kept") else None
 
 
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
@@ -120,9 +133,10 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     ratio = value.get("ratios", {}).get(winner)
     rows.append(BucketChoice(
         name, count, names, winner,
-        xla_ms=1e3 * statistics.median(base) if base else None,
+        xla_ms=(1e3 * value["payback"]["default_s"] if _kept_for(value) is not None
+                else 1e3 * statistics.median(base) if base else None),
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
         tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
-        temp_bytes=dict(value.get("temp_bytes", {}))))
+        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value)))
   return rows

@@ -18,7 +18,9 @@ from collections.abc import Mapping
 HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED = (
     "hint", "only xla", "observe", "hit", "tuned", "miss", "not applicable", "received",
     "failed at trace")
-REASONS = (HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED)
+CANNOT_PAY_BACK = "cannot pay back"
+REASONS = (HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED,
+           CANNOT_PAY_BACK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +32,12 @@ class KernelChoice:
     kernel: the kernel that runs.
     why: ``"hint"``, ``"only xla"`` (nothing else applies), ``"observe"``,
       ``"hit"`` (from the cache), ``"tuned"``, ``"miss"`` (apply phase: the
-      default), ``"not applicable"``, ``"received"`` (from process 0), or
-      ``"failed at trace"`` (the chosen kernel raised; the default runs).
+      default), ``"not applicable"``, ``"received"`` (from process 0),
+      ``"failed at trace"`` (the chosen kernel raised; the default runs), or
+      ``"cannot pay back"`` (not in the cache, and tuning it could not pay
+      back within the session's horizon: the default, untuned, its
+      decision cached with the horizon; a later trace reusing that
+      decision counts as a ``"hit"``).
     count: how many sites.
   """
 
@@ -107,8 +113,14 @@ class KernelReport:
 
   @property
   def misses(self) -> int:
-    """Sites whose bucket was not in the cache (tuned now, or the default when applying)."""
-    return self._count(TUNED, MISS)
+    """Sites whose bucket was not in the cache (tuned now, kept because tuning it
+    could not pay back, or the default when applying)."""
+    return self._count(TUNED, MISS, CANNOT_PAY_BACK)
+
+  @property
+  def kept(self) -> int:
+    """Sites kept on their default because tuning their bucket could not pay back."""
+    return self._count(CANNOT_PAY_BACK)
 
   @property
   def tuned(self) -> int:

@@ -14,6 +14,17 @@ every site `decide` chooses, in this order:
 4. on a miss: in the tune phase (or before any step) tune the bucket now,
    store the result and use its winner; in the apply phase use the default.
 
+With a tuning horizon (`TuningSession.horizon`: the Trainer sets the steps
+of its fit) and ``kernel.payback`` on (the default), step 4 first compiles and times the default alone, and keeps it
+untuned when tuning the other candidates could not pay back within the
+horizon (`_payback.Payback`: the default's time x the bucket's sites so far in
+this program x the horizon, against the expected cost of tuning; reason
+``"cannot pay back"``). That decision is cached with its horizon and the
+numbers it was made from: a later lookup with an equal or shorter horizon
+reuses it (a hit, no cost); a longer horizon, a None one, or a further site
+of the same bucket in the program that makes tuning pay, tunes the bucket
+then (sites of this trace already decided keep the default).
+
 In a multi-process job, steps 3 and 4 happen on process 0 only and the
 others receive its choice. What is decided is counted in the active
 `Selection`'s tally (a typed `KernelReport`) and in its `TuningSession`.
@@ -21,10 +32,12 @@ others receive its choice. What is decided is counted in the active
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
 import functools
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -35,7 +48,7 @@ import jax
 from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
-from tunedjax.autotune import _hints, _multihost, _registry, _report, _tuner
+from tunedjax.autotune import _hints, _multihost, _payback, _registry, _report, _tuner
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -61,6 +74,9 @@ class Selection:
     tally: the choices made so far.
     explain_only: look up the cache only (never tune, never record stats),
       for `explain`; `buckets` collects what was seen.
+    sites: ``{bucket key as JSON: sites decided so far}`` in this trace:
+      the calls of a bucket per run of the program, as known when a site is
+      decided (for the tuning horizon's payback check).
   """
 
   platform: str
@@ -71,6 +87,7 @@ class Selection:
   tally: _report.Tally = dataclasses.field(default_factory=_report.Tally)
   explain_only: bool = False
   buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
+  sites: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
 
 _ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
@@ -150,10 +167,18 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if phase == _tuning.OBSERVE:
     return default, _report.OBSERVE
   why = {}
+  # By the full key: two buckets can share a label (a convolution and its input
+  # gradient differ only in their dimension numbers).
+  bucket = json.dumps(key, sort_keys=True, default=str)
+  selection.sites[bucket] += 1
+  sites = selection.sites[bucket]
+  horizon = session.horizon if config.kernel.payback else None
 
   def leader_decides() -> str:
     value = session.lookup(selection.cache, family.name, key)
-    if value is not None:
+    if value is not None and (not value.get("payback", {}).get("kept")
+                              or _payback.still_cannot_pay_back(value, horizon=horizon,
+                                                              sites=sites)):
       session.record(hit=True, config=config)
       why["why"] = _report.HIT
       why["temp_bytes"] = value.get("temp_bytes", {})
@@ -165,12 +190,19 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     options = selection.options
     if options.objective != objective:
       options = dataclasses.replace(options, objective=objective)
+    # A bucket kept for a shorter horizon that now pays back is tuned outright.
+    payback = None if horizon is None or value is not None else _payback.Payback(
+        horizon=horizon, sites=sites, cost_factor=session.tuning_cost_factor())
     result = _tuner.tune_bucket(spec, candidates, platform=selection.platform,
-                                options=options, label=label, family=family)
+                                options=options, label=label, family=family, payback=payback)
     session.store(selection.cache, family.name, key, result.to_value())
-    session.record(hit=False, tuning_s=result.tuning_s, tuned=True, config=config)
+    record = result.payback
+    if record and not result.kept:  # what tuning the rest took, against its estimate
+      session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"])
+    session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
+                   kept=result.kept, config=config)
     selection.tally.add_tuning(result.tuning_s)
-    why["why"] = _report.TUNED
+    why["why"] = _report.CANNOT_PAY_BACK if result.kept else _report.TUNED
     why["temp_bytes"] = result.temp_bytes
     return result.winner
 

@@ -36,6 +36,7 @@ import numpy as np
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _registry
+from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback, validate_payback
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -64,7 +65,8 @@ DECISIVE_RATIO = 0.1
 # process's first convolution). Below this many seconds of xla's call the
 # round drops nothing and decides nothing: every candidate gets timed rounds.
 SCREEN_MIN_S = 0.1
-
+# The clock the tuner's own bookkeeping reads (tests replace it).
+_clock = time.perf_counter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,13 @@ class TuneOptions:
 
   Attributes:
     rounds: timed rounds per candidate (after one untimed warm-up call).
-    budget_s: seconds one bucket may take, checks and timing together; at
-      least one timed round always runs.
+    budget_s: seconds one bucket's timing may take, from the first
+      candidate's checking call on; at least the checking call of every
+      candidate and one timed round always run. Compiling is not counted:
+      each applicable candidate is compiled once, side by side in threads,
+      so compile time is bounded by the number of candidates (and, with a
+      horizon, by the `Payback` check before the others compile), not by a
+      clock a loaded machine could spend on compiles alone.
     margin: a candidate must be faster than ``xla`` by more than this
       fraction (0.10: a time ratio below 1/1.1) to be chosen.
     seed: seed of the random tuning inputs.
@@ -122,6 +129,12 @@ class TuneResult:
     tuning_s: seconds the tuning took.
     temp_bytes: ``{name: bytes}``: the temporaries each compiled candidate
       needs (XLA's `memory_analysis`), where the backend reports them.
+    payback: with a tuning horizon, the numbers the decision to tune was
+      made from (`Payback.record`): ``horizon``, ``sites``, ``default_s``
+      (the default's first call), ``cost_s`` (what tuning the others was
+      expected to cost), ``estimate_s`` (that estimate before the session's
+      correction), ``decided_s`` (seconds before the decision), and
+      ``kept`` (True: the default was kept untuned). Empty without a horizon.
 
   Example:
     >>> r = TuneResult(winner="xla", reason="only xla applies")
@@ -139,9 +152,16 @@ class TuneResult:
   measured_at: str = ""
   tuning_s: float = 0.0
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  payback: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def kept(self) -> bool:
+    """Whether the default was kept untuned because tuning could not pay back."""
+    return bool(self.payback.get("kept", False))
 
   def to_value(self) -> dict[str, Any]:
-    """The JSON dict stored in the cache."""
+    """The JSON dict stored in the cache (``payback`` only when there is one)."""
+    extra = {"payback": dict(self.payback)} if self.payback else {}
     return {
         "winner": self.winner,
         "reason": self.reason,
@@ -153,6 +173,7 @@ class TuneResult:
         "measured_at": self.measured_at,
         "tuning_s": float(self.tuning_s),
         "temp_bytes": {k: int(v) for k, v in self.temp_bytes.items()},
+        **extra,
     }
 
   @classmethod
@@ -164,7 +185,8 @@ class TuneResult:
         ratios=dict(value.get("ratios", {})), errors=dict(value.get("errors", {})),
         rejected=dict(value.get("rejected", {})), skipped=tuple(value.get("skipped", ())),
         measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)),
-        temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()})
+        temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()},
+        payback=dict(value.get("payback", {})))
 
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, TuneResult):
@@ -231,6 +253,7 @@ def validate_value(value: Any, op: str) -> None:
     raise TypeError(f"cache entry 'tuning_s' must be a number >= 0, got {tuning_s!r}.")
   if not isinstance(value.get("reason", ""), str):
     raise TypeError("cache entry 'reason' must be a string.")
+  validate_payback(value.get("payback", {}))
 
 
 def _describe_error(e: BaseException) -> str:
@@ -459,12 +482,19 @@ def _failed(errors: dict[str, str], name: str, e: BaseException, label: str) -> 
 
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
-                family: _registry.OpFamily | None = None) -> TuneResult:
+                family: _registry.OpFamily | None = None,
+                payback: Payback | None = None) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
   Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
   while an enclosing function is being traced) on random operands of
   `spec`'s shapes and dtypes (the family's `OpFamily.operands`).
+
+  With `payback` (a tuning horizon), the default is compiled and called
+  first; if tuning the others cannot pay back (`Payback.pays`), nothing
+  else is compiled and the result keeps the default with a reason that
+  starts with `CANNOT_PAY_BACK` (``result.kept``). Without it (unbounded),
+  every candidate is compiled at once.
 
   Args:
     spec: the site's spec (a `ConvSpec`, ...).
@@ -473,6 +503,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     options: rounds, budget, margin and seed.
     label: a bucket name for the log lines.
     family: the `OpFamily` (default: the one whose spec type `spec` has).
+    payback: the tuning horizon and the bucket's sites, or None (unbounded).
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -492,7 +523,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     >>> r.winner, sorted(r.rejected)
     ('xla', ['wrong'])
   """
-  start = time.perf_counter()
+  start = _clock()
   family = _registry.family_of(spec) if family is None else family
   default = family.default
   by_name = {k.name: k for k in candidates}
@@ -509,19 +540,64 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   rejected: dict[str, float] = {}
   skipped: list[str] = []
   runners: dict[str, Any] = {}
+  record: dict[str, Any] = {}
+  temps: dict[str, int] = {}
+
+  def finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
+             ratios: Mapping[str, float]) -> TuneResult:
+    return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label,
+                   temps, payback=record)
+
   with jax.ensure_compile_time_eval():
     operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
     args = _timed_args(family, spec, operands, by_name[default], rng, device)
-    compiled = _compile_all({n: _timed_function(k, spec, family.timed)
-                             for n, k in by_name.items()}, args)
-    temps = {n: b for n, b in ((n, _temp_bytes(c)) for n, c in compiled.items()
-                               if not isinstance(c, BaseException)) if b is not None}
+    functions = {n: _timed_function(k, spec, family.timed) for n, k in by_name.items()}
+    outputs: dict[str, Any] = {}
+    default_screen: list[float] | None = None
+    if payback is not None and len(by_name) > 1:
+      # The default alone first: its compile and first call say what tuning
+      # the rest would cost and what it could save.
+      compile_start = _clock()
+      compiled = _compile_all({default: functions[default]}, args)
+      compile_s = _clock() - compile_start
+      ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
+      default_screen = list(_tuning.time_interleaved(
+          {default: _keeping(outputs, default, ref_run)}, rounds=1, warmup=0)[default])
+      default_s, others = default_screen[0], len(by_name) - 1
+      default_calls = list(default_screen)
+      cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
+      if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
+        # A short first call can be mostly one-time costs (the process's first
+        # convolution: ~60 ms): a second call confirms before paying for tuning.
+        again = _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
+        default_calls = [*default_screen, *again]
+        default_s = min(default_calls)
+        cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
+      record.update(horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
+                    cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
+                    decided_s=float(_clock() - start), kept=not payback.pays(default_s, cost))
+      temps.update(_temps_of(compiled))
+      if record["kept"]:
+        saved = payback.most_saved(default_s)
+        return finish(default, (
+            f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
+            f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
+            f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
+            {default: default_calls}, {})
+      compiled.update(_compile_all({n: f for n, f in functions.items() if n != default},
+                                   args))
+    else:
+      compiled = _compile_all(functions, args)
+    # The budget bounds timing only: compiles (above) are not counted, so a
+    # loaded machine that compiles slowly still times every candidate.
+    timing_start = _clock()
+    temps.update(_temps_of(compiled))
     ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
     runs: dict[str, Callable[[], Any]] = {default: ref_run}
     for name in by_name:
       if name == default:
         continue
-      if time.perf_counter() - start > options.budget_s:
+      if _clock() - timing_start > options.budget_s:
         skipped.append(name)
         continue
       try:
@@ -530,10 +606,13 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
         _failed(errors, name, e, label)
     # One call each, side by side: the call that checks a candidate's result is
     # also its screening round (a candidate many times slower than xla, an FFT
-    # on a small kernel, is dropped before it costs `rounds` calls).
-    outputs: dict[str, Any] = {}
-    screen = _tuning.time_interleaved({n: _keeping(outputs, n, r) for n, r in runs.items()},
-                                      rounds=1, warmup=0)
+    # on a small kernel, is dropped before it costs `rounds` calls). With a
+    # horizon the default's first call was made above and is its screening call.
+    screen = _tuning.time_interleaved(
+        {n: _keeping(outputs, n, r) for n, r in runs.items()
+         if n != default or default_screen is None}, rounds=1, warmup=0)
+    if default_screen is not None:
+      screen = {default: default_screen, **screen}
     ref = _output(outputs, default, ref_run)
     if isinstance(ref, BaseException):
       raise ref
@@ -563,8 +642,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   label, options.budget_s, ", ".join(skipped))
     if len(runners) == 1:
-      return _finish(default, "no other candidate passed the checks", {}, {}, errors,
-                     rejected, skipped, start, label, temps)
+      return finish(default, "no other candidate passed the checks", {}, {})
     try:
       screen = {n: screen[n] for n in runners}
       telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
@@ -577,7 +655,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
           and decisive({n: screen[n] for n in runners}, default=default)):
         timings.update({n: screen[n] for n in runners})
       elif len(runners) > 1:
-        left = max(options.budget_s - (time.perf_counter() - start), 1e-3)
+        left = max(options.budget_s - (_clock() - timing_start), 1e-3)
         # The screening call counts as a round toward a clear choice, so a
         # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
         timings.update(_tuning.time_interleaved(
@@ -587,32 +665,36 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     except Exception as e:  # pylint: disable=broad-except
       logger.warning("autotune %s: timing failed (%s); keeping %s.", label,
                      _describe_error(e), default)
-      return _finish(default, f"timing failed: {_describe_error(e)}", {}, {}, errors,
-                     rejected, skipped, start, label, temps)
+      return finish(default, f"timing failed: {_describe_error(e)}", {}, {})
   if default not in timings:  # every candidate was screened out
-    ratios = dict(slow)
-    return _finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x {default}'s "
-                   "time in a first call", timings, ratios, errors, rejected, skipped,
-                   start, label, temps)
+    return finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x {default}'s "
+                  "time in a first call", timings, dict(slow))
   base = timings[default]
   ratios = {name: _ratio(t, base) for name, t in timings.items() if name not in slow}
   ratios.update(slow)
   winner, reason = choose({n: r for n, r in ratios.items() if n not in slow}, temps,
                           objective=options.objective, margin=options.margin, default=default)
-  return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label,
-                 temps)
+  return finish(winner, reason, timings, ratios)
+
+
+def _temps_of(compiled: Mapping[str, Any]) -> dict[str, int]:
+  """``{name: temporary bytes}`` of the compiled candidates that report them."""
+  return {n: b for n, b in ((n, _temp_bytes(c)) for n, c in compiled.items()
+                            if not isinstance(c, BaseException)) if b is not None}
 
 
 def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
             ratios: Mapping[str, float], errors: Mapping[str, str],
             rejected: Mapping[str, float], skipped: Sequence[str], start: float,
-            label: str, temp_bytes: Mapping[str, int] | None = None) -> TuneResult:
+            label: str, temp_bytes: Mapping[str, int] | None = None, *,
+            payback: Mapping[str, Any] | None = None) -> TuneResult:
   result = TuneResult(
       winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
       errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
       measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
-      tuning_s=time.perf_counter() - start, temp_bytes=dict(temp_bytes or {}))
+      tuning_s=_clock() - start, temp_bytes=dict(temp_bytes or {}),
+      payback=dict(payback or {}))
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 

@@ -409,6 +409,7 @@ class Trainer:
                                    (self.config.mixed_precision.policy
                                     if self.config.mixed_precision.enable else "float32"))
     total = None if target is None else target - start
+    self.session.horizon = total  # kernel tuning must pay back within this fit's steps
     checker = BatchChecker("train_data")
     with self._running(), Progress(total=total, mode=self._progress_mode, desc="train") as bar:
       callbacks.on_fit_start(self)
