@@ -436,3 +436,72 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
 
 def _pair(settings: LoaderSettings) -> tuple[int, int]:
   return (settings.worker_count, settings.read_threads)
+
+
+def compare(measure: Measure, candidates: Sequence[LoaderSettings], *, rounds: int,
+            left: Callable[[], float], estimate: Callable[[LoaderSettings], float],
+            margin: float = NOISE_MARGIN, phase: str = "round",
+            clock: Callable[[], float] = time.perf_counter,
+            ) -> tuple[list[Trial], LoaderSettings | None, dict[LoaderSettings, float]]:
+  """Times `candidates` side by side in interleaved rounds; the best wins.
+
+  Each round measures every candidate once, the order rotating from round to
+  round, so that a host whose speed drifts (other processes on the shared
+  cores) slows every candidate of a round alike; a candidate's score is the
+  median over the complete rounds of its rate divided by the rate of
+  `candidates[0]` (the incumbent) in the same round. A challenger wins only
+  if its score beats the incumbent's (1.0) by more than `margin`. A trial is
+  started only if `estimate(candidate)` fits in `left()` seconds; the first
+  round that does not fit ends the comparison (its trials are kept, but
+  only complete rounds are scored).
+
+  Args:
+    measure: `measure(settings, deadline) -> Trial`.
+    candidates: the incumbent first, then the challengers.
+    rounds: the most rounds to run.
+    left: seconds the comparison may still take.
+    estimate: seconds a trial of a setting is expected to take.
+    margin: the relative gain that counts as better than noise.
+    phase: the `Trial.phase` the trials are given.
+    clock: seconds, monotonic.
+
+  Returns:
+    (trials, the winner or None where no round was complete, the scores).
+
+  Example:
+    >>> speed = {0: 10.0, 2: 30.0, 4: 20.0}
+    >>> def measure(s, deadline):
+    ...   return Trial(s, batches_per_s=speed[s.read_threads], batches=4,
+    ...                startup_s=0.0, seconds=0.01)
+    >>> trials, best, scores = compare(
+    ...     measure, [LoaderSettings(0, t) for t in (0, 2, 4)], rounds=2,
+    ...     left=lambda: 1.0, estimate=lambda s: 0.01)
+    >>> len(trials), best.read_threads, scores[best]
+    (6, 2, 3.0)
+  """
+  trials: list[Trial] = []
+  complete: list[dict[LoaderSettings, float]] = []
+  n = len(candidates)
+  for r in range(rounds):
+    rates: dict[LoaderSettings, float] = {}
+    for settings in [*candidates[r % n:], *candidates[:r % n]]:
+      remaining = left()
+      if remaining <= 0 or estimate(settings) > remaining:
+        break
+      trial = dataclasses.replace(measure(settings, clock() + remaining), phase=phase)
+      trials.append(trial)
+      rates[settings] = trial.batches_per_s
+      log.debug("dataloader tuning %s %d: %s %.2f batches/s, %.4f s", phase, r + 1,
+                describe(settings), trial.batches_per_s, trial.seconds)
+    if len(rates) < n:
+      break
+    complete.append(rates)
+  if not complete:
+    return trials, None, {}
+  incumbent = candidates[0]
+  scores = {c: statistics.median(r[c] / max(r[incumbent], 1e-12) for r in complete)
+            for c in candidates}
+  best = max(candidates, key=lambda c: scores[c])
+  if scores[best] <= 1.0 + margin:
+    best = incumbent
+  return trials, best, scores
