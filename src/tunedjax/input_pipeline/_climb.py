@@ -450,9 +450,10 @@ def compare(measure: Measure, candidates: Sequence[LoaderSettings], *, rounds: i
   cores) slows every candidate of a round alike; a candidate's score is the
   median over the complete rounds of its rate divided by the rate of
   `candidates[0]` (the incumbent) in the same round. A challenger wins only
-  if its score beats the incumbent's (1.0) by more than `margin`. A trial is
-  started only if `estimate(candidate)` fits in `left()` seconds; the first
-  round that does not fit ends the comparison (its trials are kept, but
+  if its score beats the incumbent's (1.0) by more than `margin`. A round
+  starts only if the sum of `estimate` over the candidates fits in `left()`
+  seconds, and a trial only if its own estimate does; the first round that
+  does not fit ends the comparison (a round cut short keeps its trials, but
   only complete rounds are scored).
 
   Args:
@@ -484,6 +485,8 @@ def compare(measure: Measure, candidates: Sequence[LoaderSettings], *, rounds: i
   n = len(candidates)
   for r in range(rounds):
     rates: dict[LoaderSettings, float] = {}
+    if sum(estimate(c) for c in candidates) > left():
+      break  # a round that cannot finish would only be thrown away
     for settings in [*candidates[r % n:], *candidates[:r % n]]:
       remaining = left()
       if remaining <= 0 or estimate(settings) > remaining:

@@ -69,7 +69,9 @@ MIN_WINDOW_S = 0.004  # the shortest timing window of a trial
 # about two rounds of three guesses and two rounds of one pair).
 WINDOWS_PER_ALLOWANCE = 16
 ROUNDS = 2  # interleaved rounds per comparison of read-thread settings
-THREAD_START_S = 0.001  # what a read thread adds to a trial's start (estimate)
+# What a read thread adds to a trial's start, until one is measured (1-2 ms on
+# the project's loaded 2-core host).
+THREAD_START_S = 0.002
 # The contention check (a consumer-bound start with threads or workers): rounds
 # of the start against reading in series, about this many steps per trial.
 CONTENTION_ROUNDS = 2
@@ -121,6 +123,21 @@ def _validate(value: dict[str, Any]) -> None:
   batch_bytes = value.get("batch_bytes")
   if batch_bytes is not None and (not isinstance(batch_bytes, int) or batch_bytes < 0):
     raise ValueError(f"batch_bytes must be an int >= 0, got {batch_bytes!r}")
+  horizon = value.get("expected_batches")
+  if horizon is not None and (not isinstance(horizon, int) or isinstance(horizon, bool)
+                              or horizon < 1):
+    raise ValueError(f"expected_batches must be an int >= 1, got {horizon!r}")
+
+
+def stored_horizon(value: Mapping[str, Any]) -> int:
+  """The `expected_batches` a cached choice was tuned for (an entry from
+  before the horizon was stored: `DEFAULT_EXPECTED_BATCHES`).
+
+  Example:
+    >>> stored_horizon({"expected_batches": 50}), stored_horizon({})
+    (50, 1000)
+  """
+  return int(value.get("expected_batches", DEFAULT_EXPECTED_BATCHES))
 
 
 _tuning.register_validator(NAMESPACE, _validate)
@@ -283,15 +300,21 @@ def _time_serial(ds: Any, *, batches: int, limit_s: float,
   """(wall, CPU) seconds per batch of `ds` read here in series (no threads, no
   workers: what ``read_threads=0`` reads), and the batches read. Batch 0 was
   read before (the first read pays one-off costs); batches 1, 2, ... are
-  timed, at least two and at most `batches`, until `limit_s` has passed."""
-  t, cpu = clock(), time.process_time()
-  n = 0
-  while n < batches:
-    ds[1 + n % max(1, len(ds) - 1)]
-    n += 1
-    if n >= 2 and clock() - t >= limit_s:
+  timed one by one, at least two and at most `batches`, until `limit_s` has
+  passed. Each is the median over the batches: on a shared host one batch
+  in a few waits a scheduler slice (~4 ms) for its core, which would
+  double a sub-millisecond mean.
+  """
+  t0 = clock()
+  walls, cpus = [], []
+  while len(walls) < batches:
+    t, cpu = clock(), time.process_time()
+    ds[1 + len(walls) % max(1, len(ds) - 1)]
+    cpus.append(time.process_time() - cpu)
+    walls.append(max(clock() - t, 1e-9))
+    if len(walls) >= 2 and clock() - t0 >= limit_s:
       break
-  return (max(clock() - t, 1e-9) / n, (time.process_time() - cpu) / n, n)
+  return statistics.median(walls), statistics.median(cpus), len(walls)
 
 
 def _ms(seconds: float | None) -> str:
@@ -348,24 +371,12 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
                              step_s=step_s, n=n, t0=t0, deadline=deadline, usable=usable,
                              margin=margin, clock=clock, done=done)
 
-  # Payback: the most any setting can save over reading in series is the
-  # reading itself with a consumer (threads overlap it with the step), and
-  # without one, what spreading its CPU time over the usable cores leaves.
-  # When a tenth of that over the whole horizon is less than the least trial
-  # (a window and two batches), no trial can pay back: stop.
-  save_s = n * (serial_s if with_consumer
-                else max(0.0, serial_s - serial_cpu_s / usable))
-  least_trial_s = MIN_WINDOW_S + 2 * serial_s
-  if OVERHEAD * save_s < least_trial_s:
-    chosen = in_series if in_series is not None else start
-    return done(chosen, 1.0 / (serial_s + (step_s or 0.0)), (), "no payback",
-                f"chose {describe(chosen)} without a trial: {n} batches read in series take "
-                f"{n * serial_s:.3g} s (one in {_ms(serial_s)}), so no setting can save more "
-                f"than {save_s:.3g} s over them, and {OVERHEAD:.0%} of that does not pay for "
-                f"one trial (~{_ms(least_trial_s)})")
-
   allowance = min(budget_s, max(OVERHEAD * n * max(serial_s, step_s or 0.0), MIN_ALLOWANCE_S))
-  window_s = min(2.0, max(MIN_WINDOW_S, allowance / WINDOWS_PER_ALLOWANCE))
+  # Trial windows are sized for the fastest any setting could be (the step, or
+  # this process's CPU time a batch over the usable cores), so that finding
+  # it, and the allowance shrinking to its pace, leaves the trials done in it.
+  fastest_s = max(step_s or 0.0, serial_cpu_s / usable)
+  window_s = min(2.0, max(MIN_WINDOW_S, OVERHEAD * n * fastest_s / WINDOWS_PER_ALLOWANCE))
   trials: list[Trial] = []
   scores: dict[LoaderSettings, list[float]] = {}
 
@@ -385,22 +396,49 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
     return (min(budget_s, max(OVERHEAD * n * pace_s(), MIN_ALLOWANCE_S))
             - (clock() - t0))
 
+  def estimate(settings: LoaderSettings) -> float:  # seconds, a trial in this process
+    same = [t.seconds for t in trials if t.settings == settings]
+    if same:
+      return min(same)
+    threads = settings.read_threads
+    # Until the first batch: its wave, and the threads' start (the most a
+    # thread took in the trials so far, else `THREAD_START_S`).
+    per_thread = [t.startup_s / t.read_threads for t in trials if t.read_threads]
+    wave_s = (serial_s * max(1.0, threads / usable)
+              + max(per_thread, default=THREAD_START_S) * threads)
+    return wave_s + max(window_s, 2 * (serial_s + (step_s or 0.0)))
+
+  # Payback: the most any setting can save over reading in series is the
+  # reading itself with a consumer (threads overlap it with the step), and
+  # without one, what spreading its CPU time over the usable cores leaves.
+  # When a tenth of that over the whole horizon does not pay for the least
+  # comparison (one round of the first guesses; one trial from a start with
+  # workers), no trial can pay back: stop.
+  save_s = n * (serial_s if with_consumer
+                else max(0.0, serial_s - serial_cpu_s / usable))
+  guess = thread_guess(start, space, cores=usable)
+  if start.worker_count == 0 and len(guess) > 1:
+    least_s = sum(estimate(g) for g in guess)
+    least = (f"one round of the first guesses ("
+             f"{', '.join(str(g.read_threads) for g in guess)} read threads: "
+             f"~{_ms(least_s)})")
+  else:
+    least_s = window_s + 2 * (serial_s + (step_s or 0.0))
+    least = f"one trial (~{_ms(least_s)})"
+  if OVERHEAD * save_s < least_s:
+    chosen = in_series if in_series is not None else start
+    return done(chosen, 1.0 / (serial_s + (step_s or 0.0)), (), "no payback",
+                f"chose {describe(chosen)} without a trial: {n} batches read in series take "
+                f"{n * serial_s:.3g} s (one in {_ms(serial_s)}), so no setting can save more "
+                f"than {save_s:.3g} s over them, and {OVERHEAD:.0%} of that does not pay "
+                f"for {least}")
+
   stopped = "converged"
   if start.worker_count == 0:
     # Phase 1, in this process: a model-based guess (no threads, about one
     # read thread per usable core, twice that), compared in interleaved
     # rounds, then the ladder's neighbours of the winner, a pair at a time.
     ladder = space.values["read_threads"]
-
-    def estimate(settings: LoaderSettings) -> float:
-      same = [t.seconds for t in trials if t.settings == settings]
-      if same:
-        return min(same)
-      threads = settings.read_threads
-      wave_s = serial_s * max(1.0, threads / usable) + THREAD_START_S * threads
-      return wave_s + max(window_s, 2 * (serial_s + (step_s or 0.0)))
-
-    guess = thread_guess(start, space, cores=usable)
     new, best, _ = compare(measurer(window_s), guess, rounds=ROUNDS, left=left,
                            estimate=estimate, margin=margin, phase="guess", clock=clock)
     record(new)
@@ -737,6 +775,12 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                   consumer=consumer, consumer_s=consumer_s)
   if store is not None:
     hit = store.get(NAMESPACE, key)
+    if hit is not None and stored_horizon(hit) < expected_batches:
+      # Tuned for a shorter horizon: a longer one may pay for more trials (or
+      # workers). Tune again; the new choice replaces the stored one.
+      log.debug("dataloader tuning: the cached choice was tuned for %d batches, not %d: "
+                "tuning again", stored_horizon(hit), expected_batches)
+      hit = None
     if hit is not None:
       batch_bytes = hit.get("batch_bytes")
       bound = (None if batch_bytes is None
@@ -780,7 +824,7 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     store.put(NAMESPACE, key, {
         **result.settings.to_dict(),
         "batches_per_s": result.batches_per_s, "seconds": result.seconds,
-        "batch_bytes": batch_bytes,
+        "batch_bytes": batch_bytes, "expected_batches": expected_batches,
         "trials": [{**t.settings.to_dict(), "batches_per_s": round(t.batches_per_s, 3)}
                    for t in result.trials]})
   return result
