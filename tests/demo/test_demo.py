@@ -47,12 +47,13 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   base, tuned = report["runs"]["baseline"], report["runs"]["tunedjax"]
   assert base["loader"]["worker_count"] == 0 and base["kernels"] == {}
   assert tuned["kernel_cache_misses"] > 0 and tuned["kernel_tuning_s"] > 0  # a cold cache
-  # Tuned, not read from the cache: searched, or kept because the step, not
-  # the loader, is the bottleneck (both times then in the report).
+  # Tuned, not read from the cache: searched, or no search because the step,
+  # not the loader, is the bottleneck (both times then in the report) or no
+  # trial could pay back.
   loader = tuned["loader"]
   assert not loader["from_cache"]
-  assert loader["trials"] or (loader["stopped"] == "consumer-bound"
-                              and loader["step_s"] > loader["batch_s"] > 0)
+  assert loader["trials"] or loader["stopped"] == "no payback" or (
+      loader["stopped"] == "consumer-bound" and loader["step_s"] > loader["batch_s"] > 0)
   assert any(k.endswith("(tuned)") for k in tuned["kernels"])
   assert report["ratios"]["wall"] == pytest.approx(base["wall_s"] / tuned["wall_s"])
   # Convolutions and, routed from Flax's BatchNorm, batch norms: each row's

@@ -633,7 +633,7 @@ def test_interleaved_rounds_see_through_a_host_slowing_down():
   trials, best, scores = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=2,
                                         left=lambda: 1.0, estimate=lambda s: 0.01,
                                         clock=clock)
-  assert order == [0, 2, 2, 0]  # the order rotates
+  assert order == [0, 2, 2, 0] and [t.read_threads for t in trials] == order  # rotates
   assert best == S(0, 2) and scores[S(0, 2)] == pytest.approx((0.88 + 1.375) / 2)
   # a challenger within the margin does not replace the incumbent
   speeds = {0: 10.0, 2: 10.3}

@@ -51,11 +51,12 @@ class Trial:
     batches: batches read, warm-up included.
     startup_s: seconds until the first batch (worker start).
     seconds: the whole trial, start to close.
-    phase: "climb", "seed" (see `seed_settings`), "confirm" (the alternating
-      re-measurement), "probe" (the start read alone, before deciding to
-      search) or "serial" (the first estimate: a few batches read in series
-      in this process, standing for no read threads; with a consumer, a
-      read then a step).
+    phase: "climb" (a step of the climb; in this process, a neighbour of
+      the best against it, in interleaved rounds), "guess" (the model-based
+      first guesses, compared in interleaved rounds: see `compare`),
+      "contention" (a consumer-bound start against reading in series, end to
+      end), "seed" (see `seed_settings`) or "confirm" (the alternating
+      re-measurement).
     cpu_s: this process's CPU seconds per batch in the window (all its
       threads), for a setting read in this process without a consumer;
       else None.
@@ -112,13 +113,16 @@ class TuningResult:
     batches: the batches read while tuning (0 on a cache hit).
     stopped: why the tuning ended: "converged", "budget", "max_batches",
       "fast enough" (the start already reads over `fast_enough` batches/s),
-      "consumer-bound" (the loader is not the bottleneck: the start is kept
-      without a search), "cache" (reused a stored choice) or "no budget".
+      "consumer-bound" (the loader is not the bottleneck: no search; the
+      start is kept unless reading in series made the steps faster),
+      "no payback" (over the horizon no setting could save enough to pay
+      for a trial: read in series without one), "cache" (reused a stored
+      choice) or "no budget".
     from_cache: whether the choice came from the persistent cache.
     step_s: the consumer's seconds per step alone (timed on a ready batch,
       or `consumer_s`); None without a consumer.
-    batch_s: the loader's seconds per batch alone at the start setting;
-      None where it was not measured (a cache hit).
+    batch_s: the loader's seconds per batch alone, read in series (the
+      first look, a median); None where it was not measured (a cache hit).
     reason: why the tuner searched, skipped or stopped where it did, in words.
 
   Example:

@@ -1,14 +1,17 @@
 """Measures `LoaderSettings` for a pipeline and picks the best.
 
-Like PaddlePaddle's DataLoader autotune, this hill-climbs from the user's
-setting and times real batches; unlike it, it climbs over every knob of
-`LoaderSettings` (grain's worker processes *and* its read threads: tuning
-workers alone misses the best setting; and the batches each worker keeps
-ready, bounded by the memory they take), skips each trial's warm-up (worker
-start, buffers filling), bounds its total time and batches, re-measures the
-two best settings alternately before choosing, can include the training step
-in the measurement (the step competes for the same cores), and keeps the
-choice in the persistent tuning cache so that a restart measures nothing.
+Like PaddlePaddle's DataLoader autotune, this times real batches; unlike it,
+it searches every knob of `LoaderSettings` (grain's worker processes *and*
+its read threads: tuning workers alone misses the best setting; and the
+batches each worker keeps ready, bounded by the memory they take), pays for
+itself (at most a tenth of the expected batches' time: a cheap first look in
+series, no search where the loader is not the bottleneck or where no trial
+could pay back), starts in this process from a model-based guess compared in
+interleaved rounds, skips each trial's warm-up (worker start, buffers
+filling), can include the training step in the measurement (the step
+competes for the same cores), and keeps the choice, with the horizon it was
+tuned for, in the persistent tuning cache so that a restart measures
+nothing.
 
 Tuning reads its own random subset of the records through a separate
 pipeline: it never advances, or changes, the training stream.
@@ -72,6 +75,9 @@ ROUNDS = 2  # interleaved rounds per comparison of read-thread settings
 # What a read thread adds to a trial's start, until one is measured (1-2 ms on
 # the project's loaded 2-core host).
 THREAD_START_S = 0.002
+# What any trial costs beyond its window and first wave (an iterator opened and
+# closed, the last wave rounded up to): 2-9 ms measured on that host.
+TRIAL_START_S = 0.002
 # The contention check (a consumer-bound start with threads or workers): rounds
 # of the start against reading in series, about this many steps per trial.
 CONTENTION_ROUNDS = 2
@@ -406,7 +412,7 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
     per_thread = [t.startup_s / t.read_threads for t in trials if t.read_threads]
     wave_s = (serial_s * max(1.0, threads / usable)
               + max(per_thread, default=THREAD_START_S) * threads)
-    return wave_s + max(window_s, 2 * (serial_s + (step_s or 0.0)))
+    return TRIAL_START_S + wave_s + max(window_s, 2 * (serial_s + (step_s or 0.0)))
 
   # Payback: the most any setting can save over reading in series is the
   # reading itself with a consumer (threads overlap it with the step), and
@@ -660,39 +666,56 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
 
   Tuning has to pay for itself: it costs at most a tenth (`OVERHEAD`) of the
   time the `expected_batches` take. It first reads a few batches here in
-  series (`SERIAL_BATCHES`): the first estimate, which sizes the rest and
-  stands for the setting without read threads. With `consumer` (e.g. the
-  compiled training step, timed alone on a ready batch) or `consumer_s` (its
-  duration, slept: a step that runs on an accelerator), it then asks whether
-  the loader is the bottleneck at all, and keeps the start without a search
-  when even reading in series (or the start's batch time) could not cost
-  the step more than `margin` (or when the start, measured end to end, is
-  already as fast as the step). The result gives both times
-  (`TuningResult.step_s`, `batch_s`) and the reason.
+  series (`SERIAL_BATCHES`, the median of each): the first look, which sizes
+  the rest and stands for the setting without read threads. Then:
 
-  Otherwise it hill-climbs from (`worker_count`, `read_threads`,
-  `prefetch_buffer`) in two phases, the allowance shrinking as faster
-  settings are found. First the settings at the start's worker count (in
-  this process when the start has no workers: no process to start). Then
-  worker processes (0 to `max_workers`), only if a tenth of what they could
-  save pays for a worker trial: the fastest they could read is this
-  process's CPU time per batch spread over the usable cores, each at the
-  share of a core a thread gets now (on a busy host a worker waits for a
-  core too), and the time that could save over `expected_batches`, a tenth
-  of it, must exceed a trial's cost (a process start per worker) and fit
-  what is left of the allowance. Each worker setting starts its processes
-  once: its re-measurements read on from the same warm workers (`_Pool`).
-  The read threads range over 0 to `max_read_threads`, the per-worker
-  buffer over 1 to `max_prefetch_buffer` and at most `memory_budget` //
-  (workers x one batch's bytes). Each trial reads a random subset of the
-  records: a warm-up (the worker buffers; none for read threads, whose
-  windows time whole waves), then a window that ends after `tuning_steps`
-  batches in all or a time slice, whichever comes first; the whole tuning
-  stays within `budget_s`. With a consumer it measures end-to-end steps per
-  second. The choice is stored in the persistent tuning cache under this
-  host and this pipeline, and reused without measuring (the cache key does
-  not hold `expected_batches`). Trials are logged at DEBUG on the
-  ``tunedjax.input_pipeline`` logger.
+  * With `consumer` (e.g. the compiled training step, timed alone on a ready
+    batch) or `consumer_s` (its duration, slept: a step that runs on an
+    accelerator), when reading in series costs the step at most `margin`, the
+    loader is not the bottleneck (``stopped="consumer-bound"``). The start's
+    read threads or workers may still slow the step (they share its cores
+    and the GIL), so steps with their batches are timed end to end at the
+    start and read in series (`CONTENTION_ROUNDS` interleaved rounds of about
+    `CONTENTION_STEPS` steps, when that fits in a tenth of the horizon's
+    steps), and reading in series is chosen if it beats the start by more
+    than `margin`. The result gives both times (`TuningResult.step_s`,
+    `batch_s`) and the reason.
+  * The payback rule: no setting can save more over the horizon than
+    `expected_batches` x the serial read (with a consumer, which read threads
+    hide behind the step) or, without one, x what spreading its CPU time over
+    the usable cores leaves of it. If a tenth of that does not pay for one
+    round of the first guesses (one trial from a start with workers), it
+    reads in series without a trial (``stopped="no payback"``).
+  * Otherwise it searches, the allowance shrinking to the pace of the fastest
+    setting measured. A start without workers is searched in this process
+    first: a model-based guess (`thread_guess`: no threads, about one per
+    usable core, twice that) compared in `ROUNDS` interleaved rounds
+    (`compare`: a host that drifts slows every candidate of a round alike),
+    then the ladder's neighbours of the winner against it, until none wins.
+    Trial windows are sized for the fastest setting the model allows, and
+    time whole waves of read threads. A start with workers is hill-climbed
+    over threads and buffer at its worker count. Then worker processes (0 to
+    `max_workers`), only if a tenth of what they could save pays for a worker
+    trial: the fastest they could read is this process's CPU time per batch
+    spread over the usable cores, each at the share of a core a thread gets
+    now (on a busy host a worker waits for a core too), and the time that
+    could save over `expected_batches`, a tenth of it, must exceed a trial's
+    cost (a process start per worker) and fit what is left of the allowance.
+    Each worker setting starts its processes once: its re-measurements read
+    on from the same warm workers (`_Pool`).
+
+  The read threads range over 0 to `max_read_threads`, the per-worker buffer
+  over 1 to `max_prefetch_buffer` and at most `memory_budget` // (workers x
+  one batch's bytes). Each trial reads a random subset of the records: a
+  warm-up (the worker buffers; none for read threads, whose windows time
+  whole waves), then a window that ends after `tuning_steps` batches in all
+  or a time slice, whichever comes first; the whole tuning stays within
+  `budget_s`. With a consumer it measures end-to-end steps per second. The
+  choice is stored in the persistent tuning cache under this host and this
+  pipeline, with `expected_batches`: a later call with the same or a shorter
+  horizon reuses it without measuring, a longer one tunes again (it may pay
+  for more trials, or workers) and replaces it. Trials are logged at DEBUG on
+  the ``tunedjax.input_pipeline`` logger.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -718,7 +741,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     margin: relative gain that counts as better than noise.
     expected_batches: the batches the chosen setting will read (None:
       `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): the horizon tuning
-      must pay back within (`Trainer.fit` passes the steps of the fit).
+      must pay back within (`Trainer.fit` passes the steps of the fit); a
+      cached choice tuned for fewer is measured again.
     cache: True or None for the default tuning cache, False for none, a
       `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads",
