@@ -776,3 +776,12 @@ def test_an_entry_without_a_horizon_counts_as_the_default_one(cache_dir, fake_me
   cache.put("dataloader", entry.key, {**value, "expected_batches": 0})
   with pytest.warns(UserWarning, match="invalid 'dataloader' entry"):
     assert not _tune(cache=tj.autotune.Cache()).from_cache
+
+
+def test_a_no_payback_finding_is_cached_with_its_horizon(cache_dir, fake_measure, monkeypatch):
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (2e-4, 2e-4, 8))
+  first = _tune(expected_batches=100)
+  assert first.stopped == "no payback" and not first.from_cache
+  assert _tune(expected_batches=100).from_cache  # a restart reads nothing
+  assert not _tune(expected_batches=10**6).from_cache  # a long horizon searches
+  assert fake_measure.seen

@@ -69,9 +69,12 @@ SERIAL_LIMIT_S = 0.02
 MIN_ALLOWANCE_S = 0.02  # the least time a search may take, beyond the first estimate
 MIN_WINDOW_S = 0.004  # the shortest timing window of a trial
 # A search's trial windows: its allowance over this many (a window per trial of
-# about two rounds of three guesses and two rounds of one pair).
-WINDOWS_PER_ALLOWANCE = 16
-ROUNDS = 2  # interleaved rounds per comparison of read-thread settings
+# three rounds of three guesses and two rounds of two pairs, and some left).
+WINDOWS_PER_ALLOWANCE = 20
+# Interleaved rounds of the first guesses (the median of three is not moved by
+# one slow round) and of each pair the climb compares after them.
+GUESS_ROUNDS = 3
+ROUNDS = 2
 # What a read thread adds to a trial's start, until one is measured (1-2 ms on
 # the project's loaded 2-core host).
 THREAD_START_S = 0.002
@@ -394,13 +397,18 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
   def rate_of(settings: LoaderSettings) -> float:
     return statistics.median(scores[settings])
 
-  def pace_s() -> float:  # seconds a batch (or step) at the best pace measured
-    best_rate = max((rate_of(s) for s in scores), default=0.0)
+  def pace_s(rate: float = 0.0) -> float:  # a batch (or step) at the best pace measured
+    best_rate = max((rate_of(s) for s in scores), default=rate)
+    best_rate = max(best_rate, rate)
     return max(1.0 / best_rate if best_rate > 0 else serial_s, step_s or 0.0)
 
-  def left() -> float:  # the allowance at the best pace so far, less what was spent
-    return (min(budget_s, max(OVERHEAD * n * pace_s(), MIN_ALLOWANCE_S))
+  def left(rate: float = 0.0) -> float:  # the allowance at the best pace, less what was spent
+    return (min(budget_s, max(OVERHEAD * n * pace_s(rate), MIN_ALLOWANCE_S))
             - (clock() - t0))
+
+  def from_now() -> Callable[[float], float]:  # `left` as a climb starting now sees it
+    began = clock()
+    return lambda rate: left(rate) + (clock() - began)
 
   def estimate(settings: LoaderSettings) -> float:  # seconds, a trial in this process
     same = [t.seconds for t in trials if t.settings == settings]
@@ -445,7 +453,7 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
     # read thread per usable core, twice that), compared in interleaved
     # rounds, then the ladder's neighbours of the winner, a pair at a time.
     ladder = space.values["read_threads"]
-    new, best, _ = compare(measurer(window_s), guess, rounds=ROUNDS, left=left,
+    new, best, _ = compare(measurer(window_s), guess, rounds=GUESS_ROUNDS, left=left,
                            estimate=estimate, margin=margin, phase="guess", clock=clock)
     record(new)
     tried = set(guess)
@@ -477,7 +485,7 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
         measurer(window_s), start=start, space=here,
         budget_s=max(window_s, min(allowance, deadline - clock())), max_batches=None,
         trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
-        clock=clock, allowance=lambda rate: left() + (clock() - t0))
+        clock=clock, allowance=from_now())
     record(first_phase.trials)
     best, stopped = first_phase.settings, first_phase.stopped
   if best not in scores:  # nothing measured: the serial first look stands for it
@@ -523,7 +531,7 @@ def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_
       measurer(window_s), start=best, space=space,
       budget_s=max(0.0, min(phase_s, deadline - clock())), max_batches=None,
       trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
-      clock=clock, known=tuple(trials), allowance=lambda rate: left() + (clock() - t0),
+      clock=clock, known=tuple(trials), allowance=from_now(),
       seeds=seed_settings(best, space) if climbs_both else ())
   record(second_phase.trials)
   winner = second_phase.settings
@@ -689,9 +697,10 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   * Otherwise it searches, the allowance shrinking to the pace of the fastest
     setting measured. A start without workers is searched in this process
     first: a model-based guess (`thread_guess`: no threads, about one per
-    usable core, twice that) compared in `ROUNDS` interleaved rounds
+    usable core, twice that) compared in `GUESS_ROUNDS` interleaved rounds
     (`compare`: a host that drifts slows every candidate of a round alike),
-    then the ladder's neighbours of the winner against it, until none wins.
+    then the ladder's neighbours of the winner against it (`ROUNDS` rounds),
+    until none wins; rounds stop where the allowance ends.
     Trial windows are sized for the fastest setting the model allows, and
     time whole waves of read threads. A start with workers is hill-climbed
     over threads and buffer at its worker count. Then worker processes (0 to
@@ -843,8 +852,10 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   finally:
     pool.close_all()
   # A search's result, or the finding that the step, not the loader, is the
-  # bottleneck (no trials): either way a restart need not measure again.
-  if store is not None and (result.trials or result.stopped == "consumer-bound"):
+  # bottleneck or that no trial could pay back (no trials): either way a
+  # restart with this horizon need not measure again.
+  if store is not None and (result.trials or result.stopped in ("consumer-bound",
+                                                                "no payback")):
     store.put(NAMESPACE, key, {
         **result.settings.to_dict(),
         "batches_per_s": result.batches_per_s, "seconds": result.seconds,
