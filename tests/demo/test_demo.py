@@ -84,3 +84,16 @@ def test_cli_demo_names_a_bad_data_folder(tmp_path, capsys):
   assert "tunedjax demo: error:" in err and "nope" in err and "subfolder" in err
   with pytest.raises(SystemExit):
     cli._build_parser().parse_args(["demo", "--epochs", "0"])
+
+
+def test_the_loader_cell_says_why_nothing_was_measured():
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+
+  from tunedjax.demo import _report  # pylint: disable=g-import-not-at-top
+
+  def cell(**info):
+    return _report._loader_cell(SimpleNamespace(loader={
+        "worker_count": 0, "read_threads": 0, "seconds": 0.01, "trials": [], **info}))
+  assert "no trial could pay back" in cell(stopped="no payback")
+  assert "the step is the bottleneck" in cell(stopped="consumer-bound")
+  assert cell(stopped="converged").endswith("(as given)")
