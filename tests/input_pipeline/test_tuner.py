@@ -15,6 +15,7 @@ import tunedjax as tj
 from tunedjax import input_pipeline as ip
 from tunedjax.input_pipeline import _climb
 from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
 
@@ -203,7 +204,7 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   trial_batches = sum(t.batches for t in result.trials)
   assert trial_batches > 0 and result.batches > trial_batches  # + the serial first look
   # + one untimed warm-up (the compile), + the step timed alone on a ready batch
-  assert 1 <= len(seen) - 1 - trial_batches <= _tuner.CONSUMER_CALLS
+  assert 1 <= len(seen) - 1 - trial_batches <= _search.CONSUMER_CALLS
   assert result.step_s is not None and result.batch_s is not None
 
 
@@ -233,7 +234,7 @@ def test_a_slow_consumer_and_a_fast_loader_skip_the_search(cache_dir):
   assert "not the bottleneck" in result.reason and "1e+03 ms" in result.reason
   assert result.seconds < 6
   # decided on the first estimate (a few batches read in series), no probe
-  assert "in series" in result.reason and result.batches <= _tuner.SERIAL_BATCHES
+  assert "in series" in result.reason and result.batches <= _search.SERIAL_BATCHES
 
 
 def test_a_consumer_bound_finding_is_cached_like_a_search(cache_dir):
@@ -564,7 +565,7 @@ def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, thr
   clock = FakeClock()
   monkeypatch.setattr(_tuner._processes, "open_iterator",
                       lambda ds, settings: _Waves(clock, threads, 1.0))
-  warmup, window = _tuner.trial_sizes(500, S(0, threads))
+  warmup, window = _search.trial_sizes(500, S(0, threads))
   measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
                                  consumer=None, consumer_s=None, clock=clock)
   trial = measure(S(0, threads), clock.now + 1e-3)
