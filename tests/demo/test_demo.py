@@ -47,12 +47,13 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   base, tuned = report["runs"]["baseline"], report["runs"]["tunedjax"]
   assert base["loader"]["worker_count"] == 0 and base["kernels"] == {}
   assert tuned["kernel_cache_misses"] > 0 and tuned["kernel_tuning_s"] > 0  # a cold cache
-  # Tuned, not read from the cache: searched, or kept because the step, not
-  # the loader, is the bottleneck (both times then in the report).
+  # Tuned, not read from the cache: searched, or no search because the step,
+  # not the loader, is the bottleneck (both times then in the report) or no
+  # trial could pay back.
   loader = tuned["loader"]
   assert not loader["from_cache"]
-  assert loader["trials"] or (loader["stopped"] == "consumer-bound"
-                              and loader["step_s"] > loader["batch_s"] > 0)
+  assert loader["trials"] or loader["stopped"] == "no payback" or (
+      loader["stopped"] == "consumer-bound" and loader["step_s"] > loader["batch_s"] > 0)
   assert any(k.endswith("(tuned)") for k in tuned["kernels"])
   assert report["ratios"]["wall"] == pytest.approx(base["wall_s"] / tuned["wall_s"])
   # Convolutions and, routed from Flax's BatchNorm, batch norms: each row's
@@ -87,3 +88,16 @@ def test_cli_demo_names_a_bad_data_folder(tmp_path, capsys):
   assert "tunedjax demo: error:" in err and "nope" in err and "subfolder" in err
   with pytest.raises(SystemExit):
     cli._build_parser().parse_args(["demo", "--epochs", "0"])
+
+
+def test_the_loader_cell_says_why_nothing_was_measured():
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+
+  from tunedjax.demo import _report  # pylint: disable=g-import-not-at-top
+
+  def cell(**info):
+    return _report._loader_cell(SimpleNamespace(loader={
+        "worker_count": 0, "read_threads": 0, "seconds": 0.01, "trials": [], **info}))
+  assert "no trial could pay back" in cell(stopped="no payback")
+  assert "the step is the bottleneck" in cell(stopped="consumer-bound")
+  assert cell(stopped="converged").endswith("(as given)")

@@ -15,6 +15,7 @@ import tunedjax as tj
 from tunedjax import input_pipeline as ip
 from tunedjax.input_pipeline import _climb
 from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
 
@@ -197,13 +198,13 @@ def test_consumer_is_measured_end_to_end(cache_dir):
   result = ip.tune_worker_count(np.arange(200.0), batch_size=4, max_workers=0,
                                 max_read_threads=1, tuning_steps=40, budget_s=10,
                                 consumer=seen.append, cache=False)
-  # the "serial" trial is read here without the consumer (it models no read
-  # threads as a read then a step, in series)
-  assert [t.phase for t in result.trials][:2] == ["climb", "serial"]
-  trial_batches = sum(t.batches for t in result.trials if t.phase != "serial")
-  assert trial_batches > 0 and result.batches > trial_batches  # + the probe, read alone
+  # interleaved rounds of the guesses (no threads, one), each trial end to end
+  assert {t.phase for t in result.trials} <= {"guess", "climb"}
+  assert {t.read_threads for t in result.trials} == {0, 1}
+  trial_batches = sum(t.batches for t in result.trials)
+  assert trial_batches > 0 and result.batches > trial_batches  # + the serial first look
   # + one untimed warm-up (the compile), + the step timed alone on a ready batch
-  assert 1 <= len(seen) - 1 - trial_batches <= _tuner.CONSUMER_CALLS
+  assert 1 <= len(seen) - 1 - trial_batches <= _search.CONSUMER_CALLS
   assert result.step_s is not None and result.batch_s is not None
 
 
@@ -233,7 +234,7 @@ def test_a_slow_consumer_and_a_fast_loader_skip_the_search(cache_dir):
   assert "not the bottleneck" in result.reason and "1e+03 ms" in result.reason
   assert result.seconds < 6
   # decided on the first estimate (a few batches read in series), no probe
-  assert "in series" in result.reason and result.batches <= _tuner.SERIAL_BATCHES
+  assert "in series" in result.reason and result.batches <= _search.SERIAL_BATCHES
 
 
 def test_a_consumer_bound_finding_is_cached_like_a_search(cache_dir):
@@ -261,7 +262,7 @@ def test_a_slow_loader_and_a_fast_consumer_search(cache_dir):
   # 4 records of 10 ms a batch; two read threads advance the fake clock
   # concurrently (an unlocked +=), so a little of it can be lost: not 0.04.
   assert result.batch_s >= 0.02 and result.step_s < 0.01
-  assert {t.read_threads for t in result.trials} >= {0, 1, 2}
+  assert {t.read_threads for t in result.trials} >= {0, 2}  # the guesses
 
 
 def test_a_slow_consumer_cannot_push_tuning_far_past_its_budget(cache_dir):
@@ -448,7 +449,8 @@ def test_the_chosen_buffer_round_trips_through_the_cache(cache_dir, fake_measure
   assert not first.from_cache and first.settings == S(2, 1, 8)
   (entry,) = tj.autotune.Cache().entries("dataloader")
   assert entry.value["prefetch_buffer"] == 8 and entry.value["batch_bytes"] == _BATCH_BYTES
-  assert entry.value["trials"][0] == {**S().to_dict(),
+  assert first.trials[0].settings == S(0, 0)  # the guesses start with the read in series
+  assert entry.value["trials"][0] == {**S(0, 0).to_dict(),
                                       "batches_per_s": round(first.trials[0].batches_per_s, 3)}
   measured = len(fake_measure.seen)
   again = _tune()
@@ -534,7 +536,10 @@ def test_worker_trials_only_when_a_tenth_of_their_saving_pays_for_one(
   # does a tenth of the 100 batches' 10 s)
   assert any(s.worker_count for s in fake_measure.seen) == searched
   if not searched:
-    assert result.worker_count == 0 and "does not fit in 10%" in result.reason
+    # (a tenth of what any setting could save does not even pay for a round of
+    # the in-process guesses)
+    assert result.worker_count == 0 and result.stopped == "no payback"
+    assert "does not pay for one round" in result.reason
   else:
     assert result.worker_count > 0
 
@@ -560,10 +565,226 @@ def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, thr
   clock = FakeClock()
   monkeypatch.setattr(_tuner._processes, "open_iterator",
                       lambda ds, settings: _Waves(clock, threads, 1.0))
-  warmup, window = _tuner.trial_sizes(500, S(0, threads))
+  warmup, window = _search.trial_sizes(500, S(0, threads))
   measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
                                  consumer=None, consumer_s=None, clock=clock)
   trial = measure(S(0, threads), clock.now + 1e-3)
   # threads batches a second: not the burst of a wave that was ready already
   assert trial.batches_per_s == pytest.approx(threads)
   assert trial.batches <= 1 + max(2, threads)  # one wave timed, no drain of the buffer
+
+
+# --- issue 18, item 1: the first look, the payback rule, the guess, contention ---
+
+
+def _threads_peak_at_4(w, t, b):
+  """Decode-like: read threads help up to 4 (on any core count), workers never."""
+  return {0: 10.0, 1: 16.0, 2: 20.0, 4: 23.0, 8: 22.0, 16: 20.0}[t] if w == 0 else 5.0
+
+
+_threads_peak_at_4.with_buffer = True
+
+
+def _no_threads_best(w, t, b):
+  """Light-like: every hand-off to a read thread costs more than it gives."""
+  return 100.0 / (1.0 + 0.2 * t) if w == 0 else 10.0
+
+
+_no_threads_best.with_buffer = True
+
+
+def test_the_search_starts_from_the_guess_not_the_starts_thread_wave(cache_dir, fake_measure,
+                                                                     monkeypatch):
+  fake_measure.speed = _no_threads_best
+  # read in series: 10 ms a batch, 5 ms of it CPU (worth a search on 2 cores)
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (0.01, 0.005, 2))
+  monkeypatch.setattr(_tuner, "host_fingerprint",
+                      lambda: {"cpu": "", "cpus": 2, "usable_cpus": 2, "machine": "x"})
+  result = _tune(read_threads=16, max_workers=0, cache=False)
+  assert result.settings == S(0, 0)
+  # never the start's 16 threads: a wave of 16 was what the light pipeline paid
+  assert max(s.read_threads for s in fake_measure.seen) <= 4
+  assert [t.phase for t in result.trials][:3] == ["guess"] * 3
+  assert [t.read_threads for t in result.trials[:3]] == [0, 2, 4]
+
+
+def test_the_climb_from_the_guess_finds_the_best_thread_count(cache_dir, fake_measure,
+                                                              monkeypatch):
+  fake_measure.speed = _threads_peak_at_4
+  # read in series: 0.1 s a batch, 10 ms of it CPU (it waits: threads can help)
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (0.1, 0.01, 2))
+  monkeypatch.setattr(_tuner, "host_fingerprint",
+                      lambda: {"cpu": "", "cpus": 1, "usable_cpus": 1, "machine": "x"})
+  result = _tune(max_workers=0, cache=False)  # guesses 0, 1, 2 on one core
+  assert result.settings == S(0, 4)
+  assert {t.read_threads for t in result.trials} == {0, 1, 2, 4, 8}  # not 16
+  assert result.stopped == "converged"
+
+
+def test_interleaved_rounds_see_through_a_host_slowing_down():
+  clock = FakeClock()
+  order = []
+
+  def measure(settings, deadline):  # the host slows by 20% at every trial
+    order.append(settings.read_threads)
+    rate = {0: 10.0, 2: 11.0}[settings.read_threads] * 0.8 ** (len(order) - 1)
+    clock.now += 0.01
+    return ip.Trial(settings, batches_per_s=rate, batches=4, startup_s=0.0, seconds=0.01)
+
+  trials, best, scores = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=2,
+                                        left=lambda: 1.0, estimate=lambda s: 0.01,
+                                        clock=clock)
+  assert order == [0, 2, 2, 0] and [t.read_threads for t in trials] == order  # rotates
+  assert best == S(0, 2) and scores[S(0, 2)] == pytest.approx((0.88 + 1.375) / 2)
+  # a challenger within the margin does not replace the incumbent
+  speeds = {0: 10.0, 2: 10.3}
+  _, best, _ = _climb.compare(
+      lambda s, d: ip.Trial(s, batches_per_s=speeds[s.read_threads], batches=4,
+                            startup_s=0.0, seconds=0.01),
+      [S(0, 0), S(0, 2)], rounds=2, left=lambda: 1.0, estimate=lambda s: 0.01, clock=clock)
+  assert best == S(0, 0)
+
+
+def test_compare_stops_at_a_round_that_does_not_fit():
+  clock = FakeClock()
+
+  def measure(settings, deadline):
+    clock.now += 0.4
+    return ip.Trial(settings, batches_per_s=1.0 + settings.read_threads, batches=4,
+                    startup_s=0.0, seconds=0.4)
+
+  t0 = clock.now
+  trials, best, _ = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=3,
+                                   left=lambda: 1.0 - (clock.now - t0),
+                                   estimate=lambda s: 0.4, clock=clock)
+  assert len(trials) == 2 and best == S(0, 2)  # one whole round, no third trial
+  trials, best, _ = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=3,
+                                   left=lambda: 0.7, estimate=lambda s: 0.4, clock=clock)
+  assert trials == [] and best is None  # no round fits: no trial, no winner
+
+
+@pytest.mark.parametrize("expected_batches, stops", [(100, True), (10**6, False)])
+def test_a_horizon_too_short_to_pay_back_a_trial_stops_at_once(
+    cache_dir, fake_measure, monkeypatch, expected_batches, stops):
+  # read in series: 0.2 ms a batch, all of it CPU, on 2 cores: threads could
+  # save at most 0.1 ms a batch, 10 ms over 100 batches, a tenth of which
+  # (1 ms) does not pay for a trial (a 4 ms window and two batches)
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (2e-4, 2e-4, 8))
+  monkeypatch.setattr(_tuner, "host_fingerprint",
+                      lambda: {"cpu": "", "cpus": 2, "usable_cpus": 2, "machine": "x"})
+  result = _tune(expected_batches=expected_batches, cache=False)
+  if stops:
+    assert result.stopped == "no payback" and result.trials == () and not fake_measure.seen
+    assert result.settings == S(0, 0) and result.batches == 8
+    assert "does not pay for one round" in result.reason and "100 batches" in result.reason
+  else:
+    assert result.stopped != "no payback" and fake_measure.seen
+
+
+def test_a_real_light_pipeline_is_tuned_within_a_tenth_of_its_batches(cache_dir):
+  src = np.random.default_rng(0).normal(size=(4000, 64)).astype(np.float32)
+  result = ip.tune_worker_count(src, batch_size=16, transforms=[_slow_square],
+                                max_workers=0, cache=False)
+  epoch_s = 1000 / result.batches_per_s
+  # a tenth of the batches at the pace found, plus one trial's overrun
+  assert result.seconds <= 0.1 * epoch_s + 0.02, result.table()
+  assert all(t.read_threads <= 4 for t in result.trials)  # no 16-thread wave
+
+
+def _sleepy(record):  # waits like a read from disk: threads overlap it
+  time.sleep(0.001)
+  return record
+
+
+def test_a_waiting_pipeline_is_given_read_threads(cache_dir):
+  result = ip.tune_worker_count(np.arange(2000.0), batch_size=4, transforms=[_sleepy],
+                                max_workers=0, cache=False)
+  serial_rate = 1 / result.batch_s
+  assert result.read_threads >= 2 and result.batches_per_s > 1.5 * serial_rate, result.table()
+  # a tenth of the batches at the pace found, and what the last round's trials
+  # overran it by on a loaded host (their estimates are from the pace before)
+  assert result.seconds <= 0.15 * 1000 / result.batches_per_s + 0.05, result.table()
+
+
+class _ChargedOffTheMainThread:
+  """A transform that, read on a thread other than the main one, "takes"
+  `seconds` of the fake clock per record from whatever else runs: the read
+  threads' contention with the step for the cores and the GIL."""
+
+  def __init__(self, offset, seconds):
+    self.offset, self.seconds = offset, seconds
+
+  def __call__(self, record):
+    import threading  # pylint: disable=g-import-not-at-top
+    if threading.current_thread() is not threading.main_thread():
+      self.offset[0] += self.seconds
+    return record
+
+
+@pytest.mark.parametrize("contended", [False, True])
+def test_a_consumer_bound_start_is_checked_for_contention_with_the_step(cache_dir, contended):
+  offset = [0.0]
+
+  def slow_step(batch):  # every step "takes" 1 s of the fake clock
+    offset[0] += 1.0
+    time.sleep(0.002)  # and lets the read threads run (a step releases the GIL)
+  clock = lambda: time.perf_counter() + offset[0]
+  transforms = [_ChargedOffTheMainThread(offset, 0.1 if contended else 0.0)]
+  result = ip.tune_worker_count(np.arange(400.0), batch_size=4, max_workers=2,
+                                max_read_threads=16, read_threads=16, tuning_steps=100,
+                                budget_s=60, consumer=slow_step, cache=False, clock=clock,
+                                transforms=transforms)
+  assert result.stopped == "consumer-bound" and result.step_s == pytest.approx(1.0, abs=0.05)
+  assert {t.phase for t in result.trials} == {"contention"}
+  assert {t.settings for t in result.trials} == {S(0, 16), S(0, 0)}
+  assert "not the bottleneck" in result.reason
+  if contended:  # 16 threads cost each step 0.4 s: read in series instead
+    assert result.settings == S(0, 0) and "slow the step" in result.reason
+  else:
+    assert result.settings == S(0, 16)
+  assert result.seconds < 0.1 * 1000 * 1.0  # within a tenth of the horizon's steps
+
+
+# --- issue 18, item 3: the horizon is stored with the choice ---------------------
+
+
+def test_a_longer_horizon_tunes_again_and_an_equal_or_shorter_one_reuses(cache_dir,
+                                                                         fake_measure):
+  first = _tune(expected_batches=1000)
+  assert not first.from_cache
+  (entry,) = tj.autotune.Cache().entries("dataloader")
+  assert entry.value["expected_batches"] == 1000
+  measured = len(fake_measure.seen)
+  assert _tune(expected_batches=1000).from_cache
+  assert _tune(expected_batches=10).from_cache
+  assert len(fake_measure.seen) == measured
+  longer = _tune(expected_batches=50_000)  # may pay for more trials: measured again
+  assert not longer.from_cache and len(fake_measure.seen) > measured
+  (entry,) = tj.autotune.Cache().entries("dataloader")  # replaced, not added
+  assert entry.value["expected_batches"] == 50_000
+  measured = len(fake_measure.seen)
+  assert _tune(expected_batches=1000).from_cache  # the longer horizon's choice serves
+  assert _tune(expected_batches=50_000).from_cache
+  assert len(fake_measure.seen) == measured
+
+
+def test_an_entry_without_a_horizon_counts_as_the_default_one(cache_dir, fake_measure):
+  _tune()
+  cache = tj.autotune.Cache()
+  (entry,) = cache.entries("dataloader")
+  value = {k: v for k, v in entry.value.items() if k != "expected_batches"}
+  cache.put("dataloader", entry.key, value)
+  assert _tune(cache=cache, expected_batches=_tuner.DEFAULT_EXPECTED_BATCHES).from_cache
+  assert not _tune(cache=cache, expected_batches=2 * _tuner.DEFAULT_EXPECTED_BATCHES).from_cache
+  cache.put("dataloader", entry.key, {**value, "expected_batches": 0})
+  with pytest.warns(UserWarning, match="invalid 'dataloader' entry"):
+    assert not _tune(cache=tj.autotune.Cache()).from_cache
+
+
+def test_a_no_payback_finding_is_cached_with_its_horizon(cache_dir, fake_measure, monkeypatch):
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (2e-4, 2e-4, 8))
+  first = _tune(expected_batches=100)
+  assert first.stopped == "no payback" and not first.from_cache
+  assert _tune(expected_batches=100).from_cache  # a restart reads nothing
+  assert not _tune(expected_batches=10**6).from_cache  # a long horizon searches
+  assert fake_measure.seen

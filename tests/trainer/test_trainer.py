@@ -263,7 +263,9 @@ def test_a_loader_is_tuned_with_the_step_before_the_first_step_and_data_is_uncha
     tuned = trainer.fit(loader(worker_count="auto", read_threads=0), steps=10)
   choice = tuned.tuning["dataloader"]
   assert choice["worker_count"] in (0, 1) and not choice["from_cache"]
-  assert {t["worker_count"] for t in choice["trials"]} == {0}  # 10 steps: no worker start pays
+  # 10 steps: no worker start pays (nor, with a light pipeline, any trial: "no payback")
+  assert all(t["worker_count"] == 0 for t in choice["trials"])
+  assert choice["trials"] or choice["stopped"] in ("no payback", "consumer-bound")
   assert tuned.losses == fixed.losses  # tuning read its own batches and ran a copy of the step
 
 

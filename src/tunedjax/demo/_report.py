@@ -32,7 +32,9 @@ def _loader_cell(run: RunResult) -> str:
   if info.get("from_cache"):
     return chosen + " (from cache)"
   if info.get("stopped") == "consumer-bound":
-    return chosen + f" (kept: the step is the bottleneck, checked in {info['seconds']:.1f} s)"
+    return chosen + f" (the step is the bottleneck, checked in {info['seconds']:.1f} s)"
+  if info.get("stopped") == "no payback":
+    return chosen + f" (read in series: no trial could pay back, {info['seconds']:.2f} s)"
   if not info.get("trials"):
     return chosen + " (as given)"
   return chosen + f" (measured in {info['seconds']:.1f} s)"

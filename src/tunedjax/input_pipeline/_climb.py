@@ -51,11 +51,12 @@ class Trial:
     batches: batches read, warm-up included.
     startup_s: seconds until the first batch (worker start).
     seconds: the whole trial, start to close.
-    phase: "climb", "seed" (see `seed_settings`), "confirm" (the alternating
-      re-measurement), "probe" (the start read alone, before deciding to
-      search) or "serial" (the first estimate: a few batches read in series
-      in this process, standing for no read threads; with a consumer, a
-      read then a step).
+    phase: "climb" (a step of the climb; in this process, a neighbour of
+      the best against it, in interleaved rounds), "guess" (the model-based
+      first guesses, compared in interleaved rounds: see `compare`),
+      "contention" (a consumer-bound start against reading in series, end to
+      end), "seed" (see `seed_settings`) or "confirm" (the alternating
+      re-measurement).
     cpu_s: this process's CPU seconds per batch in the window (all its
       threads), for a setting read in this process without a consumer;
       else None.
@@ -112,13 +113,16 @@ class TuningResult:
     batches: the batches read while tuning (0 on a cache hit).
     stopped: why the tuning ended: "converged", "budget", "max_batches",
       "fast enough" (the start already reads over `fast_enough` batches/s),
-      "consumer-bound" (the loader is not the bottleneck: the start is kept
-      without a search), "cache" (reused a stored choice) or "no budget".
+      "consumer-bound" (the loader is not the bottleneck: no search; the
+      start is kept unless reading in series made the steps faster),
+      "no payback" (over the horizon no setting could save enough to pay
+      for a trial: read in series without one), "cache" (reused a stored
+      choice) or "no budget".
     from_cache: whether the choice came from the persistent cache.
     step_s: the consumer's seconds per step alone (timed on a ready batch,
       or `consumer_s`); None without a consumer.
-    batch_s: the loader's seconds per batch alone at the start setting;
-      None where it was not measured (a cache hit).
+    batch_s: the loader's seconds per batch alone, read in series (the
+      first look, a median); None where it was not measured (a cache hit).
     reason: why the tuner searched, skipped or stopped where it did, in words.
 
   Example:
@@ -436,3 +440,75 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
 
 def _pair(settings: LoaderSettings) -> tuple[int, int]:
   return (settings.worker_count, settings.read_threads)
+
+
+def compare(measure: Measure, candidates: Sequence[LoaderSettings], *, rounds: int,
+            left: Callable[[], float], estimate: Callable[[LoaderSettings], float],
+            margin: float = NOISE_MARGIN, phase: str = "round",
+            clock: Callable[[], float] = time.perf_counter,
+            ) -> tuple[list[Trial], LoaderSettings | None, dict[LoaderSettings, float]]:
+  """Times `candidates` side by side in interleaved rounds; the best wins.
+
+  Each round measures every candidate once, the order rotating from round to
+  round, so that a host whose speed drifts (other processes on the shared
+  cores) slows every candidate of a round alike; a candidate's score is the
+  median over the complete rounds of its rate divided by the rate of
+  `candidates[0]` (the incumbent) in the same round. A challenger wins only
+  if its score beats the incumbent's (1.0) by more than `margin`. A round
+  starts only if the sum of `estimate` over the candidates fits in `left()`
+  seconds, and a trial only if its own estimate does; the first round that
+  does not fit ends the comparison (a round cut short keeps its trials, but
+  only complete rounds are scored).
+
+  Args:
+    measure: `measure(settings, deadline) -> Trial`.
+    candidates: the incumbent first, then the challengers.
+    rounds: the most rounds to run.
+    left: seconds the comparison may still take.
+    estimate: seconds a trial of a setting is expected to take.
+    margin: the relative gain that counts as better than noise.
+    phase: the `Trial.phase` the trials are given.
+    clock: seconds, monotonic.
+
+  Returns:
+    (trials, the winner or None where no round was complete, the scores).
+
+  Example:
+    >>> speed = {0: 10.0, 2: 30.0, 4: 20.0}
+    >>> def measure(s, deadline):
+    ...   return Trial(s, batches_per_s=speed[s.read_threads], batches=4,
+    ...                startup_s=0.0, seconds=0.01)
+    >>> trials, best, scores = compare(
+    ...     measure, [LoaderSettings(0, t) for t in (0, 2, 4)], rounds=2,
+    ...     left=lambda: 1.0, estimate=lambda s: 0.01)
+    >>> len(trials), best.read_threads, scores[best]
+    (6, 2, 3.0)
+  """
+  trials: list[Trial] = []
+  complete: list[dict[LoaderSettings, float]] = []
+  n = len(candidates)
+  for r in range(rounds):
+    rates: dict[LoaderSettings, float] = {}
+    if sum(estimate(c) for c in candidates) > left():
+      break  # a round that cannot finish would only be thrown away
+    for settings in [*candidates[r % n:], *candidates[:r % n]]:
+      remaining = left()
+      if remaining <= 0 or estimate(settings) > remaining:
+        break
+      trial = dataclasses.replace(measure(settings, clock() + remaining), phase=phase)
+      trials.append(trial)
+      rates[settings] = trial.batches_per_s
+      log.debug("dataloader tuning %s %d: %s %.2f batches/s, %.4f s", phase, r + 1,
+                describe(settings), trial.batches_per_s, trial.seconds)
+    if len(rates) < n:
+      break
+    complete.append(rates)
+  if not complete:
+    return trials, None, {}
+  incumbent = candidates[0]
+  scores = {c: statistics.median(r[c] / max(r[incumbent], 1e-12) for r in complete)
+            for c in candidates}
+  best = max(candidates, key=lambda c: scores[c])
+  if scores[best] <= 1.0 + margin:
+    best = incumbent
+  return trials, best, scores

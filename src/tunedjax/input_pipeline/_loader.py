@@ -223,7 +223,8 @@ class Loader:
       consumer_s: or its duration in seconds (slept).
       expected_batches: the batches this loader will be read for, which the
         tuning must pay back within (None: all its epochs when `num_epochs`
-        is set, else at least one epoch and 1,000 batches).
+        is set, else at least one epoch and 1,000 batches); a cached choice
+        tuned for fewer batches is measured again.
       cache: True (the default tuning cache), False, or a `Cache`.
 
     Returns:

@@ -1,14 +1,17 @@
 """Measures `LoaderSettings` for a pipeline and picks the best.
 
-Like PaddlePaddle's DataLoader autotune, this hill-climbs from the user's
-setting and times real batches; unlike it, it climbs over every knob of
-`LoaderSettings` (grain's worker processes *and* its read threads: tuning
-workers alone misses the best setting; and the batches each worker keeps
-ready, bounded by the memory they take), skips each trial's warm-up (worker
-start, buffers filling), bounds its total time and batches, re-measures the
-two best settings alternately before choosing, can include the training step
-in the measurement (the step competes for the same cores), and keeps the
-choice in the persistent tuning cache so that a restart measures nothing.
+Like PaddlePaddle's DataLoader autotune, this times real batches; unlike it,
+it searches every knob of `LoaderSettings` (grain's worker processes *and*
+its read threads: tuning workers alone misses the best setting; and the
+batches each worker keeps ready, bounded by the memory they take), pays for
+itself (at most a tenth of the expected batches' time: a cheap first look in
+series, no search where the loader is not the bottleneck or where no trial
+could pay back), starts in this process from a model-based guess compared in
+interleaved rounds, skips each trial's warm-up (worker start, buffers
+filling), can include the training step in the measurement (the step
+competes for the same cores), and keeps the choice, with the horizon it was
+tuned for, in the persistent tuning cache so that a restart measures
+nothing.
 
 Tuning reads its own random subset of the records through a separate
 pipeline: it never advances, or changes, the training stream.
@@ -33,18 +36,15 @@ from tunedjax._errors import ConfigError
 from tunedjax import _tuning
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
+from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
-from tunedjax.input_pipeline._climb import DEFAULT_STARTUP_PER_WORKER_S
 from tunedjax.input_pipeline._climb import NOISE_MARGIN
 from tunedjax.input_pipeline._climb import Measure
 from tunedjax.input_pipeline._climb import Trial
 from tunedjax.input_pipeline._climb import TuningResult
 from tunedjax.input_pipeline._climb import describe
-from tunedjax.input_pipeline._climb import hill_climb
 from tunedjax.input_pipeline._climb import search_space
-from tunedjax.input_pipeline._climb import seed_settings
 from tunedjax.input_pipeline._settings import LoaderSettings
-from tunedjax.input_pipeline._settings import Space
 from tunedjax.input_pipeline._settings import THREAD_LADDER as THREAD_LADDER
 from tunedjax.input_pipeline._settings import TUNE_NAMES
 
@@ -53,17 +53,7 @@ log = logging.getLogger("tunedjax.input_pipeline")
 NAMESPACE = "dataloader"
 DEFAULT_READ_THREADS = LoaderSettings().read_threads  # grain's ReadOptions default
 DEFAULT_MAX_PREFETCH_BUFFER = 16
-# Tuning aims to cost at most this fraction of the time the expected batches
-# take at the start's speed (worker trials: at most what they can save).
-OVERHEAD = 0.1
 DEFAULT_EXPECTED_BATCHES = 1000
-CONSUMER_CALLS = 3  # the consumer is timed alone on this many calls, at most
-# The first estimate reads this many batches here, one after the other, at most
-# (and stops after SERIAL_LIMIT_S): what a batch costs read in series.
-SERIAL_BATCHES = 8
-SERIAL_LIMIT_S = 0.02
-MIN_ALLOWANCE_S = 0.02  # the least time a search may take, beyond the first estimate
-MIN_WINDOW_S = 0.004  # the shortest timing window of a trial
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -111,6 +101,21 @@ def _validate(value: dict[str, Any]) -> None:
   batch_bytes = value.get("batch_bytes")
   if batch_bytes is not None and (not isinstance(batch_bytes, int) or batch_bytes < 0):
     raise ValueError(f"batch_bytes must be an int >= 0, got {batch_bytes!r}")
+  horizon = value.get("expected_batches")
+  if horizon is not None and (not isinstance(horizon, int) or isinstance(horizon, bool)
+                              or horizon < 1):
+    raise ValueError(f"expected_batches must be an int >= 1, got {horizon!r}")
+
+
+def stored_horizon(value: Mapping[str, Any]) -> int:
+  """The `expected_batches` a cached choice was tuned for (an entry from
+  before the horizon was stored: `DEFAULT_EXPECTED_BATCHES`).
+
+  Example:
+    >>> stored_horizon({"expected_batches": 50}), stored_horizon({})
+    (50, 1000)
+  """
+  return int(value.get("expected_batches", DEFAULT_EXPECTED_BATCHES))
 
 
 _tuning.register_validator(NAMESPACE, _validate)
@@ -273,217 +278,21 @@ def _time_serial(ds: Any, *, batches: int, limit_s: float,
   """(wall, CPU) seconds per batch of `ds` read here in series (no threads, no
   workers: what ``read_threads=0`` reads), and the batches read. Batch 0 was
   read before (the first read pays one-off costs); batches 1, 2, ... are
-  timed, at least two and at most `batches`, until `limit_s` has passed."""
-  t, cpu = clock(), time.process_time()
-  n = 0
-  while n < batches:
-    ds[1 + n % max(1, len(ds) - 1)]
-    n += 1
-    if n >= 2 and clock() - t >= limit_s:
-      break
-  return (max(clock() - t, 1e-9) / n, (time.process_time() - cpu) / n, n)
-
-
-def _ms(seconds: float | None) -> str:
-  return "?" if seconds is None else f"{seconds * 1e3:.3g} ms"
-
-
-def _search(ds: Any, first: Any, *, start: LoaderSettings, space: Space, tuning_steps: int,
-            budget_s: float, consumer: Callable[[Any], Any] | None,
-            consumer_s: float | None, margin: float, expected_batches: int, pool: _Pool,
-            clock: Callable[[], float]) -> TuningResult:
-  """The bottleneck check, then the two phases (see `tune_worker_count`)."""
-  t0 = clock()
-  deadline = t0 + budget_s
-  step_s = None
-  if consumer is not None:
-    step_s = _time_consumer(consumer, first, calls=CONSUMER_CALLS,
-                            limit_s=max(0.0, budget_s / 10), clock=clock)
-  elif consumer_s:
-    step_s = float(consumer_s)
-  with_consumer = consumer is not None or bool(consumer_s)
-
-  def measurer(window_s: float, *, alone: bool = False) -> Measure:
-    def measure(settings: LoaderSettings, deadline: float) -> Trial:
-      warmup, window = trial_sizes(tuning_steps, settings)
-      return _measure_real(ds, warmup=warmup, window=window, max_window_s=window_s,
-                           consumer=None if alone else consumer,
-                           consumer_s=None if alone else consumer_s, clock=clock,
-                           pool=pool)(settings, deadline)
-    return measure
-
-  batch_s: float | None = None
-
-  def done(settings: LoaderSettings, rate: float, trials: Sequence[Trial], stopped: str,
-           reason: str, batches: int) -> TuningResult:
-    log.debug("dataloader tuning: %s", reason)
-    return TuningResult(settings, batches_per_s=rate, start=start, trials=tuple(trials),
-                        seconds=clock() - t0, batches=batches, stopped=stopped,
-                        step_s=step_s, batch_s=batch_s, reason=reason)
-
-  # The first estimate, cheap: a few batches read here in series. It sizes the
-  # whole search, and a step slower than it by far needs no search at all.
-  serial_s, serial_cpu_s, serial_n = _time_serial(
-      ds, batches=SERIAL_BATCHES, limit_s=min(SERIAL_LIMIT_S, budget_s / 100), clock=clock)
-  if step_s is not None and serial_s <= margin * step_s:
-    batch_s = serial_s
-    return done(start, 1.0 / (step_s + serial_s), (), "consumer-bound",
-                f"kept {describe(start)}: the loader is not the bottleneck (a batch read "
-                f"in series takes {_ms(serial_s)}, the step {_ms(step_s)}: batches cost "
-                f"the step at most {serial_s / step_s:.1%})", serial_n)
-  # Tuning may cost OVERHEAD of the time the expected batches take (at the
-  # slower of a serial read and the step; re-sized after the probe): the
-  # search fits in it.
-  allowance = min(budget_s, max(OVERHEAD * expected_batches * max(serial_s, step_s or 0.0),
-                                MIN_ALLOWANCE_S))
-  window_s = min(2.0, max(MIN_WINDOW_S, allowance / 12))
-
-  # The loader alone at the start: its batch time.
-  probe = dataclasses.replace(measurer(window_s, alone=True)(start, deadline), phase="probe")
-  batch_s = 1.0 / max(probe.batches_per_s, 1e-9)
-  batches = serial_n + probe.batches
-  if step_s is not None and batch_s <= margin * step_s:
-    return done(start, 1.0 / (step_s + batch_s), (), "consumer-bound",
-                f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
-                f"{_ms(batch_s)}, the step {_ms(step_s)}: even read in series, batches "
-                f"cost the step at most {batch_s / step_s:.1%})", batches)
-
-  # The allowance again, at the faster of the two reads now known.
-  allowance = min(budget_s, max(OVERHEAD * expected_batches
-                                * max(min(serial_s, batch_s), step_s or 0.0),
-                                MIN_ALLOWANCE_S))
-  window_s = min(window_s, max(MIN_WINDOW_S, allowance / 12))
-
-  # The serial read is a measurement of no read threads (steps in series with
-  # it, with a consumer): the climb starts knowing it.
-  # With a consumer, the start end to end, always (the climb compares with it).
-  known: list[Trial] = ([measurer(window_s)(start, max(deadline, clock() + window_s))]
-                        if with_consumer else [probe])
-  no_threads = start.replace(read_threads=0)
-  if (start.worker_count == 0 and start.read_threads != 0
-      and 0 in space.values["read_threads"]):
-    known.append(Trial(no_threads, batches_per_s=1.0 / (serial_s + (step_s or 0.0)),
-                       batches=serial_n, startup_s=0.0, seconds=serial_n * serial_s,
-                       phase="serial", cpu_s=serial_cpu_s))
-
-  # Phase 1: the start's worker count (in this process for a start without
-  # workers), within what is left of the allowance (at least one window).
-  here = dataclasses.replace(space, values={**space.values,
-                                            "worker_count": [start.worker_count]})
-  # With a consumer: a start as fast as the step alone hides the loader. Without
-  # one, the allowance (not a speed) bounds the search.
-  fast_enough = 1.0 / (step_s * (1 + margin)) if step_s else float("inf")
-  spent = clock() - t0
-
-  def shrinking(rate: float) -> float:  # the allowance at the best rate so far
-    pace_s = max(min(serial_s, 1.0 / max(rate, 1e-9)), step_s or 0.0)
-    return max(window_s, OVERHEAD * expected_batches * pace_s - spent)
-
-  first_phase = hill_climb(
-      measurer(window_s), start=start, space=here,
-      budget_s=max(window_s, min(allowance - spent, deadline - clock())),
-      max_batches=None, fast_enough=fast_enough,
-      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)),
-      margin=margin, clock=clock, known=known, allowance=shrinking)
-  trials = [*known, *first_phase.trials]
-  batches += first_phase.batches + (known[0].batches if with_consumer else 0)
-  if with_consumer and first_phase.stopped == "fast enough":
-    e2e_s = 1.0 / first_phase.batches_per_s
-    return done(start, first_phase.batches_per_s, trials, "consumer-bound",
-                f"kept {describe(start)}: the loader is not the bottleneck (a batch takes "
-                f"{_ms(batch_s)} alone, the step {_ms(step_s)}, a step with its batch "
-                f"{_ms(e2e_s)})", batches)
-
-  scores: dict[LoaderSettings, list[float]] = {}
-  for t in trials:
-    scores.setdefault(t.settings, []).append(t.batches_per_s)
-  best = first_phase.settings
-  best_s = 1.0 / statistics.median(scores[best])
-  if len(space.values["worker_count"]) < 2:
-    return done(best, statistics.median(scores[best]), trials, first_phase.stopped,
-                f"chose {describe(best)}: searched the read threads and buffer only",
-                batches)
-
-  # Phase 2: worker processes, if a tenth of what they could save pays for a
-  # worker trial. The fastest they could read: this process's CPU time per
-  # batch spread over the usable cores, each at the share of a core a thread
-  # gets now (the serial read's CPU time over its wall time: on a busy host a
-  # worker waits for a core as this process does).
-  usable = max(1, host_fingerprint()["usable_cpus"])
-  share = min(1.0, max(0.05, serial_cpu_s / serial_s))
-  cores = usable * share
-  cpus = [t.cpu_s for t in trials if t.cpu_s is not None]
-  floor_s = max(step_s or 0.0, min(cpus) / cores if cpus else 0.0)
-  gain_s = best_s - floor_s
-  others = [w for w in space.values["worker_count"] if w != start.worker_count]
-  fewest = min(w for w in others if w > 0) if any(w > 0 for w in others) else 0
-  body_s = max((t.seconds - t.startup_s for t in trials), default=window_s)
-  cost_s = DEFAULT_STARTUP_PER_WORKER_S * fewest + body_s
-  payoff_s = gain_s * expected_batches
-  where = f"{usable} cores at {share:.0%} of a core each"
-  if gain_s <= margin * best_s:
-    return done(best, statistics.median(scores[best]), trials, "converged",
-                f"chose {describe(best)}: worker processes cannot read faster (this "
-                f"process takes {_ms(min(cpus) if cpus else None)} of CPU a batch, "
-                f"{_ms(floor_s)} over {where}; it "
-                f"reads one in {_ms(best_s)})", batches)
-  # The whole tuning stays within OVERHEAD of the expected batches' time (at
-  # the best pace so far, shrinking as faster settings are found), and this
-  # phase within OVERHEAD of what workers could save.
-  spent = clock() - t0
-
-  def left(rate: float) -> float:
-    return OVERHEAD * expected_batches * max(1.0 / max(rate, 1e-9), step_s or 0.0) - spent
-
-  phase_s = min(OVERHEAD * payoff_s, left(1.0 / best_s))
-  if phase_s < cost_s:
-    return done(best, statistics.median(scores[best]), trials, "converged",
-                f"chose {describe(best)}: worker processes could save at most "
-                f"{payoff_s:.2f} s over {expected_batches} batches (one in {_ms(best_s)} "
-                f"now, {_ms(floor_s)} at best over {where}); a worker trial "
-                f"(~{cost_s:.1f} s) does not fit in {OVERHEAD:.0%} of that or in what is "
-                f"left of {OVERHEAD:.0%} of the batches' time ({max(0.0, phase_s):.2f} s)",
-                batches)
-  climbs_both = len(space.values["read_threads"]) > 1
-  second_phase = hill_climb(
-      measurer(window_s), start=best, space=space,
-      budget_s=max(0.0, min(phase_s, deadline - clock())), max_batches=None,
-      trial_batches=lambda s: sum(trial_sizes(tuning_steps, s)), margin=margin,
-      clock=clock, known=tuple(t for t in trials), allowance=left,
-      seeds=seed_settings(best, space) if climbs_both else ())
-  trials += second_phase.trials
-  batches += second_phase.batches
-  for t in second_phase.trials:
-    scores.setdefault(t.settings, []).append(t.batches_per_s)
-  winner = second_phase.settings
-  if winner != start and start in scores and (
-      statistics.median(scores[winner]) <= statistics.median(scores[start]) * (1 + margin)):
-    winner = start
-  return done(winner, statistics.median(scores[winner]), trials, second_phase.stopped,
-              f"chose {describe(winner)} after the worker search (workers could save up to "
-              f"{payoff_s:.1f} s over {expected_batches} batches)", batches)
-
-
-def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
-  """(warm-up, window) batches of one trial of `settings`: `tuning_steps` in all.
-
-  As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
-  what the prefetch buffers hold once the workers are up (at most half the
-  batches), so that the window times the pipeline, not the buffers. Read
-  threads in this process need none: they start one batch each at once and
-  the next wave only as the reader takes them, so the batches of a wave
-  arrive together, the first of them after the start-up; the window, from
-  the first batch to the end of a later wave (`_wave`), times whole waves.
-
-  Example:
-    >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
-    (21, 479)
-    >>> trial_sizes(500, LoaderSettings(worker_count=0, read_threads=16))
-    (1, 499)
+  timed one by one, at least two and at most `batches`, until `limit_s` has
+  passed. Each is the median over the batches: on a shared host one batch
+  in a few waits a scheduler slice (~4 ms) for its core, which would
+  double a sub-millisecond mean.
   """
-  buffered = 0 if settings.worker_count == 0 else _processes.buffered_batches(settings)
-  warmup = max(1, min(buffered + 1, tuning_steps // 2))
-  return warmup, max(1, tuning_steps - warmup)
+  t0 = clock()
+  walls, cpus = [], []
+  while len(walls) < batches:
+    t, cpu = clock(), time.process_time()
+    ds[1 + len(walls) % max(1, len(ds) - 1)]
+    cpus.append(time.process_time() - cpu)
+    walls.append(max(clock() - t, 1e-9))
+    if len(walls) >= 2 and clock() - t0 >= limit_s:
+      break
+  return statistics.median(walls), statistics.median(cpus), len(walls)
 
 
 def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
@@ -504,41 +313,59 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
   """Finds the `LoaderSettings` (worker processes, read threads, per-worker
   prefetch buffer) that read a pipeline fastest.
 
-  Tuning has to pay for itself: it costs at most a tenth (`OVERHEAD`) of the
+  Tuning has to pay for itself: it costs at most a tenth (`_search.OVERHEAD`) of the
   time the `expected_batches` take. It first reads a few batches here in
-  series (`SERIAL_BATCHES`): the first estimate, which sizes the rest and
-  stands for the setting without read threads. With `consumer` (e.g. the
-  compiled training step, timed alone on a ready batch) or `consumer_s` (its
-  duration, slept: a step that runs on an accelerator), it then asks whether
-  the loader is the bottleneck at all, and keeps the start without a search
-  when even reading in series (or the start's batch time) could not cost
-  the step more than `margin` (or when the start, measured end to end, is
-  already as fast as the step). The result gives both times
-  (`TuningResult.step_s`, `batch_s`) and the reason.
+  series (`SERIAL_BATCHES`, the median of each): the first look, which sizes
+  the rest and stands for the setting without read threads. Then:
 
-  Otherwise it hill-climbs from (`worker_count`, `read_threads`,
-  `prefetch_buffer`) in two phases, the allowance shrinking as faster
-  settings are found. First the settings at the start's worker count (in
-  this process when the start has no workers: no process to start). Then
-  worker processes (0 to `max_workers`), only if a tenth of what they could
-  save pays for a worker trial: the fastest they could read is this
-  process's CPU time per batch spread over the usable cores, each at the
-  share of a core a thread gets now (on a busy host a worker waits for a
-  core too), and the time that could save over `expected_batches`, a tenth
-  of it, must exceed a trial's cost (a process start per worker) and fit
-  what is left of the allowance. Each worker setting starts its processes
-  once: its re-measurements read on from the same warm workers (`_Pool`).
-  The read threads range over 0 to `max_read_threads`, the per-worker
-  buffer over 1 to `max_prefetch_buffer` and at most `memory_budget` //
-  (workers x one batch's bytes). Each trial reads a random subset of the
-  records: a warm-up (the worker buffers; none for read threads, whose
-  windows time whole waves), then a window that ends after `tuning_steps`
-  batches in all or a time slice, whichever comes first; the whole tuning
-  stays within `budget_s`. With a consumer it measures end-to-end steps per
-  second. The choice is stored in the persistent tuning cache under this
-  host and this pipeline, and reused without measuring (the cache key does
-  not hold `expected_batches`). Trials are logged at DEBUG on the
-  ``tunedjax.input_pipeline`` logger.
+  * With `consumer` (e.g. the compiled training step, timed alone on a ready
+    batch) or `consumer_s` (its duration, slept: a step that runs on an
+    accelerator), when reading in series costs the step at most `margin`, the
+    loader is not the bottleneck (``stopped="consumer-bound"``). The start's
+    read threads or workers may still slow the step (they share its cores
+    and the GIL), so steps with their batches are timed end to end at the
+    start and read in series (`CONTENTION_ROUNDS` interleaved rounds of about
+    `CONTENTION_STEPS` steps, when that fits in a tenth of the horizon's
+    steps), and reading in series is chosen if it beats the start by more
+    than `margin`. The result gives both times (`TuningResult.step_s`,
+    `batch_s`) and the reason.
+  * The payback rule: no setting can save more over the horizon than
+    `expected_batches` x the serial read (with a consumer, which read threads
+    hide behind the step) or, without one, x what spreading its CPU time over
+    the usable cores leaves of it. If a tenth of that does not pay for one
+    round of the first guesses (one trial from a start with workers), it
+    reads in series without a trial (``stopped="no payback"``).
+  * Otherwise it searches, the allowance shrinking to the pace of the fastest
+    setting measured. A start without workers is searched in this process
+    first: a model-based guess (`thread_guess`: no threads, about one per
+    usable core, twice that) compared in `GUESS_ROUNDS` interleaved rounds
+    (`compare`: a host that drifts slows every candidate of a round alike),
+    then the ladder's neighbours of the winner against it (`ROUNDS` rounds),
+    until none wins; rounds stop where the allowance ends.
+    Trial windows are sized for the fastest setting the model allows, and
+    time whole waves of read threads. A start with workers is hill-climbed
+    over threads and buffer at its worker count. Then worker processes (0 to
+    `max_workers`), only if a tenth of what they could save pays for a worker
+    trial: the fastest they could read is this process's CPU time per batch
+    spread over the usable cores, each at the share of a core a thread gets
+    now (on a busy host a worker waits for a core too), and the time that
+    could save over `expected_batches`, a tenth of it, must exceed a trial's
+    cost (a process start per worker) and fit what is left of the allowance.
+    Each worker setting starts its processes once: its re-measurements read
+    on from the same warm workers (`_Pool`).
+
+  The read threads range over 0 to `max_read_threads`, the per-worker buffer
+  over 1 to `max_prefetch_buffer` and at most `memory_budget` // (workers x
+  one batch's bytes). Each trial reads a random subset of the records: a
+  warm-up (the worker buffers; none for read threads, whose windows time
+  whole waves), then a window that ends after `tuning_steps` batches in all
+  or a time slice, whichever comes first; the whole tuning stays within
+  `budget_s`. With a consumer it measures end-to-end steps per second. The
+  choice is stored in the persistent tuning cache under this host and this
+  pipeline, with `expected_batches`: a later call with the same or a shorter
+  horizon reuses it without measuring, a longer one tunes again (it may pay
+  for more trials, or workers) and replaces it. Trials are logged at DEBUG on
+  the ``tunedjax.input_pipeline`` logger.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -564,7 +391,8 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     margin: relative gain that counts as better than noise.
     expected_batches: the batches the chosen setting will read (None:
       `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): the horizon tuning
-      must pay back within (`Trainer.fit` passes the steps of the fit).
+      must pay back within (`Trainer.fit` passes the steps of the fit); a
+      cached choice tuned for fewer is measured again.
     cache: True or None for the default tuning cache, False for none, a
       `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
     tune: the knobs to climb over ("workers", "read_threads",
@@ -621,6 +449,12 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                   consumer=consumer, consumer_s=consumer_s)
   if store is not None:
     hit = store.get(NAMESPACE, key)
+    if hit is not None and stored_horizon(hit) < expected_batches:
+      # Tuned for a shorter horizon: a longer one may pay for more trials (or
+      # workers). Tune again; the new choice replaces the stored one.
+      log.debug("dataloader tuning: the cached choice was tuned for %d batches, not %d: "
+                "tuning again", stored_horizon(hit), expected_batches)
+      hit = None
     if hit is not None:
       batch_bytes = hit.get("batch_bytes")
       bound = (None if batch_bytes is None
@@ -652,19 +486,23 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     _block(consumer(first))
   pool = _Pool()
   try:
-    result = _search(ds, first, start=start, space=space, tuning_steps=tuning_steps,
-                     budget_s=budget_s, consumer=consumer, consumer_s=consumer_s,
-                     margin=margin, expected_batches=expected_batches, pool=pool,
-                     clock=clock)
+    result = _search.search(
+        ds, first, start=start, space=space, tuning_steps=tuning_steps, budget_s=budget_s,
+        consumer=consumer, consumer_s=consumer_s, margin=margin,
+        expected_batches=expected_batches, pool=pool, clock=clock,
+        usable=max(1, host_fingerprint()["usable_cpus"]), measure_real=_measure_real,
+        time_serial=_time_serial, time_consumer=_time_consumer)
   finally:
     pool.close_all()
   # A search's result, or the finding that the step, not the loader, is the
-  # bottleneck (no trials): either way a restart need not measure again.
-  if store is not None and (result.trials or result.stopped == "consumer-bound"):
+  # bottleneck or that no trial could pay back (no trials): either way a
+  # restart with this horizon need not measure again.
+  if store is not None and (result.trials or result.stopped in ("consumer-bound",
+                                                                "no payback")):
     store.put(NAMESPACE, key, {
         **result.settings.to_dict(),
         "batches_per_s": result.batches_per_s, "seconds": result.seconds,
-        "batch_bytes": batch_bytes,
+        "batch_bytes": batch_bytes, "expected_batches": expected_batches,
         "trials": [{**t.settings.to_dict(), "batches_per_s": round(t.batches_per_s, 3)}
                    for t in result.trials]})
   return result
