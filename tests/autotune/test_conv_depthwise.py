@@ -35,9 +35,9 @@ def test_unpadded_matches_lax_on_a_train_steps_forms(stride):
 def test_unpadded_taps_that_meet_only_padding():
   # One input pixel, padded by 3 each side, read every 4th position: every
   # output's window lies in the padding, so every tap is skipped.
-  kwargs = dict(window_strides=(4,), padding=((3, 3),), lhs_dilation=(1,),
-                rhs_dilation=(1,), dimension_numbers=("NHC", "HIO", "NHC"),
-                feature_group_count=3, batch_group_count=1)
+  kwargs = {"window_strides": (4,), "padding": ((3, 3),), "lhs_dilation": (1,),
+            "rhs_dilation": (1,), "dimension_numbers": ("NHC", "HIO", "NHC"),
+            "feature_group_count": 3, "batch_group_count": 1}
   check_kernel("depthwise_unpadded", ((2, 1, 3), (3, 1, 3), kwargs))
   # Some taps meet the input, some only padding (rhs dilation 3 over 2 pixels).
   kwargs.update(window_strides=(1,), padding=((3, 3),), rhs_dilation=(3,))
@@ -74,9 +74,9 @@ def test_unpadded_applies_to_the_channel_form_only():
 
 def test_unpadded_bfloat16_accumulates_in_float32(rng):
   kernel = reg.get_kernel("conv", "depthwise_unpadded")
-  kwargs = dict(window_strides=(1, 1), padding="SAME", feature_group_count=8,
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                preferred_element_type=jnp.float32)
+  kwargs = {"window_strides": (1, 1), "padding": "SAME", "feature_group_count": 8,
+            "dimension_numbers": ("NHWC", "HWIO", "NHWC"),
+            "preferred_element_type": jnp.float32}
   lhs = jnp.asarray(rng.normal(size=(2, 5, 5, 8)), jnp.bfloat16)
   rhs = jnp.asarray(rng.normal(size=(3, 3, 1, 8)), jnp.bfloat16)
   spec = _spec((2, 5, 5, 8), (3, 3, 1, 8), dtype="bfloat16", **kwargs)
