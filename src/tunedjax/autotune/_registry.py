@@ -369,9 +369,8 @@ def kernels(op: str) -> tuple[Kernel, ...]:
 
   Example:
     >>> from tunedjax.autotune import _registry as reg
-    >>> [k.name for k in reg.kernels("conv")]
-    ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise', 'depthwise_unpadded',
-     'pallas']
+    >>> print(*(k.name for k in reg.kernels("conv")))
+    xla matmul_1x1 im2col window_matmul fft depthwise depthwise_unpadded pallas
   """
   with _LOCK:
     return tuple(_table(op).values())
