@@ -478,6 +478,7 @@ def where(name: str, hlo_text: str, stacks: Mapping[str, list[tuple[str, str, in
   frames = [f for f in stacks.get(name, []) if not any(p in f[0] for p in _PLUMBING)]
   kernel = [f for f in frames if "/autotune/_" in f[0]]
   model = [f for f in frames if "/autotune/_" not in f[0]]
+  model = [f for f in model if "site-packages" not in f[0]] or model  # the user's layer
   scope = re.search(r"tj_conv_(\w+)", op)  # `_conv_layout.kernel_scope`
   if scope:
     parts.append(f"conv kernel {scope.group(1)}")
