@@ -104,8 +104,7 @@ def _cnn_problem():
 
 OFF = {"mixed_precision": {"enable": False}, "layout": {"enable": False},
        "kernel": {"enable": False}, "dataloader": {"enable": False}}
-CPU_KERNELS = ("xla", "matmul_1x1", "im2col", "window_matmul", "fft", "depthwise",
-               "depthwise_unpadded")
+CPU_KERNELS = ("xla", "matmul_1x1", "im2col", "window_matmul", "fft", "depthwise")
 CONFIGS = {
     "mixed_precision": ({"mixed_precision": {"enable": True}}, 2e-2),
     "layout": ({"layout": {"enable": True}}, 1e-5),

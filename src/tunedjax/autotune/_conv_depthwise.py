@@ -16,15 +16,6 @@ dilation and one floating dtype:
   the input shifted by ``p`` times the output gradient; up to 81 output
   positions (the kernel's taps).
 
-``depthwise_unpadded`` computes the channel form without the padded (and,
-for an input gradient, lhs-dilated) copy of the input that ``depthwise``
-builds: each tap multiplies the slice of the *unpadded* input it meets (the
-outputs whose window reaches past the border, or falls between dilated input
-rows, simply get no term from that tap) and is padded back to the output's
-shape, so XLA fuses the slices, products, pads and the sum into one pass that
-reads the input, with no copy written. XLA had fused the padded copy with the
-ReLU before it (``maximum_pad_fusion``) and kept it for the backward.
-
 Sums accumulate in float32 (or preferred_element_type) and are cast to the
 equation's output dtype.
 
@@ -74,62 +65,6 @@ def _channel_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   return layout.out_from_channels_last(y.astype(layout.out_dtype(spec)), spec)
 
 
-def _tap_range(out: int, size: int, offset: int, lo: int, stride: int, lhs_dil: int
-               ) -> tuple[int, int, int, int, int] | None:
-  """Where one tap meets the unpadded input along one spatial dim.
-
-  Output ``o`` reads position ``o * stride + offset - lo`` of the padded,
-  lhs-dilated input, which is input element ``that / lhs_dil`` when it divides
-  and lies in ``[0, size)``. Returns ``(first output, output step, count,
-  first input, input step)``, or None where the tap meets no input.
-  """
-  hits = []
-  for o in range(out):
-    q, r = divmod(o * stride + offset - lo, lhs_dil)
-    if r == 0 and 0 <= q < size:
-      hits.append((o, q))
-  if not hits:
-    return None
-  (o0, i0), count = hits[0], len(hits)
-  o_step, i_step = (hits[1][0] - o0, hits[1][1] - i0) if count > 1 else (1, 1)
-  return o0, o_step, count, i0, i_step
-
-
-def _channel_form_unpadded(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  acc = layout.accumulation_dtype(spec)
-  x = layout.lhs_to_channels_last(lhs, spec).astype(acc)
-  w = layout.rhs_to_channels_last(rhs, spec).astype(acc)  # (*K, 1, C)
-  w = w.reshape(*w.shape[:-2], w.shape[-1])
-  out_cl = layout.out_shape_channels_last(spec)
-  zero = jnp.zeros((), acc)
-  y = None
-  for tap in itertools.product(*(range(k) for k in w.shape[:-1])):
-    ranges = [
-        _tap_range(out, size, k * rd, lo, ws, ld)
-        for out, size, k, rd, (lo, _), ws, ld in zip(
-            out_cl[1:-1], x.shape[1:-1], tap, spec.rhs_dilation, spec.padding,
-            spec.window_strides, spec.lhs_dilation)]
-    if any(r is None for r in ranges):
-      continue  # this tap meets only padding
-    start, limit, strides = [0], [x.shape[0]], [1]
-    config = [(0, 0, 0)]
-    for out, (o0, o_step, count, i0, i_step) in zip(out_cl[1:-1], ranges):
-      start.append(i0)
-      limit.append(i0 + (count - 1) * i_step + 1)
-      strides.append(i_step)
-      last = o0 + (count - 1) * o_step
-      config.append((o0, out - 1 - last, o_step - 1))
-    start.append(0)
-    limit.append(x.shape[-1])
-    strides.append(1)
-    config.append((0, 0, 0))
-    term = lax.pad(lax.slice(x, start, limit, strides) * w[tap], zero, config)
-    y = term if y is None else y + term
-  if y is None:
-    y = jnp.zeros(out_cl, acc)
-  return layout.out_from_channels_last(y.astype(layout.out_dtype(spec)), spec)
-
-
 def _weight_grad_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   acc = layout.accumulation_dtype(spec)
   nsp = spec.num_spatial
@@ -173,12 +108,6 @@ def conv_depthwise(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
     return _channel_form(lhs, rhs, spec)
 
 
-def conv_depthwise_unpadded(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  """The channel form by shift-and-add over the unpadded input (no padded copy)."""
-  with layout.kernel_scope("depthwise_unpadded"):
-    return _channel_form_unpadded(lhs, rhs, spec)
-
-
 def is_channel_form(spec: ConvSpec) -> bool:
   """feature_group_count == C_in > 1, one input channel per group, C_out == C_in."""
   c_in = layout.lhs_shape_channels_last(spec)[-1]
@@ -208,12 +137,4 @@ def applicable(spec: ConvSpec, platform: str) -> bool:
   return False
 
 
-def applicable_unpadded(spec: ConvSpec, platform: str) -> bool:
-  """The channel form only, with at most 81 taps."""
-  del platform
-  return (layout.is_float(spec) and is_channel_form(spec)
-          and layout.window_count(spec) <= MAX_TAPS)
-
-
-KERNELS = (("depthwise", conv_depthwise, applicable),
-           ("depthwise_unpadded", conv_depthwise_unpadded, applicable_unpadded))
+KERNELS = (("depthwise", conv_depthwise, applicable),)

@@ -4,7 +4,7 @@ Its spec is `ConvSpec`; its bucket key holds the operand shapes (exact, or
 batch and spatial sizes rounded up to powers of two with ``kernel.bucket =
 "pow2"``), the dtypes and every convolution parameter; its kernels are
 ``xla`` (the equation as written, the reference), ``matmul_1x1``, ``im2col``,
-``window_matmul``, ``fft``, ``depthwise``, ``depthwise_unpadded`` and ``pallas``.
+``window_matmul``, ``fft``, ``depthwise`` and ``pallas``.
 
 Example:
   >>> from tunedjax.autotune import _registry

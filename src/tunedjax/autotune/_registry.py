@@ -369,8 +369,8 @@ def kernels(op: str) -> tuple[Kernel, ...]:
 
   Example:
     >>> from tunedjax.autotune import _registry as reg
-    >>> print(*(k.name for k in reg.kernels("conv")))
-    xla matmul_1x1 im2col window_matmul fft depthwise depthwise_unpadded pallas
+    >>> [k.name for k in reg.kernels("conv")]
+    ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise', 'pallas']
   """
   with _LOCK:
     return tuple(_table(op).values())
