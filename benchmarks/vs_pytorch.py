@@ -31,8 +31,10 @@ median of per-round ratios against PyTorch eager channels_last. Then the
 per-op breakdown: `torch.profiler` for PyTorch (self CPU time per aten op),
 and for JAX the thunk times of the compiled program from `jax.profiler`
 (each HLO instruction's time, grouped by what the instruction is:
-convolutions, reductions, elementwise fusions, copies) plus tunedjax's
-per-bucket kernel times from `autotune.explain`.
+convolutions, reductions, elementwise fusions, copies; the top ones traced
+back to forward or backward, tunedjax kernel and model line through the
+module's stack-frame tables) plus tunedjax's per-bucket kernel times from
+`autotune.explain`.
 
 torch is an optional extra, never a runtime dependency. Setup, once (the CPU
 build; plain ``pip install torch`` gives a CUDA build that is 5x slower on
@@ -415,6 +417,78 @@ def hlo_kinds(hlo_text: str) -> dict[str, str]:
   return kinds
 
 
+_FRAME_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+# Frames that say nothing about which kernel or layer an instruction belongs to.
+_PLUMBING = ("/jax/", "/jaxlib/", "tunedjax/_jit.py", "tunedjax/_pipeline.py",
+             "autotune/_select.py", "autotune/_tuner.py", "autotune/_bn_family.py",
+             "autotune/_bn_flax.py", "benchmarks/vs_pytorch.py")
+
+
+def hlo_call_stacks(hlo_text: str) -> dict[str, list[tuple[str, str, int]]]:
+  """Each instruction's Python call stack, innermost first: ``[(file, function, line)]``.
+
+  From the stack-frame tables at the head of a compiled module's text
+  (``stack_frame_id`` in each instruction's metadata). An instruction that a
+  jaxpr rewrite put in place of a convolution keeps the convolution's stack
+  (Flax's `Conv`), so `where` also reads the op name.
+  """
+  tables: dict[str, dict[int, str]] = {t: {} for t in _FRAME_TABLES}
+  section = None
+  for line in hlo_text.splitlines():
+    if line in _FRAME_TABLES:
+      section = line
+      continue
+    m = re.match(r"^(\d+) (.*)$", line) if section else None
+    if m:
+      tables[section][int(m.group(1))] = m.group(2)
+    elif section and line.strip():
+      section = None
+  fields = {k: {i: {a: int(b) for a, b in re.findall(r"(\w+)=(\d+)", v)}
+                for i, v in tables[k].items()} for k in ("FileLocations", "StackFrames")}
+
+  def stack(frame: int) -> list[tuple[str, str, int]]:
+    out, seen = [], set()
+    while frame in fields["StackFrames"] and frame not in seen:
+      seen.add(frame)
+      f = fields["StackFrames"][frame]
+      loc = fields["FileLocations"].get(f["file_location_id"], {})
+      out.append((tables["FileNames"].get(loc.get("file_name_id"), "?").strip('"'),
+                  tables["FunctionNames"].get(loc.get("function_name_id"), "?").strip('"'),
+                  loc.get("line", 0)))
+      frame = f["parent_frame_id"] - 1  # 1-based; 0: none
+    return out
+
+  stacks = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*stack_frame_id=(\d+)", line)
+    if m:
+      stacks[m.group(1)] = stack(int(m.group(2)))
+  return stacks
+
+
+def where(name: str, hlo_text: str, stacks: Mapping[str, list[tuple[str, str, int]]]) -> str:
+  """Where an instruction comes from: forward or backward, the tunedjax kernel
+  (a conv kernel's scope, or the innermost kernel frame) and the innermost model
+  frame ("bwd; loop; conv kernel depthwise; linear.py:889 Conv")."""
+  m = re.search(r"%" + re.escape(name) + r" = [^\n]*?op_name=\"([^\"]*)\"", hlo_text)
+  op = m.group(1) if m else ""
+  parts = ["bwd" if "transpose(" in op else "fwd"] if op else []
+  if op.endswith("/while") or "/while/" in op:
+    parts.append("loop")
+  frames = [f for f in stacks.get(name, []) if not any(p in f[0] for p in _PLUMBING)]
+  kernel = [f for f in frames if "/autotune/_" in f[0]]
+  model = [f for f in frames if "/autotune/_" not in f[0]]
+  model = [f for f in model if "site-packages" not in f[0]] or model  # the user's layer
+  scope = re.search(r"tj_conv_(\w+)", op)  # `_conv_layout.kernel_scope`
+  if scope:
+    parts.append(f"conv kernel {scope.group(1)}")
+  elif kernel:
+    parts.append(f"{os.path.basename(kernel[0][0])} {kernel[0][1].split('.')[0]}")
+  if model:
+    parts.append(f"{os.path.basename(model[0][0])}:{model[0][2]} {model[0][1].split('.')[0]}")
+  return "; ".join(parts)
+
+
 _JAX_GROUP = {"convolution": "convolutions", "dot": "matmuls (dot)",
               "reduce": "reductions (batch-norm statistics and their gradients, pooling)",
               "elementwise": "elementwise fusions (normalise, ReLU, their gradients, SGD)",
@@ -440,13 +514,17 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
         if not e.name.startswith(_SKIP_EVENTS):
           totals[e.name] += e.duration_ns / 1e6 / steps
   kinds = hlo_kinds(hlo_text)
+  stacks = hlo_call_stacks(hlo_text)
   groups: collections.Counter[str] = collections.Counter()
   top = []
   for name, ms in totals.most_common():
     kind = kinds.get(name, "other")
-    groups[_JAX_GROUP.get(kind, "other")] += ms
-    top.append((name, kind, ms))
-  return dict(groups), top[:10]
+    if kind != "while":  # a loop's time is its body's instructions', counted as they run
+      groups[_JAX_GROUP.get(kind, "other")] += ms
+    if len(top) < 12:
+      source = where(name, hlo_text, stacks)
+      top.append((name, f"{kind}; {source}" if source else kind, ms))
+  return dict(groups), top
 
 
 def _torch_group(key: str) -> str:

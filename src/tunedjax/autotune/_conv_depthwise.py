@@ -102,9 +102,10 @@ def _weight_grad_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
 
 def conv_depthwise(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   """A depthwise conv (or its weight gradient) by shift-and-add."""
-  if spec.batch_group_count > 1:
-    return _weight_grad_form(lhs, rhs, spec)
-  return _channel_form(lhs, rhs, spec)
+  with layout.kernel_scope("depthwise"):
+    if spec.batch_group_count > 1:
+      return _weight_grad_form(lhs, rhs, spec)
+    return _channel_form(lhs, rhs, spec)
 
 
 def is_channel_form(spec: ConvSpec) -> bool:

@@ -56,6 +56,11 @@ def _fast_length(n: int) -> int:
 
 def conv_fft(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   """A stride-1 convolution through rfftn / irfftn over the spatial dims."""
+  with layout.kernel_scope("fft"):
+    return _conv_fft(lhs, rhs, spec)
+
+
+def _conv_fft(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   compute = jnp.promote_types(jnp.dtype(spec.lhs_dtype), jnp.float32)
   x = layout.lhs_to_channels_first(lhs, spec).astype(compute)
   x = layout.pad_spatial(x, spec, 2)

@@ -18,11 +18,23 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 if TYPE_CHECKING:
   from tunedjax.autotune._conv_spec import ConvSpec
+
+
+def kernel_scope(name: str) -> Any:
+  """A `jax.named_scope` naming conv kernel `name` in the compiled program's op names.
+
+  A kernel put in place of a convolution keeps the convolution's source line
+  (the model's), so its instructions are told apart by this scope
+  (``.../tj_conv_depthwise/...`` in each instruction's ``op_name``): profiles
+  attribute time to the kernel (`benchmarks/vs_pytorch.py`).
+  """
+  return jax.named_scope(f"tj_conv_{name}")
 
 
 def maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:

@@ -124,12 +124,14 @@ def _conv_by_taps(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
 
 def conv_matmul_1x1(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   """A 1x1 convolution as a (grouped) matrix product over channels."""
-  return _conv_by_taps(lhs, rhs, spec)
+  with layout.kernel_scope("matmul_1x1"):
+    return _conv_by_taps(lhs, rhs, spec)
 
 
 def conv_im2col(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   """A convolution as one gather of every tap's inputs times the reshaped kernel."""
-  return _conv_by_taps(lhs, rhs, spec)
+  with layout.kernel_scope("im2col"):
+    return _conv_by_taps(lhs, rhs, spec)
 
 
 def conv_window_matmul(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
@@ -140,6 +142,11 @@ def conv_window_matmul(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   window by one `lax.dot_general`, so nothing as large as the input is
   transposed.
   """
+  with layout.kernel_scope("window_matmul"):
+    return _window_matmul(lhs, rhs, spec)
+
+
+def _window_matmul(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   lhs_spec, rhs_spec, _ = spec.dimension_numbers
   if jax.default_backend() == "cpu":
     acc = layout.accumulation_dtype(spec)
