@@ -26,7 +26,9 @@ def _collector_on(monkeypatch):
   gc.enable()
   yield
   assert _gc._depth == 0  # every block closed
-  if not was:
+  if was:  # as found, either way (a test may have turned it off as a user would)
+    gc.enable()
+  else:
     gc.disable()
 
 
