@@ -35,8 +35,8 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   assert seconds < 90, f"--quick took {seconds:.0f} s; it should stay under a minute"
   out = proc.stdout
   for line in ("time per epoch", "throughput", "median step", "loader", "layout", "precision",
-               "kernel cache", "tuning (kernels + loader)", "final accuracy", "conv bucket",
-               "report:", "plot:"):
+               "kernel cache", "tuning (kernels + loader)", "final accuracy",
+               "bucket (conv: lhs * rhs)", "why", "report:", "plot:"):
     assert line in out, f"{line!r} missing from:\n{out}"
   report = json.loads((tmp_path / "out" / "report.json").read_text())
   assert set(report["runs"]) == {"baseline", "tunedjax"}
@@ -101,3 +101,21 @@ def test_the_loader_cell_says_why_nothing_was_measured():
   assert "no trial could pay back" in cell(stopped="no payback")
   assert "the step is the bottleneck" in cell(stopped="consumer-bound")
   assert cell(stopped="converged").endswith("(as given)")
+
+
+def test_the_bucket_table_says_which_buckets_were_not_tuned_and_why():
+  from tunedjax.demo import _report  # pylint: disable=g-import-not-at-top
+
+  kept = autotune.BucketChoice(bucket="conv 8x8x8x8 * 1x1x8x8 float32 s1x1", count=1,
+                               candidates=("xla", "matmul_1x1"), kernel="xla", xla_ms=1.2,
+                               kernel_ms=1.2, speedup=1.0, horizon=48)
+  tuned = autotune.BucketChoice(bucket="conv 8x8x8x8 * 3x3x1x8 float32 s1x1 fg8", count=2,
+                                candidates=("xla", "depthwise"), kernel="depthwise",
+                                xla_ms=30.0, kernel_ms=1.5, speedup=20.0)
+  lost = autotune.BucketChoice(bucket="conv 8x8x8x3 * 3x3x3x8 float32 s1x1", count=1,
+                               candidates=("xla", "im2col"), kernel="xla", xla_ms=2.0,
+                               kernel_ms=2.0, speedup=1.0)
+  rows = _report.kernel_rows([kept, tuned, lost])
+  assert rows[0][3:] == ("1.2", "-", "-", "not tuned: cannot pay back in 48 steps")
+  assert rows[1][2:] == ("depthwise", "30.0", "1.5", "20.00x", "fastest")
+  assert rows[2][-1] == "xla fastest"

@@ -95,14 +95,26 @@ def loader_trials(run: RunResult) -> str:
       cells)
 
 
+def _why(row: BucketChoice) -> str:
+  """Why a bucket runs its kernel, in a few words."""
+  if row.horizon is not None:
+    return f"not tuned: cannot pay back in {row.horizon} steps"
+  if row.kernel is None:
+    return ""
+  if row.speedup is None:
+    return "only kernel" if row.kernel == "xla" else ""
+  return "fastest" if row.kernel != "xla" else "xla fastest"
+
+
 def kernel_rows(rows: Sequence[BucketChoice]) -> list[tuple[str, ...]]:
-  """One row per conv bucket: bucket, convs, kernel, xla ms, kernel ms, speedup."""
+  """One row per bucket: bucket, sites, kernel, xla ms, kernel ms, speedup, why."""
   out = []
   for r in rows:
+    speedup = None if r.horizon is not None else r.speedup
     out.append((r.bucket.removeprefix("conv "), str(r.count), r.kernel or "(not tuned)",
                 "-" if r.xla_ms is None else f"{r.xla_ms:.1f}",
-                "-" if r.kernel_ms is None else f"{r.kernel_ms:.1f}",
-                "-" if r.speedup is None else f"{r.speedup:.2f}x"))
+                "-" if r.kernel_ms is None or r.horizon is not None else f"{r.kernel_ms:.1f}",
+                "-" if speedup is None else f"{speedup:.2f}x", _why(r)))
   return out
 
 
@@ -119,8 +131,8 @@ def format_report(report: dict[str, Any], baseline: RunResult, tuned: RunResult,
   trials = loader_trials(tuned)
   if trials:
     parts += [trials, ""]
-  parts += [_table(("conv bucket (lhs * rhs)", "convs", "kernel", "xla ms", "kernel ms",
-                    "speedup"), kernel_rows(buckets)), ""]
+  parts += [_table(("bucket (conv: lhs * rhs)", "sites", "kernel", "xla ms", "kernel ms",
+                    "speedup", "why"), kernel_rows(buckets)), ""]
   return "\n".join(parts)
 
 
