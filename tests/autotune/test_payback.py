@@ -278,7 +278,9 @@ def test_a_later_site_of_a_kept_bucket_that_makes_it_pay_tunes_it(monkeypatch, t
   assert session.stats().buckets_kept == 1 and session.stats().buckets_tuned == 1
 
 
-def test_the_session_corrects_its_estimate_with_measured_costs(monkeypatch, tmp_path, rng):
+@pytest.fixture
+def paybacks_seen(monkeypatch):
+  """The `payback` argument of every `tune_bucket` call, in order."""
   seen = []
   real = _tuner.tune_bucket
 
@@ -287,6 +289,11 @@ def test_the_session_corrects_its_estimate_with_measured_costs(monkeypatch, tmp_
     return real(*args, payback=payback, **kw)
 
   monkeypatch.setattr(_tuner, "tune_bucket", spy)
+  return seen
+
+
+def test_the_session_corrects_its_estimate_with_measured_costs(paybacks_seen, tmp_path, rng):
+  seen = paybacks_seen
   session = _tuning.TuningSession(horizon=10**9)
   with h.isolated_selection(tmp_path), h.registered("t_transposed"):
     for size in (5, 6, 7):
@@ -309,20 +316,13 @@ def test_kernel_report_counts_kept_sites_as_misses():
 # -- the Trainer hands over its horizon ------------------------------------------------
 
 
-def test_the_trainer_tunes_with_the_steps_of_its_fit_as_horizon(monkeypatch, tmp_path):
+def test_the_trainer_tunes_with_the_steps_of_its_fit_as_horizon(paybacks_seen, tmp_path):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
   from tests.trainer import models as m  # pylint: disable=import-outside-toplevel
 
-  seen = []
-  real = _tuner.tune_bucket
-
-  def spy(*args, payback=None, **kw):
-    seen.append(payback)
-    return real(*args, payback=payback, **kw)
-
-  monkeypatch.setattr(_tuner, "tune_bucket", spy)
+  seen = paybacks_seen
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(32, 8, 8, 3)).astype(np.float32),
           "y": rng.normal(size=(32,)).astype(np.float32)}

@@ -577,6 +577,14 @@ def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, thr
 # --- issue 18, item 1: the first look, the payback rule, the guess, contention ---
 
 
+def _host(monkeypatch, *, serial: tuple[float, float, int], cores: int) -> None:
+  """A host of `cores` usable cores where reading in series measures `serial`
+  (seconds a batch, CPU seconds a batch, batches read)."""
+  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: serial)
+  monkeypatch.setattr(_tuner, "host_fingerprint",
+                      lambda: {"cpu": "", "cpus": cores, "usable_cpus": cores, "machine": "x"})
+
+
 def _threads_peak_at_4(w, t, b):
   """Decode-like: read threads help up to 4 (on any core count), workers never."""
   return {0: 10.0, 1: 16.0, 2: 20.0, 4: 23.0, 8: 22.0, 16: 20.0}[t] if w == 0 else 5.0
@@ -597,9 +605,7 @@ def test_the_search_starts_from_the_guess_not_the_starts_thread_wave(cache_dir, 
                                                                      monkeypatch):
   fake_measure.speed = _no_threads_best
   # read in series: 10 ms a batch, 5 ms of it CPU (worth a search on 2 cores)
-  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (0.01, 0.005, 2))
-  monkeypatch.setattr(_tuner, "host_fingerprint",
-                      lambda: {"cpu": "", "cpus": 2, "usable_cpus": 2, "machine": "x"})
+  _host(monkeypatch, serial=(0.01, 0.005, 2), cores=2)
   result = _tune(read_threads=16, max_workers=0, cache=False)
   assert result.settings == S(0, 0)
   # never the start's 16 threads: a wave of 16 was what the light pipeline paid
@@ -612,9 +618,7 @@ def test_the_climb_from_the_guess_finds_the_best_thread_count(cache_dir, fake_me
                                                               monkeypatch):
   fake_measure.speed = _threads_peak_at_4
   # read in series: 0.1 s a batch, 10 ms of it CPU (it waits: threads can help)
-  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (0.1, 0.01, 2))
-  monkeypatch.setattr(_tuner, "host_fingerprint",
-                      lambda: {"cpu": "", "cpus": 1, "usable_cpus": 1, "machine": "x"})
+  _host(monkeypatch, serial=(0.1, 0.01, 2), cores=1)
   result = _tune(max_workers=0, cache=False)  # guesses 0, 1, 2 on one core
   assert result.settings == S(0, 4)
   assert {t.read_threads for t in result.trials} == {0, 1, 2, 4, 8}  # not 16
@@ -669,9 +673,7 @@ def test_a_horizon_too_short_to_pay_back_a_trial_stops_at_once(
   # read in series: 0.2 ms a batch, all of it CPU, on 2 cores: threads could
   # save at most 0.1 ms a batch, 10 ms over 100 batches, a tenth of which
   # (1 ms) does not pay for a trial (a 4 ms window and two batches)
-  monkeypatch.setattr(_tuner, "_time_serial", lambda ds, **kw: (2e-4, 2e-4, 8))
-  monkeypatch.setattr(_tuner, "host_fingerprint",
-                      lambda: {"cpu": "", "cpus": 2, "usable_cpus": 2, "machine": "x"})
+  _host(monkeypatch, serial=(2e-4, 2e-4, 8), cores=2)
   result = _tune(expected_batches=expected_batches, cache=False)
   if stops:
     assert result.stopped == "no payback" and result.trials == () and not fake_measure.seen

@@ -17,12 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunedjax._errors import AutotuneError
+from tunedjax.autotune._report import CANNOT_PAY_BACK
 
-# The reason a bucket kept its default without tuning; `TuneResult.reason` starts with it.
-CANNOT_PAY_BACK = "cannot pay back"
+# CANNOT_PAY_BACK: the reason a bucket kept its default without tuning (the
+# report's `why`); `TuneResult.reason` starts with it.
+__all__ = ["CANNOT_PAY_BACK", "Payback", "is_number", "still_cannot_pay_back",
+           "validate_payback"]
 
 
-def _is_number(x: Any) -> bool:
+def is_number(x: Any) -> bool:
+  """A finite int or float (not a bool): what a cache value's numbers must be."""
   return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -45,7 +49,7 @@ def validate_payback(record: Any) -> None:
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
       raise TypeError(f"cache entry payback[{field!r}] must be an int >= 1, got {v!r}.")
   for field in _PAYBACK_SECONDS:
-    if not (_is_number(record[field]) and record[field] >= 0):
+    if not (is_number(record[field]) and record[field] >= 0):
       raise TypeError(f"cache entry payback[{field!r}] must be seconds >= 0, got "
                       f"{record[field]!r}.")
   if not isinstance(record["kept"], bool):
@@ -90,7 +94,7 @@ class Payback:
       v = getattr(self, field)
       if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise AutotuneError(f"Payback.{field} must be an int >= 1, got {v!r}.")
-    if not (_is_number(self.cost_factor) and self.cost_factor > 0):
+    if not (is_number(self.cost_factor) and self.cost_factor > 0):
       raise AutotuneError(f"Payback.cost_factor must be a number > 0, got "
                           f"{self.cost_factor!r}.")
 

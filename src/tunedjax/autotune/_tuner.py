@@ -36,7 +36,12 @@ import numpy as np
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _registry
-from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback, validate_payback
+from tunedjax.autotune._payback import (
+  CANNOT_PAY_BACK,
+  Payback,
+  is_number,
+  validate_payback,
+)
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -201,10 +206,6 @@ def _known_names(op: str) -> set[str]:
   return {k.name for k in _registry.kernels(op)}
 
 
-def _is_number(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def validate_value(value: Any, op: str) -> None:
   """Checks a cache value of op family `op` before it is used; raises on a bad one.
 
@@ -230,12 +231,12 @@ def validate_value(value: Any, op: str) -> None:
     raise ValueError(f"cache entry names unknown {op} kernel {winner!r}; known: "
                      f"{sorted(known)}.")
   for field, check, what in (
-      ("timings", lambda v: isinstance(v, list) and all(_is_number(t) and t >= 0 for t in v),
+      ("timings", lambda v: isinstance(v, list) and all(is_number(t) and t >= 0 for t in v),
        "a list of seconds"),
-      ("ratios", lambda v: _is_number(v) and v >= 0, "a number"),
+      ("ratios", lambda v: is_number(v) and v >= 0, "a number"),
       ("errors", lambda v: isinstance(v, str), "a string"),
-      ("rejected", _is_number, "a number"),
-      ("temp_bytes", lambda v: _is_number(v) and v >= 0, "a number of bytes"),
+      ("rejected", is_number, "a number"),
+      ("temp_bytes", lambda v: is_number(v) and v >= 0, "a number of bytes"),
   ):
     sub = value.get(field, {})
     if not isinstance(sub, Mapping):
@@ -249,7 +250,7 @@ def validate_value(value: Any, op: str) -> None:
   if not isinstance(value.get("measured_at", ""), str):
     raise TypeError("cache entry 'measured_at' must be an ISO timestamp string.")
   tuning_s = value.get("tuning_s", 0.0)
-  if not (_is_number(tuning_s) and tuning_s >= 0):
+  if not (is_number(tuning_s) and tuning_s >= 0):
     raise TypeError(f"cache entry 'tuning_s' must be a number >= 0, got {tuning_s!r}.")
   if not isinstance(value.get("reason", ""), str):
     raise TypeError("cache entry 'reason' must be a string.")
