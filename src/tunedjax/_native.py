@@ -1,0 +1,232 @@
+"""Native CPU kernels: C++ XLA FFI handlers, built on first use and cached per machine.
+
+tunedjax ships a few kernels as C++ sources (``tunedjax/csrc/*.cc``) that XLA
+calls through its FFI, for work XLA:CPU compiles poorly (a depthwise
+convolution's weight gradient, batch norm's statistics). They are built the
+first time a kernel needs them, with the host's C++ compiler (``$CXX``, else
+``c++``, ``g++`` or ``clang++``) and ``-O3 -march=native``, into the cache
+folder (``<cache dir>/native/<digest>/``). The digest covers the sources, the
+XLA FFI headers of the installed jaxlib, the compiler's version and flags and
+the host CPU, so a shared cache folder serves every machine of a cluster
+with a library of its own; a later process loads the library in
+milliseconds.
+
+Native kernels are optional. With no compiler, a failed build or
+``TUNEDJAX_NATIVE=0``, `ffi_target` returns None (the build failure warned
+once per process) and the kernels that need them are not applicable, so the
+tuner never considers them: nothing else changes. A library that will not
+load (a truncated file) is warned about, removed and rebuilt once. Builds
+write to a temporary file and rename it into place, so a build interrupted
+mid-write or two processes building at once never leave a broken library
+under the final name.
+
+Example:
+  >>> target = ffi_target("depthwise", "TjDepthwiseConvF32")
+  >>> target is None or target == "tunedjax_TjDepthwiseConvF32"
+  True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import NamedTuple
+
+import jax
+import jaxlib
+
+from tunedjax._config import get_config
+from tunedjax._errors import CacheWarning
+from tunedjax._tuning import host_cpu, usable_folder
+
+ENV_VAR = "TUNEDJAX_NATIVE"
+"""Set to ``0`` (or ``off``, ``false``, ``no``) to never build or use native kernels."""
+
+CXX_ENV_VAR = "CXX"
+COMPILERS = ("c++", "g++", "clang++")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+BUILD_TIMEOUT_S = 300.0
+SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+TARGET_PREFIX = "tunedjax_"
+
+_OFF = ("0", "off", "false", "no")
+_LOCK = threading.RLock()
+_LIBRARIES: dict[str, ctypes.CDLL | None] = {}
+_REGISTERED: set[str] = set()
+_WARNED: set[str] = set()
+
+
+class NativeBuildError(RuntimeError):
+  """A native library could not be built or loaded (caught here, never raised to users)."""
+
+
+class Compiler(NamedTuple):
+  """The C++ compiler that builds the native libraries: its path and version line."""
+
+  path: str
+  version: str
+
+
+def disabled() -> bool:
+  """True when ``$TUNEDJAX_NATIVE`` turns native kernels off."""
+  return os.environ.get(ENV_VAR, "").strip().lower() in _OFF
+
+
+def find_compiler() -> Compiler | None:
+  """``$CXX`` if set (even when it is not there: then None), else the first of `COMPILERS` found."""
+  chosen = os.environ.get(CXX_ENV_VAR)
+  candidates = (chosen,) if chosen else COMPILERS
+  for name in candidates:
+    path = shutil.which(name)
+    if path is None:
+      continue
+    try:
+      out = subprocess.run([path, "--version"], capture_output=True, text=True,
+                           timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+      continue
+    return Compiler(path, out.splitlines()[0] if out else "")
+  return None
+
+
+def _headers() -> list[pathlib.Path]:
+  return sorted(SOURCE_DIR.glob("*.h"))
+
+
+def build_digest(source: str, compiler: Compiler) -> str:
+  """What a built library depends on, hashed: sources, FFI headers, compiler, flags, CPU."""
+  h = hashlib.sha256()
+  for path in [SOURCE_DIR / f"{source}.cc", *_headers()]:
+    h.update(path.name.encode())
+    h.update(path.read_bytes())
+  ffi_header = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
+  if ffi_header.exists():
+    h.update(ffi_header.read_bytes())
+  cpu = host_cpu()
+  for part in (compiler.version, " ".join(FLAGS), jaxlib.__version__, platform.machine(),
+               cpu.model or "", ",".join(cpu.features)):
+    h.update(b"\0" + part.encode())
+  return h.hexdigest()[:16]
+
+
+def _build_folder(digest: str) -> pathlib.Path:
+  """``<cache dir>/native/<digest>``, or a per-user temporary folder if that is unusable."""
+  folder = usable_folder(get_config().cache.resolved_dir / "native" / digest,
+                         what="native kernel folder",
+                         consequence="native kernels are built in a temporary folder")
+  if folder is None:
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    folder = pathlib.Path(tempfile.gettempdir()) / f"tunedjax-native-{uid}" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+  return folder
+
+
+def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
+  """Compiles ``csrc/<source>.cc`` into `target`, atomically (a temporary name, then a rename)."""
+  fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source}-", suffix=".so")
+  os.close(fd)
+  command = [compiler.path, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}",
+             str(SOURCE_DIR / f"{source}.cc"), "-o", tmp]
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, check=False,
+                          timeout=BUILD_TIMEOUT_S)
+    if done.returncode != 0:
+      raise NativeBuildError(f"{' '.join(command)} failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+  except subprocess.TimeoutExpired as err:
+    raise NativeBuildError(f"building {source}.cc took over {BUILD_TIMEOUT_S:.0f} s") from err
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def _load(source: str) -> ctypes.CDLL:
+  """Builds (unless cached) and loads the library of ``csrc/<source>.cc``."""
+  if not (SOURCE_DIR / f"{source}.cc").exists():
+    raise NativeBuildError(f"no native source {source!r}; available: "
+                           f"{sorted(p.stem for p in SOURCE_DIR.glob('*.cc'))}")
+  compiler = find_compiler()
+  if compiler is None:
+    wanted = os.environ.get(CXX_ENV_VAR) or " / ".join(COMPILERS)
+    raise NativeBuildError(f"no C++ compiler found (looked for {wanted}; set ${CXX_ENV_VAR})")
+  target = _build_folder(build_digest(source, compiler)) / f"{source}.so"
+  if not target.exists():
+    _compile(source, compiler, target)
+  try:
+    return ctypes.CDLL(str(target))
+  except OSError as err:  # a truncated or foreign file under the final name: rebuild once
+    _warn_once(f"load:{target}", f"tunedjax: the native library {target} did not load "
+               f"({err}); rebuilding it.", CacheWarning)
+    target.unlink(missing_ok=True)
+    _compile(source, compiler, target)
+    return ctypes.CDLL(str(target))
+
+
+def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+  if key not in _WARNED:
+    _WARNED.add(key)
+    warnings.warn(message, category, stacklevel=3)
+
+
+def library(source: str) -> ctypes.CDLL | None:
+  """The loaded library of ``csrc/<source>.cc``, built if needed; None if native kernels are off.
+
+  A failed build is warned about once and remembered for the process.
+  """
+  if disabled():
+    return None
+  with _LOCK:
+    if source not in _LIBRARIES:
+      try:
+        _LIBRARIES[source] = _load(source)
+      except (NativeBuildError, OSError) as err:
+        _warn_once(f"build:{source}", f"tunedjax: native kernels from {source}.cc are "
+                   f"unavailable, so the tuner leaves them out: {err}")
+        _LIBRARIES[source] = None
+    return _LIBRARIES[source]
+
+
+def ffi_target(source: str, symbol: str) -> str | None:
+  """Registers handler `symbol` of ``csrc/<source>.cc`` as a CPU FFI target; returns its name.
+
+  Args:
+    source: the C++ file's stem under ``tunedjax/csrc``.
+    symbol: the handler's exported name (``XLA_FFI_DEFINE_HANDLER_SYMBOL``).
+
+  Returns:
+    The target name for `jax.ffi.ffi_call` (``"tunedjax_" + symbol``), or
+    None when native kernels are unavailable (see the module docstring).
+  """
+  lib = library(source)
+  if lib is None:
+    return None
+  name = TARGET_PREFIX + symbol
+  with _LOCK:
+    if name not in _REGISTERED:
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                  platform="cpu")
+      _REGISTERED.add(name)
+  return name
+
+
+@functools.cache
+def available(source: str) -> bool:
+  """Whether ``csrc/<source>.cc``'s kernels can run here (built, loaded); cached per process."""
+  return library(source) is not None
+
+
+def reset() -> None:
+  """Forgets loaded libraries and warnings (tests); registered FFI targets stay registered."""
+  with _LOCK:
+    _LIBRARIES.clear()
+    _WARNED.clear()
+  available.cache_clear()
