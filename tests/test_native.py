@@ -1,0 +1,185 @@
+"""The native-kernel build: compile on first use, reuse, and every way it can fail.
+
+Most tests build a tiny C++ file (a fraction of a second) from a folder that
+stands in for ``tunedjax/csrc``; one builds the real depthwise source and
+calls its FFI handler against `lax.conv_general_dilated`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import subprocess
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from tunedjax import _native
+from tunedjax._errors import CacheWarning
+from tunedjax._tuning import CpuInfo
+
+TINY = 'extern "C" int tj_answer() { return 42; }\n'
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, tmp_path):
+  """Each test: its own cache folder, native kernels on, nothing loaded or warned yet."""
+  monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv(_native.ENV_VAR, raising=False)
+  _native.reset()
+  yield
+  _native.reset()
+
+
+@pytest.fixture
+def sources(monkeypatch, tmp_path) -> pathlib.Path:
+  """A stand-in source folder holding ``tiny.cc``."""
+  folder = tmp_path / "csrc"
+  folder.mkdir()
+  (folder / "tiny.cc").write_text(TINY)
+  monkeypatch.setattr(_native, "SOURCE_DIR", folder)
+  return folder
+
+
+def needs_compiler():
+  if _native.find_compiler() is None:
+    pytest.skip("no C++ compiler on this machine")
+
+
+def built(tmp_path: pathlib.Path) -> list[pathlib.Path]:
+  return sorted((tmp_path / "cache" / "native").glob("*/*"))
+
+
+def test_builds_loads_and_caches_a_library(sources, tmp_path):
+  needs_compiler()
+  lib = _native.library("tiny")
+  assert lib is not None and lib.tj_answer() == 42
+  files = built(tmp_path)
+  assert [f.name for f in files] == ["tiny.so"]  # no temporary file left beside it
+
+
+def test_a_built_library_is_reused_without_compiling(sources, tmp_path, monkeypatch):
+  needs_compiler()
+  assert _native.library("tiny") is not None
+  _native.reset()
+
+  def no_compile(*args, **kwargs):
+    raise AssertionError("compiled again although the library is cached")
+
+  monkeypatch.setattr(_native, "_compile", no_compile)
+  assert _native.library("tiny").tj_answer() == 42
+
+
+def test_a_changed_source_builds_a_new_library(sources, tmp_path):
+  needs_compiler()
+  assert _native.library("tiny").tj_answer() == 42
+  (sources / "tiny.cc").write_text(TINY.replace("42", "43"))
+  _native.reset()
+  assert _native.library("tiny").tj_answer() == 43
+  assert len(built(tmp_path)) == 2
+
+
+def test_digest_depends_on_compiler_and_cpu(sources, monkeypatch):
+  gcc = _native.Compiler("/usr/bin/g++", "g++ 12.2.0")
+  base = _native.build_digest("tiny", gcc)
+  assert base == _native.build_digest("tiny", gcc)
+  assert base != _native.build_digest("tiny", gcc._replace(version="g++ 13.1.0"))
+  monkeypatch.setattr(_native, "host_cpu", lambda: CpuInfo("another CPU", ("sse2",)))
+  assert base != _native.build_digest("tiny", gcc)
+
+
+def test_turned_off_by_the_environment(sources, monkeypatch):
+  monkeypatch.setenv(_native.ENV_VAR, "0")
+
+  def no_compiler():
+    raise AssertionError("looked for a compiler although native kernels are off")
+
+  monkeypatch.setattr(_native, "find_compiler", no_compiler)
+  assert _native.library("tiny") is None
+  assert _native.ffi_target("tiny", "tj_answer") is None
+  assert not _native.available("tiny")
+
+
+def test_no_compiler_is_one_warning_naming_cxx(sources, monkeypatch):
+  monkeypatch.setenv("CXX", "/nonexistent/c++")
+  with pytest.warns(UserWarning, match=r"no C\+\+ compiler found.*nonexistent.*\$CXX"):
+    assert _native.library("tiny") is None
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _native.library("tiny") is None  # remembered: no second build, no second warning
+    assert not _native.available("tiny")
+
+
+def test_a_failed_build_warns_with_the_compiler_error_and_leaves_no_file(sources, tmp_path):
+  needs_compiler()
+  (sources / "broken.cc").write_text("this is not C++;\n")
+  with pytest.warns(UserWarning, match=r"broken\.cc are unavailable.*failed"):
+    assert _native.library("broken") is None
+  assert built(tmp_path) == []
+
+
+def test_an_unknown_source_lists_the_known_ones(sources):
+  with pytest.warns(UserWarning, match=r"no native source 'nope'; available: \['tiny'\]"):
+    assert _native.library("nope") is None
+
+
+def test_a_build_cut_short_leaves_nothing_under_the_final_name(sources, tmp_path, monkeypatch):
+  needs_compiler()
+
+  def killed(command, **kwargs):
+    pathlib.Path(command[-1]).write_bytes(b"\x7fELF half a library")
+    raise subprocess.TimeoutExpired(command, kwargs.get("timeout", 0))
+
+  monkeypatch.setattr(_native.subprocess, "run", killed)
+  monkeypatch.setattr(_native, "find_compiler", lambda: _native.Compiler("/usr/bin/c++", "c++"))
+  with pytest.warns(UserWarning, match="took over"):
+    assert _native.library("tiny") is None
+  assert built(tmp_path) == []
+
+
+def test_a_corrupt_library_is_rebuilt_with_a_cache_warning(sources, tmp_path):
+  needs_compiler()
+  # A file under the final name that is not a library (a process loads a path
+  # once, so the corrupt file is there before the first load).
+  digest = _native.build_digest("tiny", _native.find_compiler())
+  target = tmp_path / "cache" / "native" / digest / "tiny.so"
+  target.parent.mkdir(parents=True)
+  target.write_bytes(b"not a shared object")
+  with pytest.warns(CacheWarning, match="did not load"):
+    lib = _native.library("tiny")
+  assert lib.tj_answer() == 42
+  assert isinstance(ctypes.CDLL(str(target)), ctypes.CDLL)
+
+
+def test_an_unusable_cache_folder_builds_in_a_temporary_one(sources, tmp_path, monkeypatch):
+  needs_compiler()
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(blocker / "cache"))
+  with pytest.warns(UserWarning, match="native kernel folder"):
+    lib = _native.library("tiny")
+  assert lib.tj_answer() == 42
+
+
+@pytest.mark.slow
+def test_the_depthwise_handler_matches_lax(rng):
+  """The real source: built, registered, called through `jax.ffi.ffi_call`."""
+  needs_compiler()
+  target = _native.ffi_target("depthwise", "TjDepthwiseConvF64")
+  assert target == "tunedjax_TjDepthwiseConvF64"
+  assert _native.ffi_target("depthwise", "TjDepthwiseConvF64") == target  # registered once
+  with jax.enable_x64():
+    x = jnp.asarray(rng.normal(size=(3, 9, 7, 5)), jnp.float64)
+    w = jnp.asarray(rng.normal(size=(3, 3, 1, 5)), jnp.float64)
+    ref = lax.conv_general_dilated(x, w, (2, 1), ((1, 1), (0, 2)), feature_group_count=5,
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    names = ("stride_h", "stride_w", "pad_h", "pad_w", "lhs_dil_h", "lhs_dil_w",
+             "rhs_dil_h", "rhs_dil_w")
+    attrs = {k: np.int64(v) for k, v in zip(names, (2, 1, 1, 0, 1, 1, 1, 1))}
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(ref.shape, ref.dtype))(
+        x, w.reshape(3, 3, 5), **attrs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-12, atol=1e-12)
