@@ -21,7 +21,7 @@ from tunedjax.autotune import device_fingerprint
 JSON_KEYS = {
     "versions", "os", "fingerprint", "fingerprint_digest",
     "fingerprint_summary", "devices", "config", "cache_dir", "cache_exists",
-    "cache_files", "cache_bytes",
+    "cache_files", "cache_bytes", "native",
 }
 
 
@@ -51,6 +51,24 @@ def test_info_prints_fingerprint_and_cache_dir(capsys, cache_dir):
                "orbax-checkpoint", "numpy", "python"):
     assert f"\n  {name} " in out
   assert re.search(r"\n  exists +no\n", out)
+  assert "Native CPU kernels" in out and re.search(r"\n  sources +.*depthwise", out)
+
+
+def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_dir,
+                                                                monkeypatch):
+  from tunedjax import _native
+  monkeypatch.setenv(_native.ENV_VAR, "0")
+  native = _info_json(capsys)["native"]
+  assert native["enabled"] is False and native["compiler"] is None and native["built"] == []
+  assert cli.main(["info"]) == 0
+  assert re.search(r"\n  enabled +no \(\$TUNEDJAX_NATIVE\)", capsys.readouterr().out)
+  monkeypatch.delenv(_native.ENV_VAR)
+  if _native.find_compiler() is None:
+    return
+  _native.reset()
+  assert _native.library("depthwise") is not None  # built into this test's cache folder
+  assert "depthwise" in _info_json(capsys)["native"]["built"]
+  _native.reset()
 
 
 def test_info_json(capsys, cache_dir):
@@ -66,6 +84,9 @@ def test_info_json(capsys, cache_dir):
   assert info["versions"]["tunedjax"] == tunedjax.__version__
   assert info["cache_dir"] == str(cache_dir)
   assert info["cache_exists"] is False
+  native = info["native"]
+  assert set(native) == {"enabled", "compiler", "folder", "sources", "built"}
+  assert "depthwise" in native["sources"] and set(native["built"]) <= set(native["sources"])
 
 
 def test_info_json_follows_config_context(capsys, cache_dir, tmp_path):

@@ -152,8 +152,7 @@ def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
 def _load(source: str) -> ctypes.CDLL:
   """Builds (unless cached) and loads the library of ``csrc/<source>.cc``."""
   if not (SOURCE_DIR / f"{source}.cc").exists():
-    raise NativeBuildError(f"no native source {source!r}; available: "
-                           f"{sorted(p.stem for p in SOURCE_DIR.glob('*.cc'))}")
+    raise NativeBuildError(f"no native source {source!r}; available: {sources()}")
   compiler = find_compiler()
   if compiler is None:
     wanted = os.environ.get(CXX_ENV_VAR) or " / ".join(COMPILERS)
@@ -222,6 +221,33 @@ def ffi_target(source: str, symbol: str) -> str | None:
 def available(source: str) -> bool:
   """Whether ``csrc/<source>.cc``'s kernels can run here (built, loaded); cached per process."""
   return library(source) is not None
+
+
+def sources() -> list[str]:
+  """The native sources tunedjax ships (stems of ``csrc/*.cc``)."""
+  return sorted(p.stem for p in SOURCE_DIR.glob("*.cc"))
+
+
+def status() -> dict[str, object]:
+  """What `tunedjax info` shows: on or off, the compiler, and which sources are built here.
+
+  Builds nothing: a source counts as built when its library for this
+  machine's digest is in the cache folder.
+
+  Example:
+    >>> sorted(status())
+    ['built', 'compiler', 'enabled', 'folder', 'sources']
+  """
+  compiler = None if disabled() else find_compiler()
+  built: list[str] = []
+  folder = None
+  if compiler is not None:
+    base = get_config().cache.resolved_dir / "native"
+    folder = str(base)
+    built = [s for s in sources()
+             if (base / build_digest(s, compiler) / f"{s}.so").exists()]
+  return {"enabled": not disabled(), "compiler": compiler.version if compiler else None,
+          "folder": folder, "sources": sources(), "built": built}
 
 
 def reset() -> None:

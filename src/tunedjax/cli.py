@@ -25,6 +25,8 @@ from typing import Any
 import jax
 
 import tunedjax
+from tunedjax import _native
+
 # Each tuner registers its cache-entry validator when imported; `import
 # tunedjax` alone imports nothing (its names are lazy), so `cache import`
 # names them here.
@@ -113,6 +115,7 @@ def info_dict(backend: str | None = None) -> dict[str, Any]:
       "cache_exists": exists,
       "cache_files": files,
       "cache_bytes": size,
+      "native": _native.status(),
   }
 
 
@@ -153,6 +156,13 @@ def format_info(info: dict[str, Any]) -> str:
   lines += ["", f"Devices ({len(info['devices'])})"] + _table(devices)
   lines += ["", "Configuration"] + ["  " + line for line in config.splitlines()]
   lines += ["", "Tuning cache"] + _table(cache)
+  native = info["native"]
+  lines += ["", "Native CPU kernels"] + _table({
+      "enabled": "yes" if native["enabled"] else f"no (${_native.ENV_VAR})",
+      "compiler": native["compiler"] or "(none found)",
+      "built": ", ".join(native["built"]) or "(none yet: built on first use)",
+      "sources": ", ".join(native["sources"]),
+  })
   return "\n".join(lines)
 
 
