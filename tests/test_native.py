@@ -183,3 +183,25 @@ def test_the_depthwise_handler_matches_lax(rng):
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(ref.shape, ref.dtype))(
         x, w.reshape(3, 3, 5), **attrs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-12, atol=1e-12)
+
+
+def test_a_kernel_module_s_native_sources_are_part_of_its_source_hash(sources, monkeypatch):
+  """Editing a native kernel's C++ re-tunes its buckets, as editing its Python does."""
+  import sys
+  import types
+
+  from tunedjax.autotune import _registry
+  module = types.ModuleType("tj_native_kernel_example")
+
+  def kernel(lhs, rhs, spec):
+    del rhs, spec
+    return lhs
+
+  kernel.__module__ = module.__name__
+  module.kernel = kernel
+  module.NATIVE_SOURCES = ("tiny",)
+  monkeypatch.setitem(sys.modules, module.__name__, module)
+  before = _registry.source_hash(module.kernel)
+  assert before == _registry.source_hash(module.kernel)
+  (sources / "tiny.cc").write_text(TINY.replace("42", "7"))
+  assert _registry.source_hash(module.kernel) != before

@@ -102,12 +102,19 @@ def _headers() -> list[pathlib.Path]:
   return sorted(SOURCE_DIR.glob("*.h"))
 
 
+def source_bytes(source: str) -> bytes:
+  """``csrc/<source>.cc`` and the shared headers, as one byte string (for hashes); b"" if absent."""
+  parts = []
+  for path in [SOURCE_DIR / f"{source}.cc", *_headers()]:
+    if path.exists():
+      parts += [path.name.encode(), b"\0", path.read_bytes(), b"\0"]
+  return b"".join(parts)
+
+
 def build_digest(source: str, compiler: Compiler) -> str:
   """What a built library depends on, hashed: sources, FFI headers, compiler, flags, CPU."""
   h = hashlib.sha256()
-  for path in [SOURCE_DIR / f"{source}.cc", *_headers()]:
-    h.update(path.name.encode())
-    h.update(path.read_bytes())
+  h.update(source_bytes(source))
   ffi_header = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
   if ffi_header.exists():
     h.update(ffi_header.read_bytes())

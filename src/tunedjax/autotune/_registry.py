@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from tunedjax import _native, _tuning
 from tunedjax._errors import AutotuneError, did_you_mean, format_choices
-from tunedjax import _tuning
 from tunedjax._tuning import canonical_platform
 
 # max |candidate - reference| / max |reference| allowed, by output dtype.
@@ -186,8 +186,11 @@ def source_hash(fn: Callable[..., Any]) -> str:
   """The sha256 (16 hex digits) of the source a kernel function depends on.
 
   That is the source of `fn`'s module, plus the modules of tunedjax's
-  `_conv_*` helpers it imports; when the source is not available (a function
-  typed at a prompt), the function's own code object is hashed instead.
+  `_conv_*` helpers it imports, plus the C++ sources of the native
+  libraries the module names in ``NATIVE_SOURCES`` (`tunedjax._native`):
+  editing a native kernel re-tunes its buckets too. When the source is not
+  available (a function typed at a prompt), the function's own code object
+  is hashed instead.
 
   Args:
     fn: the kernel function.
@@ -212,6 +215,8 @@ def source_hash(fn: Callable[..., Any]) -> str:
         and v.__name__.startswith("tunedjax.autotune._conv_"))
     for name in deps:
       h.update(_source_of(sys.modules[name]).encode())
+    for stem in getattr(module, "NATIVE_SOURCES", ()):
+      h.update(_native.source_bytes(stem))
   return h.hexdigest()[:16]
 
 
