@@ -7,6 +7,7 @@ it happens here at import time, before any test module runs JAX code.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -14,6 +15,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The native CPU kernels (tunedjax/_native.py) are built once per machine into
+# one folder for the whole suite, its subprocesses (the demo, the notebooks)
+# included, rather than into each test's private tuning cache (about 3 s a
+# source each time). The folder name holds each build's digest, so it is safe
+# to keep between runs.
+os.environ.setdefault(
+    "TUNEDJAX_NATIVE_DIR",
+    os.path.join(tempfile.gettempdir(), f"tunedjax-native-tests-{os.getuid()}"))
 
 settings.register_profile(
     "tunedjax",

@@ -66,7 +66,7 @@ def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_d
   if _native.find_compiler() is None:
     return
   _native.reset()
-  assert _native.library("depthwise") is not None  # built into this test's cache folder
+  assert _native.library("depthwise") is not None  # built (or found) in the native folder
   assert "depthwise" in _info_json(capsys)["native"]["built"]
   _native.reset()
 

@@ -30,6 +30,7 @@ def fresh(monkeypatch, tmp_path):
   """Each test: its own cache folder, native kernels on, nothing loaded or warned yet."""
   monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.delenv(_native.ENV_VAR, raising=False)
+  monkeypatch.delenv(_native.DIR_ENV_VAR, raising=False)
   _native.reset()
   yield
   _native.reset()
@@ -153,6 +154,15 @@ def test_a_corrupt_library_is_rebuilt_with_a_cache_warning(sources, tmp_path):
     lib = _native.library("tiny")
   assert lib.tj_answer() == 42
   assert isinstance(ctypes.CDLL(str(target)), ctypes.CDLL)
+
+
+def test_the_native_dir_variable_moves_the_libraries(sources, tmp_path, monkeypatch):
+  needs_compiler()
+  monkeypatch.setenv(_native.DIR_ENV_VAR, str(tmp_path / "elsewhere"))
+  assert _native.library("tiny").tj_answer() == 42
+  assert built(tmp_path) == []
+  assert [p.name for p in (tmp_path / "elsewhere").glob("*/*")] == ["tiny.so"]
+  assert _native.status()["folder"] == str(tmp_path / "elsewhere")
 
 
 def test_an_unusable_cache_folder_builds_in_a_temporary_one(sources, tmp_path, monkeypatch):

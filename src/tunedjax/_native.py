@@ -9,7 +9,7 @@ folder (``<cache dir>/native/<digest>/``). The digest covers the sources, the
 XLA FFI headers of the installed jaxlib, the compiler's version and flags and
 the host CPU, so a shared cache folder serves every machine of a cluster
 with a library of its own; a later process loads the library in
-milliseconds.
+milliseconds. ``$TUNEDJAX_NATIVE_DIR`` puts the libraries elsewhere.
 
 Native kernels are optional. With no compiler, a failed build or
 ``TUNEDJAX_NATIVE=0``, `ffi_target` returns None (the build failure warned
@@ -50,6 +50,10 @@ from tunedjax._tuning import host_cpu, usable_folder
 
 ENV_VAR = "TUNEDJAX_NATIVE"
 """Set to ``0`` (or ``off``, ``false``, ``no``) to never build or use native kernels."""
+
+DIR_ENV_VAR = "TUNEDJAX_NATIVE_DIR"
+"""Where built libraries go instead of ``<cache dir>/native`` (e.g. one folder for many
+tuning caches: the test suite's subprocesses, notebooks with private caches)."""
 
 CXX_ENV_VAR = "CXX"
 COMPILERS = ("c++", "g++", "clang++")
@@ -125,9 +129,17 @@ def build_digest(source: str, compiler: Compiler) -> str:
   return h.hexdigest()[:16]
 
 
+def build_root() -> pathlib.Path:
+  """``$TUNEDJAX_NATIVE_DIR`` if set, else ``<cache dir>/native``: the digests' parent folder."""
+  chosen = os.environ.get(DIR_ENV_VAR)
+  if chosen:
+    return pathlib.Path(chosen).expanduser()
+  return get_config().cache.resolved_dir / "native"
+
+
 def _build_folder(digest: str) -> pathlib.Path:
-  """``<cache dir>/native/<digest>``, or a per-user temporary folder if that is unusable."""
-  folder = usable_folder(get_config().cache.resolved_dir / "native" / digest,
+  """``<build root>/<digest>``, or a per-user temporary folder if that is unusable."""
+  folder = usable_folder(build_root() / digest,
                          what="native kernel folder",
                          consequence="native kernels are built in a temporary folder")
   if folder is None:
@@ -249,7 +261,7 @@ def status() -> dict[str, object]:
   built: list[str] = []
   folder = None
   if compiler is not None:
-    base = get_config().cache.resolved_dir / "native"
+    base = build_root()
     folder = str(base)
     built = [s for s in sources()
              if (base / build_digest(s, compiler) / f"{s}.so").exists()]
