@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import jax
@@ -50,6 +51,7 @@ import numpy as np
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
+from tunedjax.rewrite import _compat
 from tunedjax.autotune._bn_spec import BatchNormSpec
 
 SOURCE = "batch_norm"
@@ -106,8 +108,20 @@ def _native_fn(epsilon: float) -> Callable[..., Outputs]:
 
 
 def native(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
-  """Batch norm in two native passes each way (CPU; see the module docstring)."""
-  return _native_fn(float(spec.epsilon))(x, scale, bias)
+  """Batch norm in two native passes each way (CPU; see the module docstring).
+
+  On Explicit mesh axes (jax 0.11+'s default) the FFI calls, which have no
+  sharding rule, run on Auto axes (XLA gathers the operands) and `y` gets
+  `x`'s sharding back, the statistics replicated, as the reference's are.
+  """
+  fn = _native_fn(float(spec.epsilon))
+  sharding = getattr(_compat.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None:
+    return fn(x, scale, bias)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = types.SimpleNamespace(sharding=(sharding, replicated, replicated))
+  return _compat.on_auto_axes(fn, (x, scale, bias), out)
 
 
 def native_applicable(spec: BatchNormSpec, platform: str) -> bool:
