@@ -35,15 +35,15 @@ from typing import Any
 
 os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")  # the JAX side only: no torch
 
-import _harness  # noqa: E402  # pylint: disable=wrong-import-position
-import jax  # noqa: E402  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # noqa: E402  # pylint: disable=wrong-import-position
-import numpy as np  # noqa: E402  # pylint: disable=wrong-import-position
-import vs_pytorch  # noqa: E402  # pylint: disable=wrong-import-position
+import _harness  # pylint: disable=wrong-import-position
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+import vs_pytorch  # pylint: disable=wrong-import-position
 
-import tunedjax as tj  # noqa: E402  # pylint: disable=wrong-import-position
-from tunedjax import autotune  # noqa: E402  # pylint: disable=wrong-import-position
-from tunedjax.autotune import _tuner  # noqa: E402  # pylint: disable=wrong-import-position
+import tunedjax as tj  # pylint: disable=wrong-import-position
+from tunedjax import autotune  # pylint: disable=wrong-import-position
+from tunedjax.autotune import _tuner  # pylint: disable=wrong-import-position
 
 KERNELS = ("xla", "fused", "fused_dot", "native")
 

@@ -32,7 +32,7 @@ def _outputs_and_grads(fn, x, scale, bias, cts, eps, dtype):
     return outs, [vjp(ct) for ct in cts]
 
   with jax.enable_x64(dtype == np.float64):
-    cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)  # noqa: E731
+    cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)
     return jax.tree.map(np.asarray, run(*cast((x, scale, bias)), cast(cts)))
 
 

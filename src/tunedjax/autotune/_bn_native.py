@@ -51,8 +51,8 @@ import numpy as np
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
-from tunedjax.rewrite import _compat
 from tunedjax.autotune._bn_spec import BatchNormSpec
+from tunedjax.rewrite import _compat
 
 SOURCE = "batch_norm"
 """The C++ file (``tunedjax/csrc/batch_norm.cc``) the kernel's handlers live in."""
