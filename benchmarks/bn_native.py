@@ -45,13 +45,14 @@ import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _tuner  # pylint: disable=wrong-import-position
 
-KERNELS = ("xla", "fused", "fused_dot", "native")
+KERNELS = ("xla", "fused", "fused_dot", "native", "native_stats")
+NEW = ("native", "native_stats")
 
 
 def _without_native(value: dict[str, Any]) -> str:
-  """The winner the tuner would have chosen from `value`'s timings without ``native``."""
+  """The winner the tuner would have chosen from `value`'s timings without the new kernels."""
   med = {k: statistics.median(v) for k, v in value["timings"].items()
-         if k != "native" and k not in value.get("rejected", {}) and v}
+         if k not in NEW and k not in value.get("rejected", {}) and v}
   best = min(med, key=med.get)
   return best if med[best] < med["xla"] / (1 + _tuner.DEFAULT_MARGIN) else "xla"
 
@@ -63,9 +64,9 @@ def bucket_rows(cache_dir: str) -> list[str]:
     med = {k: statistics.median(v) * 1e3 for k, v in value["timings"].items() if v}
     cells = " | ".join(f"{med[k]:.2f}" if k in med else "-" for k in KERNELS)
     before = _without_native(value)
-    ratio = med.get("native", float("nan")) / med[before]
+    ratios = " | ".join(f"{med.get(k, float('nan')) / med[before]:.2f}" for k in NEW)
     rows.append(f"| batch_norm {'x'.join(map(str, key['shape']))} | {cells} | "
-                f"{value['winner']} | {before} | {ratio:.2f} |")
+                f"{value['winner']} | {before} | {ratios} |")
   return rows
 
 
@@ -85,38 +86,40 @@ def run(net: str, rounds: int, quick: bool) -> None:
   args = (*jax_args, x, y)
 
   tmp = tempfile.mkdtemp(prefix="bn_native_")
-  tuned, before = os.path.join(tmp, "tuned"), os.path.join(tmp, "before")
+  tuned = os.path.join(tmp, "tuning")
   config = {"kernel": {"enable": True}, "cache": {"dir": tuned}}
   with tj.config_context(config):
     native_step = tj.jit(step, session=autotune.TuningSession())
     start = time.perf_counter()
     jax.block_until_ready(native_step(*args))
   print(f"{net}: tuned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-  print("| bucket | xla (ms) | fused (ms) | fused_dot (ms) | native (ms) | chosen | "
-        "current winner | native / current |\n|---|---:|---:|---:|---:|---|---|---:|")
+  print("| bucket | " + " | ".join(f"{k} (ms)" for k in KERNELS) + " | chosen | current winner | "
+        + " | ".join(f"{k} / current" for k in NEW) + " |")
+  print("|---|" + "---:|" * len(KERNELS) + "---|---|" + "---:|" * len(NEW))
   print("\n".join(bucket_rows(tuned)))
 
-  shutil.copytree(tuned, before, ignore=shutil.ignore_patterns("native"))
-  cache = autotune.Cache(before)
-  for entry in cache.entries("batch_norm"):
-    if entry.value["winner"] == "native":
-      cache.put("batch_norm", entry.key,
-                {**entry.value, "winner": _without_native(entry.value)})
-  before_config = {"kernel": {"enable": True}, "cache": {"dir": before}}
-  with tj.config_context(before_config):
-    before_step = tj.jit(step, session=autotune.TuningSession())
-    jax.block_until_ready(before_step(*args))
-
+  # The same cache with every batch-norm winner set: back to the kernel the tuner would
+  # have chosen without the new ones ("current"), or to each new kernel.
+  steps = {}
   ref = jax.jit(step)(*args)
-  for name, fn, conf in (("native", native_step, config),
-                         ("current", before_step, before_config)):
+  for variant in ("current", "tuned", *NEW):
+    folder = os.path.join(tmp, variant)
+    shutil.copytree(tuned, folder, ignore=shutil.ignore_patterns("native"))
+    cache = autotune.Cache(folder)
+    for entry in cache.entries("batch_norm"):
+      winner = {"current": _without_native(entry.value),
+                "tuned": entry.value["winner"]}.get(variant, variant)
+      cache.put("batch_norm", entry.key, {**entry.value, "winner": winner})
+    conf = {"kernel": {"enable": True}, "cache": {"dir": folder}}
     with tj.config_context(conf):
+      fn = tj.jit(step, session=autotune.TuningSession())
       got = fn(*args)
       chosen = [str(c) for c in fn.report(memory=False).last.kernel_report.of("batch_norm")]
     err = vs_pytorch.agreement(float(got[0]), vs_pytorch.flat_names(got[1]), float(ref[0]),
                                vs_pytorch.flat_names(ref[1]))
-    print(f"{net}: {name}: one step vs jax.jit {err:.1e}; batch norm sites: {chosen}",
+    print(f"{net}: {variant}: one step vs jax.jit {err:.1e}; batch norm sites: {chosen}",
           file=sys.stderr)
+    steps[variant] = (fn, conf)
 
   def timed(fn, conf):
     def call():
@@ -125,8 +128,7 @@ def run(net: str, rounds: int, quick: bool) -> None:
     return call
 
   load = os.getloadavg()[0]
-  t = _harness.interleaved({"current": timed(before_step, before_config),
-                            "native": timed(native_step, config)},
+  t = _harness.interleaved({name: timed(*v) for name, v in steps.items()},
                            baseline="current", rounds=rounds, warmup=1)
   print(f"\n{net} step, {rounds} rounds, load {load:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after")

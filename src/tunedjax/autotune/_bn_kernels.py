@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tunedjax.autotune._bn_native import native, native_applicable
+from tunedjax.autotune._bn_native import native, native_applicable, native_stats
 from tunedjax.autotune._bn_spec import BatchNormSpec
 
 _FUSED_DTYPES = ("float32", "float64")
@@ -141,4 +141,5 @@ KERNELS = (
     ("fused", fused, fused_applicable),
     ("fused_dot", fused_dot, fused_applicable),
     ("native", native, native_applicable),  # C++ (_bn_native), CPU with a compiler only
+    ("native_stats", native_stats, native_applicable),
 )

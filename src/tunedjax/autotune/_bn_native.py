@@ -47,7 +47,9 @@ import types
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
@@ -107,14 +109,47 @@ def _native_fn(epsilon: float) -> Callable[..., Outputs]:
   return bn
 
 
-def native(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
-  """Batch norm in two native passes each way (CPU; see the module docstring).
+@functools.cache
+def _native_stats_fn(epsilon: float) -> Callable[..., Outputs]:
+  """The custom-VJP batch norm whose sums are native calls, its elementwise passes XLA's."""
 
-  On Explicit mesh axes (jax 0.11+'s default) the FFI calls, which have no
-  sharding rule, run on Auto axes (XLA gathers the operands) and `y` gets
-  `x`'s sharding back, the statistics replicated, as the reference's are.
-  """
-  fn = _native_fn(float(spec.epsilon))
+  def forward(x, scale, bias):
+    c = x.shape[-1]
+    vec = jax.ShapeDtypeStruct((c,), x.dtype)
+    mean, var = jax.ffi.ffi_call(_target("Stats", x.dtype.name), (vec, vec),
+                                 vmap_method="sequential")(x.reshape(-1, c))
+    inv = lax.rsqrt(var + jnp.asarray(epsilon, x.dtype))
+    y = (x - mean) * (scale * inv) + bias
+    return (y, mean, var), (x, mean, inv, scale)
+
+  @jax.custom_vjp
+  def bn(x, scale, bias):
+    return forward(x, scale, bias)[0]
+
+  def backward(residuals, cotangents):
+    x, mean, inv, scale = residuals
+    dy, dmean, dvar = cotangents
+    c = x.shape[-1]
+    n = x.size // c
+    vec = jax.ShapeDtypeStruct((c,), x.dtype)
+    sdy, sdyc = jax.ffi.ffi_call(_target("GradSums", x.dtype.name), (vec, vec),
+                                 vmap_method="sequential")(
+                                     x.reshape(-1, c), dy.astype(x.dtype).reshape(-1, c), mean)
+    sdyxhat = sdyc * inv
+    k = scale * inv
+    # `_bn_kernels._fused_fn`'s dx, the statistics' cotangents included.
+    dx = k * dy - (k * sdy - dmean) / n - (x - mean) * ((k * inv * sdyxhat - 2 * dvar) / n)
+    return dx, sdyxhat.astype(scale.dtype), sdy.astype(scale.dtype)
+
+  bn.defvjp(forward, backward)
+  return bn
+
+
+def _on_auto_axes(fn: Callable[..., Outputs], x: jax.Array, scale: jax.Array,
+                  bias: jax.Array) -> Outputs:
+  """`fn(x, scale, bias)`, on Auto axes where `x` is on Explicit ones (FFI calls have no
+  sharding rule): `y` gets `x`'s sharding back, the statistics replicated, as the
+  reference's are."""
   sharding = getattr(_compat.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None:
@@ -122,6 +157,22 @@ def native(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   out = types.SimpleNamespace(sharding=(sharding, replicated, replicated))
   return _compat.on_auto_axes(fn, (x, scale, bias), out)
+
+
+def native_stats(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec
+                 ) -> Outputs:
+  """The sums native (statistics; sum(dy), sum(dy * (x - mean))), the rest as ``fused``."""
+  return _on_auto_axes(_native_stats_fn(float(spec.epsilon)), x, scale, bias)
+
+
+def native(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
+  """Batch norm in two native passes each way (CPU; see the module docstring).
+
+  On Explicit mesh axes (jax 0.11+'s default) the FFI calls, which have no
+  sharding rule, run on Auto axes (XLA gathers the operands) and `y` gets
+  `x`'s sharding back, the statistics replicated, as the reference's are.
+  """
+  return _on_auto_axes(_native_fn(float(spec.epsilon)), x, scale, bias)
 
 
 def native_applicable(spec: BatchNormSpec, platform: str) -> bool:

@@ -63,6 +63,57 @@ inline void AddPartials(const std::vector<double>& partial, int64_t chunks,
   }
 }
 
+// The forward's pass 1: per-channel sums of d = x - x[0] and d * d, in double
+// (sums[0:C] and sums[C:2C]), over `chunks` fixed row chunks added in order.
+template <typename T>
+void ShiftedSums(ffi::ThreadPool& pool, const T* xp, int64_t R, int64_t C,
+                 double* sums) {
+  const int64_t chunks = RowChunks(R, C);
+  std::vector<double> partial(chunks * 2 * C);
+  parallel_for(pool, chunks, [&](int64_t i) {
+    int64_t lo, hi;
+    split_range(R, chunks, i, &lo, &hi);
+    double* s1 = partial.data() + i * 2 * C;
+    double* s2 = s1 + C;
+    std::fill(s1, s1 + 2 * C, 0.0);
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* row = xp + r * C;
+      for (int64_t c = 0; c < C; ++c) {
+        double d = static_cast<double>(row[c]) - static_cast<double>(xp[c]);
+        s1[c] += d;
+        s2[c] += d * d;
+      }
+    }
+  });
+  AddPartials(partial, chunks, 2 * C, sums);
+}
+
+// The backward's pass 1: per-channel sum(dy) and sum(dy * (x - mean)), in
+// double (sums[0:C] and sums[C:2C]), over fixed row chunks added in order.
+template <typename T>
+void GradSums(ffi::ThreadPool& pool, const T* xp, const T* gp, const T* mp,
+              int64_t R, int64_t C, double* sums) {
+  const int64_t chunks = RowChunks(R, C);
+  std::vector<double> partial(chunks * 2 * C);
+  parallel_for(pool, chunks, [&](int64_t i) {
+    int64_t lo, hi;
+    split_range(R, chunks, i, &lo, &hi);
+    double* s1 = partial.data() + i * 2 * C;
+    double* s2 = s1 + C;
+    std::fill(s1, s1 + 2 * C, 0.0);
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* row = xp + r * C;
+      const T* grow = gp + r * C;
+      for (int64_t c = 0; c < C; ++c) {
+        double g = static_cast<double>(grow[c]);
+        s1[c] += g;
+        s2[c] += g * (static_cast<double>(row[c]) - static_cast<double>(mp[c]));
+      }
+    }
+  });
+  AddPartials(partial, chunks, 2 * C, sums);
+}
+
 template <ffi::DataType DT>
 ffi::Error BatchNormFwd(ffi::ThreadPool pool, ffi::Buffer<DT> x,
                         ffi::Buffer<DT> scale, ffi::Buffer<DT> bias,
@@ -82,25 +133,9 @@ ffi::Error BatchNormFwd(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   T* yp = y->typed_data();
   const int64_t chunks = RowChunks(R, C);
 
-  // Pass 1: shifted sums per chunk, in double.
-  std::vector<double> partial(chunks * 2 * C);
-  parallel_for(pool, chunks, [&](int64_t i) {
-    int64_t lo, hi;
-    split_range(R, chunks, i, &lo, &hi);
-    double* s1 = partial.data() + i * 2 * C;
-    double* s2 = s1 + C;
-    std::fill(s1, s1 + 2 * C, 0.0);
-    for (int64_t r = lo; r < hi; ++r) {
-      const T* row = xp + r * C;
-      for (int64_t c = 0; c < C; ++c) {
-        double d = static_cast<double>(row[c]) - static_cast<double>(xp[c]);
-        s1[c] += d;
-        s2[c] += d * d;
-      }
-    }
-  });
+  // Pass 1: shifted sums, in double.
   std::vector<double> sums(2 * C);
-  AddPartials(partial, chunks, 2 * C, sums.data());
+  ShiftedSums<T>(pool, xp, R, C, sums.data());
 
   // Per-channel coefficients, in double, rounded to T once.
   std::vector<T> m(C), k(C), b(C);
@@ -160,26 +195,9 @@ ffi::Error BatchNormBwd(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   T* dxp = dx->typed_data();
   const int64_t chunks = RowChunks(R, C);
 
-  // Pass 1: sum(dy) and sum(dy * (x - mean)) per chunk, in double.
-  std::vector<double> partial(chunks * 2 * C);
-  parallel_for(pool, chunks, [&](int64_t i) {
-    int64_t lo, hi;
-    split_range(R, chunks, i, &lo, &hi);
-    double* s1 = partial.data() + i * 2 * C;
-    double* s2 = s1 + C;
-    std::fill(s1, s1 + 2 * C, 0.0);
-    for (int64_t r = lo; r < hi; ++r) {
-      const T* row = xp + r * C;
-      const T* grow = gp + r * C;
-      for (int64_t c = 0; c < C; ++c) {
-        double g = static_cast<double>(grow[c]);
-        s1[c] += g;
-        s2[c] += g * (static_cast<double>(row[c]) - static_cast<double>(mp[c]));
-      }
-    }
-  });
+  // Pass 1: sum(dy) and sum(dy * (x - mean)), in double.
   std::vector<double> sums(2 * C);
-  AddPartials(partial, chunks, 2 * C, sums.data());
+  GradSums<T>(pool, xp, gp, mp, R, C, sums.data());
 
   // Per-channel coefficients of dx = a * dy - b - (x - mean) * g.
   std::vector<T> a(C), b(C), g(C);
@@ -220,6 +238,57 @@ ffi::Error BatchNormBwd(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   return ffi::Error::Success();
 }
 
+// The statistics alone (the `native_stats` kernel leaves the elementwise
+// passes to XLA, which fuses them with their neighbours):
+// x -> mean (C), var (C).
+template <ffi::DataType DT>
+ffi::Error BatchNormStats(ffi::ThreadPool pool, ffi::Buffer<DT> x,
+                          ffi::ResultBuffer<DT> mean, ffi::ResultBuffer<DT> var) {
+  using T = ffi::NativeType<DT>;
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] < 1) {
+    return ffi::Error::InvalidArgument("batch_norm_stats: expected x (R >= 1, C)");
+  }
+  const int64_t R = xd[0], C = xd[1];
+  const T* xp = x.typed_data();
+  std::vector<double> sums(2 * C);
+  ShiftedSums<T>(pool, xp, R, C, sums.data());
+  const double n = static_cast<double>(R);
+  T* mp = mean->typed_data();
+  T* vp = var->typed_data();
+  for (int64_t c = 0; c < C; ++c) {
+    double md = sums[c] / n;
+    mp[c] = static_cast<T>(static_cast<double>(xp[c]) + md);
+    vp[c] = static_cast<T>(std::max(sums[C + c] / n - md * md, 0.0));
+  }
+  return ffi::Error::Success();
+}
+
+// The backward's two sums alone: x, dy (R, C), mean (C) -> sum(dy) (C),
+// sum(dy * (x - mean)) (C).
+template <ffi::DataType DT>
+ffi::Error BatchNormGradSums(ffi::ThreadPool pool, ffi::Buffer<DT> x,
+                             ffi::Buffer<DT> dy, ffi::Buffer<DT> mean,
+                             ffi::ResultBuffer<DT> sdy, ffi::ResultBuffer<DT> sdyc) {
+  using T = ffi::NativeType<DT>;
+  auto xd = x.dimensions(), gd = dy.dimensions();
+  if (xd.size() != 2 || gd.size() != 2 || gd[0] != xd[0] || gd[1] != xd[1] ||
+      mean.element_count() != xd[1] || xd[0] < 1) {
+    return ffi::Error::InvalidArgument(
+        "batch_norm_grad_sums: expected x, dy (R >= 1, C) and mean (C)");
+  }
+  const int64_t R = xd[0], C = xd[1];
+  std::vector<double> sums(2 * C);
+  GradSums<T>(pool, x.typed_data(), dy.typed_data(), mean.typed_data(), R, C, sums.data());
+  T* s1 = sdy->typed_data();
+  T* s2 = sdyc->typed_data();
+  for (int64_t c = 0; c < C; ++c) {
+    s1[c] = static_cast<T>(sums[c]);
+    s2[c] = static_cast<T>(sums[C + c]);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace tunedjax
 
@@ -255,3 +324,26 @@ TJ_DEFINE_FWD(TjBatchNormFwdF32, ffi::F32)
 TJ_DEFINE_FWD(TjBatchNormFwdF64, ffi::F64)
 TJ_DEFINE_BWD(TjBatchNormBwdF32, ffi::F32)
 TJ_DEFINE_BWD(TjBatchNormBwdF64, ffi::F64)
+
+#define TJ_DEFINE_STATS(NAME, DT)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, tunedjax::BatchNormStats<DT>,         \
+                                ffi::Ffi::Bind()                            \
+                                    .Ctx<ffi::ThreadPool>()                 \
+                                    .Arg<ffi::Buffer<DT>>()                 \
+                                    .Ret<ffi::Buffer<DT>>()                 \
+                                    .Ret<ffi::Buffer<DT>>());
+
+#define TJ_DEFINE_GRAD_SUMS(NAME, DT)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, tunedjax::BatchNormGradSums<DT>,      \
+                                ffi::Ffi::Bind()                            \
+                                    .Ctx<ffi::ThreadPool>()                 \
+                                    .Arg<ffi::Buffer<DT>>()                 \
+                                    .Arg<ffi::Buffer<DT>>()                 \
+                                    .Arg<ffi::Buffer<DT>>()                 \
+                                    .Ret<ffi::Buffer<DT>>()                 \
+                                    .Ret<ffi::Buffer<DT>>());
+
+TJ_DEFINE_STATS(TjBatchNormStatsF32, ffi::F32)
+TJ_DEFINE_STATS(TjBatchNormStatsF64, ffi::F64)
+TJ_DEFINE_GRAD_SUMS(TjBatchNormGradSumsF32, ffi::F32)
+TJ_DEFINE_GRAD_SUMS(TjBatchNormGradSumsF64, ffi::F64)
