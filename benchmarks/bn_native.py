@@ -45,8 +45,8 @@ import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _tuner  # pylint: disable=wrong-import-position
 
-KERNELS = ("xla", "fused", "fused_dot", "native", "native_stats")
-NEW = ("native", "native_stats")
+KERNELS = ("xla", "fused", "fused_dot", "native")
+NEW = ("native",)
 
 
 def _without_native(value: dict[str, Any]) -> str:

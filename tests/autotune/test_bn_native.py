@@ -18,9 +18,6 @@ from tunedjax import _native, autotune
 from tunedjax.autotune import _bn_family, _bn_kernels, _bn_native
 from tunedjax.autotune._bn_spec import BatchNormSpec
 
-# The two native kernels: every pass in C++, and the sums only.
-NEW = {"native": _bn_native.native, "native_stats": _bn_native.native_stats}
-over_kernels = pytest.mark.parametrize("kernel", list(NEW))
 needs_native = pytest.mark.skipif(not _native.available(_bn_native.SOURCE),
                                   reason="no native library here (no C++ compiler?)")
 
@@ -52,11 +49,11 @@ def _draw(rng, shape, offset, dtype):
           ct)
 
 
-def _check(kernel, x, scale, bias, ct, eps, *, fwd_bound, grad_bound):
+def _check(x, scale, bias, ct, eps, *, fwd_bound, grad_bound):
   # The output's cotangent alone (a loss of y only), then all three (the statistics'
   # cotangents reach dx too).
   cts = [(ct[0], np.zeros_like(ct[1]), np.zeros_like(ct[2])), ct]
-  got_outs, got_grads = _outputs_and_grads(NEW[kernel], x, scale, bias, cts, eps, x.dtype)
+  got_outs, got_grads = _outputs_and_grads(_bn_native.native, x, scale, bias, cts, eps, x.dtype)
   want_outs, want_grads = _outputs_and_grads(_bn_kernels.xla, x, scale, bias, cts, eps,
                                              np.float64)
   for name, got, want in zip(("y", "mean", "var"), got_outs, want_outs):
@@ -72,35 +69,32 @@ _SHAPES = st.integers(2, 4).flatmap(lambda rank: st.tuples(
     *[st.integers(1, 5)] * (rank - 1), st.integers(1, 11)))
 
 
-@over_kernels
 @needs_native
 @settings(max_examples=12, deadline=None)
 @given(shape=_SHAPES, offset=st.sampled_from([0.0, 3.0, 1e3]), seed=st.integers(0, 2**16),
        eps=st.sampled_from([1e-5, 1e-3]))
-def test_float64_matches_the_reference_on_any_shape(kernel, shape, offset, seed, eps):
+def test_float64_matches_the_reference_on_any_shape(shape, offset, seed, eps):
   # float64 against float64: the formula, for every rank, one row, one channel.
   x, scale, bias, ct = _draw(np.random.default_rng(seed), shape, offset, np.float64)
-  _check(kernel, x, scale, bias, ct, eps, fwd_bound=1e-9, grad_bound=1e-7)
+  _check(x, scale, bias, ct, eps, fwd_bound=1e-9, grad_bound=1e-7)
 
 
-@over_kernels
 @needs_native
 @settings(max_examples=8, deadline=None)
 @given(shape=st.tuples(st.integers(4, 9), st.integers(2, 5), st.integers(2, 5),
                        st.integers(1, 19)),
        offset=st.sampled_from([0.0, 3.0, 30.0]), seed=st.integers(0, 2**16),
        eps=st.sampled_from([1e-5, 1e-3]))
-def test_float32_matches_float64_forward_and_gradient(kernel, shape, offset, seed, eps):
+def test_float32_matches_float64_forward_and_gradient(shape, offset, seed, eps):
   x, scale, bias, ct = _draw(np.random.default_rng(seed), shape, offset, np.float32)
-  _check(kernel, x, scale, bias, ct, eps, fwd_bound=2e-5, grad_bound=2e-4)
+  _check(x, scale, bias, ct, eps, fwd_bound=2e-5, grad_bound=2e-4)
 
 
-@over_kernels
 @needs_native
 @pytest.mark.parametrize("shape,dtype", [
     ((2, 3), np.float32), ((2, 3), np.float64), ((1, 4), np.float64), ((300, 1), np.float32),
     ((64, 16, 16, 8), np.float32), ((64, 16, 16, 8), np.float64), ((3, 130, 70), np.float32)])
-def test_rank_rows_and_row_chunks(kernel, rng, shape, dtype):
+def test_rank_rows_and_row_chunks(rng, shape, dtype):
   # 2-D and 3-D, one row (float64: in float32, dx of one row is 0 up to the rounding of
   # scale / sqrt(eps) * dy, ~300x dy), one channel, and inputs split into several row
   # chunks (64x16x16x8: 4 chunks a pass; 3x130x70: 2).
@@ -109,18 +103,17 @@ def test_rank_rows_and_row_chunks(kernel, rng, shape, dtype):
     bounds = (1e-9, 1e-7)
   else:  # two rows: dx is a difference of nearly equal terms
     bounds = (2e-5, 2e-3 if shape[0] == 2 else 2e-4)
-  _check(kernel, x, scale, bias, ct, 1e-5, fwd_bound=bounds[0], grad_bound=bounds[1])
+  _check(x, scale, bias, ct, 1e-5, fwd_bound=bounds[0], grad_bound=bounds[1])
 
 
-@over_kernels
 @needs_native
-def test_a_large_mean_does_not_cancel_the_variance(kernel, rng):
+def test_a_large_mean_does_not_cancel_the_variance(rng):
   # mean 1e3, spread 1e-1: E[x^2] - E[x]^2 loses every digit in float32 and most in float64
   # sums of raw float32 values; the shifted sums keep them.
   x = (1e3 + 0.1 * rng.normal(size=(16, 4, 4, 8))).astype(np.float32)
   scale, bias = rng.normal(size=8).astype(np.float32), rng.normal(size=8).astype(np.float32)
   ct = tuple(rng.normal(size=s).astype(np.float32) for s in (x.shape, (8,), (8,)))
-  got_outs, (got_grads,) = _outputs_and_grads(NEW[kernel], x, scale, bias, [ct], 1e-5,
+  got_outs, (got_grads,) = _outputs_and_grads(_bn_native.native, x, scale, bias, [ct], 1e-5,
                                               np.float32)
   want_outs, (want_grads,) = _outputs_and_grads(_bn_kernels.xla, x, scale, bias, [ct], 1e-5,
                                                 np.float64)
@@ -130,16 +123,15 @@ def test_a_large_mean_does_not_cancel_the_variance(kernel, rng):
     assert _rel(got, want) < 2e-3
 
 
-@over_kernels
 @needs_native
-def test_results_are_bitwise_reproducible(kernel, rng):
+def test_results_are_bitwise_reproducible(rng):
   # 128x16x16x16 = 16 row chunks per pass, run on the thread pool: the same bits each time.
   x, scale, bias, ct = _draw(rng, (128, 16, 16, 16), 3.0, np.float32)
   spec = BatchNormSpec.from_arrays(x)
 
   @jax.jit
   def f(x, scale, bias, ct):
-    outs, vjp = jax.vjp(lambda *a: NEW[kernel](*a, spec), x, scale, bias)
+    outs, vjp = jax.vjp(lambda *a: _bn_native.native(*a, spec), x, scale, bias)
     return outs, vjp(ct)
 
   first = jax.tree.map(np.asarray, f(x, scale, bias, ct))
@@ -162,7 +154,7 @@ def test_applicable_on_cpu_float32_and_float64_only():
     assert not _bn_native.native_applicable(spec(dtype=dtype), "cpu")
   assert not _bn_native.native_applicable(spec((8,)), "cpu")
   assert not _bn_native.native_applicable(spec((0, 8)), "cpu")
-  assert {"native", "native_stats"} <= {k.name for k in autotune.kernels("batch_norm")}
+  assert "native" in [k.name for k in autotune.kernels("batch_norm")]
 
 
 @pytest.fixture
@@ -272,9 +264,8 @@ def test_flax_batch_norm_pinned_to_native_equals_flax(rng, tmp_path):
     assert _rel(g, w) < 2e-4
 
 
-@over_kernels
 @needs_native
-def test_explicitly_sharded_input_runs_on_auto_axes(kernel, rng, tmp_path, mesh8_explicit):
+def test_explicitly_sharded_input_runs_on_auto_axes(rng, tmp_path, mesh8_explicit):
   # The FFI calls have no sharding rule: on Explicit axes they run on Auto axes and y keeps
   # x's sharding (without it, the backward's dx type would not match x's).
   x = rng.normal(size=(16, 4, 4, 8)) * 2 + 1
@@ -287,14 +278,14 @@ def test_explicitly_sharded_input_runs_on_auto_axes(kernel, rng, tmp_path, mesh8
     return jnp.sum(jnp.sin(_bn_family.batch_norm(x, scale, bias)))
 
   step = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  config = {"kernel": {"enable": True, "hints": {"batch_norm": kernel}},
+  config = {"kernel": {"enable": True, "hints": {"batch_norm": "native"}},
             "cache": {"dir": str(tmp_path)}}
   with jax.set_mesh(mesh8_explicit):
     want = jax.jit(step)(x, scale, bias)
     with tj.config_context(config):
       f = tj.jit(step, session=autotune.TuningSession())
       got = f(x, scale, bias)
-  assert _bn_sites(f) == {(kernel, "hint"): 1}
+  assert _bn_sites(f) == {("native", "hint"): 1}
   assert got[1][0].sharding.spec == want[1][0].sharding.spec
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert _rel(g, w) < 1e-4
