@@ -7,14 +7,15 @@ step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
    batch-norm bucket's entry holds the tuner's forward+backward timings of
    ``xla``, ``fused``, ``fused_dot`` and ``native`` (the table: each kernel's
    median over the tuner's rounds, and the chosen one).
-2. A copy of that cache has each ``native`` winner set back to the kernel
-   the tuner would have chosen without it (the fastest other candidate that
-   beat ``xla`` by the tuner's margin, else ``xla``): the family's current
-   winner.
-3. One process, both compiled steps (after a check of one step against
-   `jax.jit`): timed in interleaved rounds (`_harness.interleaved`, rotated
-   order, the baseline timed twice as an A/A control); the ratio is the
-   median of per-round ratios ``native / current``.
+2. Copies of that cache with every batch-norm winner set: to the kernel the
+   tuner would have chosen without ``native`` (the fastest other candidate
+   that beat ``xla`` by the tuner's margin, else ``xla``): "current"; to the
+   tuner's own choice: "tuned"; to ``native`` everywhere: "native".
+3. One process, the three compiled steps (each first checked against
+   `jax.jit`: one step's loss and gradients, `vs_pytorch.agreement`), timed
+   in interleaved rounds (`_harness.interleaved`, rotated order, "current"
+   timed twice as an A/A control); ratios are medians of per-round ratios
+   to "current".
 
 Run from the repository root:
 
@@ -87,7 +88,9 @@ def run(net: str, rounds: int, quick: bool) -> None:
 
   tmp = tempfile.mkdtemp(prefix="bn_native_")
   tuned = os.path.join(tmp, "tuning")
-  config = {"kernel": {"enable": True}, "cache": {"dir": tuned}}
+  # --quick (the smoke run): convolutions pinned to xla, so only batch norm is tuned.
+  hints = {"hints": {"conv": "xla"}} if quick else {}
+  config = {"kernel": {"enable": True, **hints}, "cache": {"dir": tuned}}
   with tj.config_context(config):
     native_step = tj.jit(step, session=autotune.TuningSession())
     start = time.perf_counter()
@@ -110,7 +113,7 @@ def run(net: str, rounds: int, quick: bool) -> None:
       winner = {"current": _without_native(entry.value),
                 "tuned": entry.value["winner"]}.get(variant, variant)
       cache.put("batch_norm", entry.key, {**entry.value, "winner": winner})
-    conf = {"kernel": {"enable": True}, "cache": {"dir": folder}}
+    conf = {"kernel": {"enable": True, **hints}, "cache": {"dir": folder}}
     with tj.config_context(conf):
       fn = tj.jit(step, session=autotune.TuningSession())
       got = fn(*args)
@@ -142,6 +145,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
   args = parser.parse_args(argv)
+  if args.quick:
+    args.rounds = min(args.rounds, 2)
   print(_harness.machine_line())
   for net in ("mobilenet", "demo") if args.net == "both" else (args.net,):
     run(net, args.rounds, args.quick)
