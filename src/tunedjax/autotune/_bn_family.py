@@ -7,7 +7,8 @@ family, because its fused backward must be in place before `jax.grad` runs
 the batch's mean and variance, for running averages) builds a
 `BatchNormSpec` and calls `autotune.dispatch`: outside kernel selection (plain `jax.jit`) it runs the
 reference, ``xla``; under `tunedjax.jit` with kernel selection on, the
-bucket's measured winner among ``xla``, ``fused`` and ``fused_dot``
+bucket's measured winner among ``xla``, ``fused``, ``fused_dot`` and, on CPU
+where a C++ compiler builds it, ``native`` (its sums in C++, `_bn_native`)
 (`_bn_kernels`), each checked against ``xla`` on random operands first.
 
 A bucket's key is the input's shape (with ``kernel.bucket = "pow2"`` the

@@ -19,6 +19,11 @@ the statistics for its running averages):
 - ``fused_dot``: the same, with each column sum written as a matrix product
   with a vector of ones (`ones @ x2d`), which XLA:CPU hands to its matmul
   library (multi-threaded) instead of a reduction loop.
+- ``native``: the same statistics and backward formula with the sums (the
+  statistics; ``sum(dy)`` and ``sum(dy * xhat)``) as C++ XLA FFI calls, one
+  pass each, accumulated in double (`_bn_native`, ``csrc/batch_norm.cc``),
+  and the elementwise passes left to XLA to fuse; CPU only, where the
+  library builds.
 
 Example:
   >>> import numpy as np
@@ -40,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tunedjax.autotune._bn_native import native, native_applicable
 from tunedjax.autotune._bn_spec import BatchNormSpec
 
 _FUSED_DTYPES = ("float32", "float64")
@@ -136,4 +142,5 @@ KERNELS = (
     ("xla", xla, always),
     ("fused", fused, fused_applicable),
     ("fused_dot", fused_dot, fused_applicable),
+    ("native", native, native_applicable),  # C++ (_bn_native), CPU with a compiler only
 )
