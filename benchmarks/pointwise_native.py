@@ -23,6 +23,7 @@ Run: ``PYTHONPATH=src:benchmarks python benchmarks/pointwise_native.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -40,6 +41,7 @@ from jax import lax
 
 import tunedjax as tj
 from tunedjax import autotune
+from tunedjax.autotune import _conv_native_1x1
 from tunedjax.autotune import _registry as reg
 from tunedjax.autotune._conv_spec import ConvSpec
 
@@ -112,24 +114,36 @@ def buckets(nets: list[str], rounds: int, reps: int) -> None:
               flush=True)
 
 
-def _set_back(value: Any) -> int:
-  """Sets every `NATIVE` winner in a cache file's JSON to the fastest other kernel."""
+def _spec_of(key: dict[str, Any]) -> ConvSpec | None:
+  try:
+    return ConvSpec(**{f.name: key[f.name] for f in dataclasses.fields(ConvSpec)})
+  except (KeyError, TypeError):
+    return None
+
+
+def _set_back(value: Any, keep=lambda spec: False) -> int:
+  """Sets `NATIVE` winners in a cache file's JSON to the fastest other kernel.
+
+  Entries whose spec `keep` accepts keep `NATIVE`. Returns how many were set back.
+  """
   count = 0
   if isinstance(value, dict):
-    if value.get("winner") == NATIVE and "ratios" in value:
-      others = {k: r for k, r in value["ratios"].items()
-                if k != NATIVE and k not in value.get("rejected", {})}
-      value["winner"] = min(others, key=others.get) if others else "xla"
-      count += 1
+    inner = value.get("value")
+    if (isinstance(inner, dict) and inner.get("winner") == NATIVE and "ratios" in inner
+        and not keep(_spec_of(value.get("key", {})))):
+      others = {k: r for k, r in inner["ratios"].items()
+                if k != NATIVE and k not in inner.get("rejected", {})}
+      inner["winner"] = min(others, key=others.get) if others else "xla"
+      return 1
     for v in value.values():
-      count += _set_back(v)
+      count += _set_back(v, keep)
   elif isinstance(value, list):
     for v in value:
-      count += _set_back(v)
+      count += _set_back(v, keep)
   return count
 
 
-def step(nets: list[str], rounds: int, reps: int) -> None:
+def step(nets: list[str], rounds: int, reps: int, profile: int = 0) -> None:
   import vs_pytorch  # pylint: disable=import-outside-toplevel
   for net in nets:
     rng = np.random.default_rng(0)
@@ -152,18 +166,25 @@ def step(nets: list[str], rounds: int, reps: int) -> None:
       start = time.perf_counter()
       jax.block_until_ready(steps["new"](*args))
       print(f"{net}: tuned in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    switched = 0
+    wgrad_dir = tempfile.mkdtemp(prefix="tj-pw-wgrad-")
+    switched = kept = 0
     for path in pathlib.Path(new_dir).glob("*.json"):
       data = json.loads(path.read_text())
       switched += _set_back(data)
       (pathlib.Path(old_dir) / path.name).write_text(json.dumps(data))
-    old_cfg = {"kernel": {"enable": True}, "cache": {"dir": old_dir, "readonly": True}}
-    with tj.config_context(old_cfg):
-      steps["old"] = tj.jit(fn, session=autotune.TuningSession())
-      jax.block_until_ready(steps["old"](*args))
+      data = json.loads(path.read_text())
+      kept -= _set_back(data, keep=lambda s: s is not None and
+                        _conv_native_1x1.is_weight_grad_form(s))
+      (pathlib.Path(wgrad_dir) / path.name).write_text(json.dumps(data))
+    kept += switched
+    configs = {"new": new_cfg}
+    for name, folder in (("old", old_dir), ("wgrad only", wgrad_dir)):
+      configs[name] = {"kernel": {"enable": True}, "cache": {"dir": folder, "readonly": True}}
+      with tj.config_context(configs[name]):
+        steps[name] = tj.jit(fn, session=autotune.TuningSession())
+        jax.block_until_ready(steps[name](*args))
     ref = jax.jit(fn)(*args)
     ref_grads = vs_pytorch.flat_names(ref[1])
-    configs = {"new": new_cfg, "old": old_cfg}
     for name, s in steps.items():
       with tj.config_context(configs[name]):
         out = s(*args)
@@ -173,8 +194,8 @@ def step(nets: list[str], rounds: int, reps: int) -> None:
       calls = hlo.count("tunedjax_TjPointwise")
       print(f"{net}: {name}: one step vs jax.jit {err:.1e}; pointwise FFI calls in the "
             f"program: {calls}", file=sys.stderr)
-    print(f"{net}: {switched} bucket(s) won by {NATIVE} set back in the old cache",
-          file=sys.stderr)
+    print(f"{net}: {switched} bucket(s) won by {NATIVE} set back in the old cache; "
+          f"{kept} weight-gradient bucket(s) keep it in the wgrad-only cache", file=sys.stderr)
 
     def runner(name, configs=configs, steps=steps, args=args):
       def run():
@@ -184,17 +205,26 @@ def step(nets: list[str], rounds: int, reps: int) -> None:
           return jax.block_until_ready(out)
       return run
 
+    for r in range(profile):  # thunk time per step, summed over threads, by group
+      for name, jitted in steps.items():
+        with tj.config_context(configs[name]):
+          hlo = jitted.lower(*args).compile().as_text()
+          groups, top = vs_pytorch.jax_profile(jitted, args, hlo, 3)
+        print(f"{net}: profile {r} {name}: total {sum(groups.values()):.1f} ms; "
+              + "; ".join(f"{g} {ms:.1f}" for g, ms in sorted(groups.items()))
+              + " | top: " + "; ".join(f"{n} ({k}) {ms:.1f}" for n, k, ms in top[:6]),
+              file=sys.stderr)
     load = os.getloadavg()[0]
-    t = _harness.interleaved({"old": runner("old"), "new": runner("new")}, baseline="old",
+    t = _harness.interleaved({name: runner(name) for name in steps}, baseline="old",
                              rounds=rounds, warmup=1)
-    lo, hi = t.spread("new")
-    alo, ahi = t.spread(_harness.CONTROL)
-    print(f"| {net} | {rounds} | {reps} | {switched} | {t.median('old') * 1e3 / reps:.1f} "
-          f"| {t.median('new') * 1e3 / reps:.1f} | {t.ratio('new'):.2f} | {lo:.2f}-{hi:.2f} "
-          f"| {t.ratio(_harness.CONTROL):.2f} ({alo:.2f}-{ahi:.2f}) "
-          f"| {load:.1f}-{os.getloadavg()[0]:.1f} |", flush=True)
-    shutil.rmtree(new_dir, ignore_errors=True)
-    shutil.rmtree(old_dir, ignore_errors=True)
+    load = f"{load:.1f}-{os.getloadavg()[0]:.1f}"
+    for name in ("new", "wgrad only", _harness.CONTROL):
+      lo, hi = t.spread(name)
+      print(f"| {net} | {name} | {rounds} | {reps} | {switched if name == 'new' else kept} "
+            f"| {t.median('old') * 1e3 / reps:.1f} | {t.median(name) * 1e3 / reps:.1f} "
+            f"| {t.ratio(name):.2f} | {lo:.2f}-{hi:.2f} | {load} |", flush=True)
+    for folder in (new_dir, old_dir, wgrad_dir):
+      shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -204,6 +234,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--reps", type=int, default=3,
                       help="buckets: calls per timing (the fastest kept); step: steps per timing")
+  parser.add_argument("--profile", type=int, default=0,
+                      help="step: profiled runs of each variant (thunk time by group) first")
   args = parser.parse_args(argv)
   nets = ["demo", "mobilenet"] if args.net == "both" else [args.net]
   print(f"load {os.getloadavg()[0]:.1f}; {_harness.machine_line()}", file=sys.stderr)
@@ -211,10 +243,10 @@ def main(argv=None) -> int:
     buckets(nets, args.rounds, args.reps)
   else:
     if args.what == "step":
-      print("| step | rounds | steps per timing | buckets switched | old (ms/step) "
-            "| new (ms/step) | new / old, median | range | A/A (range) | load |")
-      print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    step(nets, args.rounds, args.reps)
+      print("| step | variant | rounds | steps per timing | buckets on native | old (ms/step) "
+            "| variant (ms/step) | variant / old, median | range | load |")
+      print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    step(nets, args.rounds, args.reps, args.profile)
   print(f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
   return 0
 
