@@ -37,6 +37,14 @@ pytestmark = pytest.mark.skipif(not _native.available(native_1x1.SOURCE),
                                 reason="native kernels unavailable (no C++ compiler?)")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+  """The kernel is not registered by default (BENCHMARKS.md): register it for these tests."""
+  native_1x1.register()
+  yield
+  _registry.unregister_kernel("conv", NAME)
+
+
 @contextlib.contextmanager
 def x64():
   old = jax.config.jax_enable_x64

@@ -30,7 +30,7 @@ from tunedjax.autotune._conv_spec import ConvSpec
 
 NAME = "conv"
 PRIMITIVE = "conv_general_dilated"
-_KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_pallas", "_conv_native_1x1")
+_KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_pallas")
 
 
 def bucket_shapes(spec: Any, bucket: str = "exact") -> tuple[tuple[int, ...], tuple[int, ...]]:
