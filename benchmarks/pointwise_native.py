@@ -17,7 +17,8 @@ per-round ratios, the old kernel timed twice as an A/A control:
   against `jax.jit` (loss and every gradient).
 
 Run: ``PYTHONPATH=src:benchmarks python benchmarks/pointwise_native.py
-{buckets,step} [--net demo|mobilenet|both] [--rounds N] [--reps N]``.
+{buckets,step} [--net demo|mobilenet|both] [--rounds N] [--reps N] [--profile N]``
+(``--quick``: tiny buckets, the smoke run).
 """
 
 from __future__ import annotations
@@ -76,13 +77,16 @@ def _min_of(fn, reps: int) -> float:
   return best
 
 
-def buckets(nets: list[str], rounds: int, reps: int) -> None:
+QUICK_BUCKETS = {"demo": [(2, 8, 8, 24)], "mobilenet": [(2, 8, 16, 8)]}
+
+
+def buckets(nets: list[str], rounds: int, reps: int, table=None) -> None:
   rng = np.random.default_rng(0)
   print("| step | 1x1 conv | form | xla (ms) | old kernel | old (ms) | native (ms) "
         "| native / old, median | range | A/A |")
   print("|---|---|---|---:|---|---:|---:|---:|---:|---:|")
   for net in nets:
-    for n, hw, ci, co in BUCKETS[net]:
+    for n, hw, ci, co in (table or BUCKETS)[net]:
       for form, spec in train_step_specs(n, hw, ci, co).items():
         old = "window_matmul" if form == "wgrad" else "matmul_1x1"
         a = jnp.asarray(rng.normal(size=spec.lhs_shape), jnp.float32)
@@ -229,7 +233,9 @@ def step(nets: list[str], rounds: int, reps: int, profile: int = 0) -> None:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("what", choices=("buckets", "step"))
+  parser.add_argument("what", choices=("buckets", "step"), nargs="?", default="buckets")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny buckets, one round (smoke); the step is not run")
   parser.add_argument("--net", choices=("demo", "mobilenet", "both"), default="both")
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--reps", type=int, default=3,
@@ -240,7 +246,9 @@ def main(argv=None) -> int:
   nets = ["demo", "mobilenet"] if args.net == "both" else [args.net]
   _conv_native_1x1.register()  # not registered by default
   print(f"load {os.getloadavg()[0]:.1f}; {_harness.machine_line()}", file=sys.stderr)
-  if args.what == "buckets":
+  if args.quick:
+    buckets(nets, 1, 1, QUICK_BUCKETS)
+  elif args.what == "buckets":
     buckets(nets, args.rounds, args.reps)
   else:
     if args.what == "step":
