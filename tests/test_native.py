@@ -215,3 +215,29 @@ def test_a_kernel_module_s_native_sources_are_part_of_its_source_hash(sources, m
   assert before == _registry.source_hash(module.kernel)
   (sources / "tiny.cc").write_text(TINY.replace("42", "7"))
   assert _registry.source_hash(module.kernel) != before
+
+
+@pytest.mark.slow
+def test_an_exported_program_calls_no_native_kernel(rng):
+  """`tj.jit(...).export()` leaves native kernels out, even pinned, even after a native call."""
+  needs_compiler()
+  import tunedjax as tj
+  from tunedjax import autotune
+
+  def loss(x, scale, bias):
+    return jnp.sum(jax.nn.relu(autotune.batch_norm(x, scale, bias)) ** 2)
+
+  x = jnp.asarray(rng.normal(size=(8, 4, 4, 6)), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, size=6), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=6), jnp.float32)
+  step = tj.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  with tj.config_context({"kernel": {"enable": True, "hints": {"batch_norm": "native"}}}):
+    want = step(x, scale, bias)  # the native kernel, traced and run
+    assert "tunedjax_TjBatchNorm" in jax.jit(step).lower(x, scale, bias).as_text()
+    with pytest.warns(UserWarning, match="native"):  # the hint cannot be honoured in an export
+      exported = step.export(x, scale, bias)
+  text = exported.mlir_module()
+  assert "tunedjax_" not in text
+  got = exported.call(x, scale, bias)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-5)

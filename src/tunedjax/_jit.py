@@ -37,6 +37,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from tunedjax import _errors
+from tunedjax import _native
 from tunedjax import _pipeline
 from tunedjax import _tuning
 from tunedjax._config import LEVELS
@@ -401,7 +402,7 @@ class Jitted(Generic[P, R]):
       return level, (level, config)
     session = self._session or _tuning.current_session()
     return level, (level, config, session, session.phase_key(config),
-                   _hints.active_hints(config))
+                   _hints.active_hints(config), _native.is_suspended())
 
   def _jitted(self) -> Any:
     level, state = self._state()
@@ -575,6 +576,9 @@ class Jitted(Generic[P, R]):
     Pallas convolution's Triton call, which kernel selection may have put in,
     is allowed (`jax.export` refuses custom calls without a stability
     guarantee): such an export runs only with the jaxlib that made it.
+    tunedjax's native CPU kernels are left out (`tunedjax._native.suspended`):
+    an exported program runs where tunedjax is not loaded, so its
+    convolutions and batch norms use the best kernel that is plain JAX.
 
     Args:
       *args: the arguments, as for a call.
@@ -599,7 +603,7 @@ class Jitted(Generic[P, R]):
       platform = self._platform or jax.default_backend()
       platforms = [_compat.lowering_platform(platform)]
     checks = [*disabled_checks, *_compat.tunedjax_custom_call_checks(platforms)]
-    with _compat.lowering_for(platforms, device_kind):
+    with _compat.lowering_for(platforms, device_kind), _native.suspended():
       return jax.export.export(self._jitted(), platforms=platforms,
                                disabled_checks=checks)(*args, **kwargs)
 

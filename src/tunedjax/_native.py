@@ -28,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -39,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -67,6 +70,7 @@ _LOCK = threading.RLock()
 _LIBRARIES: dict[str, ctypes.CDLL | None] = {}
 _REGISTERED: set[str] = set()
 _WARNED: set[str] = set()
+_SUSPENDED = contextvars.ContextVar("tunedjax_native_suspended", default=False)
 
 
 class NativeBuildError(RuntimeError):
@@ -237,9 +241,42 @@ def ffi_target(source: str, symbol: str) -> str | None:
 
 
 @functools.cache
-def available(source: str) -> bool:
-  """Whether ``csrc/<source>.cc``'s kernels can run here (built, loaded); cached per process."""
+def _builds(source: str) -> bool:
   return library(source) is not None
+
+
+def available(source: str) -> bool:
+  """Whether ``csrc/<source>.cc``'s kernels can run here: built and loaded, and not `suspended`.
+
+  The build's outcome is cached per process.
+  """
+  return not _SUSPENDED.get() and _builds(source)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """Within it, no native kernel is available: for programs that must run without tunedjax.
+
+  `tunedjax.jit`'s ``export`` traces under it, so an exported program never
+  calls a native kernel (which only a process that built and registered it
+  could run). It is part of `tj.jit`'s trace key, so the program traced
+  inside is a separate one.
+
+  Example:
+    >>> with suspended():
+    ...   available("depthwise"), is_suspended()
+    (False, True)
+  """
+  token = _SUSPENDED.set(True)
+  try:
+    yield
+  finally:
+    _SUSPENDED.reset(token)
+
+
+def is_suspended() -> bool:
+  """True inside `suspended`."""
+  return _SUSPENDED.get()
 
 
 def sources() -> list[str]:
@@ -274,4 +311,4 @@ def reset() -> None:
   with _LOCK:
     _LIBRARIES.clear()
     _WARNED.clear()
-  available.cache_clear()
+  _builds.cache_clear()

@@ -57,6 +57,8 @@ from tunedjax.rewrite import _compat
 
 SOURCE = "batch_norm"
 """The C++ file (``tunedjax/csrc/batch_norm.cc``) the kernel's handlers live in."""
+NATIVE_SOURCES = (SOURCE,)
+"""Part of the kernel's source hash (`_registry.source_hash`): a C++ edit re-tunes."""
 
 _SYMBOLS = {"float32": "F32", "float64": "F64"}
 

@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 NAME = "matmul_1x1_native"
 SOURCE = "pointwise"
+NATIVE_SOURCES = (SOURCE,)
+"""Part of the kernel's source hash (`_registry.source_hash`): a C++ edit re-tunes."""
 DTYPES = ("float32", "float64")
 _SUFFIX = {"float32": "F32", "float64": "F64"}
 
