@@ -83,7 +83,8 @@ def _geometry(spec: ConvSpec, *, window_strides=None, rhs_dilation=None) -> dict
   pads = tuple(lo for lo, _ in spec.padding)
   lhs_dil = spec.lhs_dilation
   if spec.num_spatial == 1:
-    strides, pads, lhs_dil, rhs_dil = ((1, *t) for t in (strides, pads, lhs_dil, rhs_dil))
+    strides, lhs_dil, rhs_dil = ((1, *t) for t in (strides, lhs_dil, rhs_dil))
+    pads = (0, *pads)
   names = ("stride", "pad", "lhs_dil", "rhs_dil")
   attrs = {}
   for name, (h, w) in zip(names, (strides, pads, lhs_dil, rhs_dil)):
