@@ -188,9 +188,9 @@ def test_differentiable_and_vmappable(rng):
   spec = _train_step_specs(1, shape=(2, 6, 7, 5))[0]
   x = jnp.asarray(rng.normal(size=(3, *spec.lhs_shape)), jnp.float32)
   w = jnp.asarray(rng.normal(size=spec.rhs_shape), jnp.float32)
-  ref = lambda l, r: lax.conv_general_dilated_p.bind(l, r, **spec.params())  # noqa: E731
-  mine = lambda l, r: _conv_native.conv_depthwise_native(l, r, spec)  # noqa: E731
-  loss = lambda conv: lambda l, r: jnp.sum(jax.vmap(conv, (0, None))(l, r) ** 2)  # noqa: E731
+  ref = lambda l, r: lax.conv_general_dilated_p.bind(l, r, **spec.params())
+  mine = lambda l, r: _conv_native.conv_depthwise_native(l, r, spec)
+  loss = lambda conv: lambda l, r: jnp.sum(jax.vmap(conv, (0, None))(l, r) ** 2)
   assert h.max_rel_err(jax.vmap(mine, (0, None))(x, w), jax.vmap(ref, (0, None))(x, w)) < 1e-5
   got = jax.jit(jax.grad(loss(mine), argnums=(0, 1)))(x, w)
   assert h.max_rel_err(got, jax.grad(loss(ref), argnums=(0, 1))(x, w)) < 1e-5
@@ -280,7 +280,7 @@ def _trace(f, *args):
 def test_a_cached_winner_where_native_kernels_are_off(tmp_path, rng):
   x = jnp.asarray(rng.normal(size=(2, 9, 9, 8)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(3, 3, 1, 8)), jnp.float32)
-  conv = lambda x, w: lax.conv_general_dilated(  # noqa: E731
+  conv = lambda x, w: lax.conv_general_dilated(
       x, w, (1, 1), "SAME", dimension_numbers=NHWC, feature_group_count=8)
   want = conv(x, w)
   spec = ConvSpec.from_arrays(x, w, padding="SAME", dimension_numbers=NHWC,

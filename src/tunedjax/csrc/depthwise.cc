@@ -153,15 +153,22 @@ inline void ConvTail(const T* x, const int64_t* xoff, const T* w,
   for (int64_t c = 0; c < cw; ++c) y[c] = acc[c];
 }
 
+#ifndef TJ_CONV_B
+#define TJ_CONV_B 4
+#endif
+#ifndef TJ_CONV_CB
+#define TJ_CONV_CB 32
+#endif
+
 template <typename T>
 struct ConvBlocking;
 template <>
 struct ConvBlocking<float> {
-  static constexpr int B = 4, CB = 32;
+  static constexpr int B = TJ_CONV_B, CB = TJ_CONV_CB;
 };
 template <>
 struct ConvBlocking<double> {
-  static constexpr int B = 4, CB = 16;
+  static constexpr int B = TJ_CONV_B, CB = TJ_CONV_CB / 2;
 };
 
 template <typename T>
