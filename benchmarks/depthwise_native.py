@@ -20,8 +20,8 @@ Run: `PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/depthwise_native.py
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import sys
 import tempfile
 import warnings
@@ -89,6 +89,10 @@ def _form(spec: ConvSpec) -> str:
   return "input gradient" if spec.dimension_numbers[1] != (3, 2, 0, 1) else "forward"
 
 
+def _run_kernel(fn: Any, lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  return jax.block_until_ready(fn(lhs, rhs, spec))
+
+
 def time_buckets(net: str, rounds: int) -> list[str]:
   rows = []
   rng = np.random.default_rng(1)
@@ -99,7 +103,7 @@ def time_buckets(net: str, rounds: int) -> list[str]:
     for name in KERNELS:
       fn = jax.jit(reg.get_kernel("conv", name).fn, static_argnums=2)
       outs[name] = np.asarray(fn(lhs, rhs, spec))
-      variants[name] = (lambda f: lambda: jax.block_until_ready(f(lhs, rhs, spec)))(fn)
+      variants[name] = functools.partial(_run_kernel, fn, lhs, rhs, spec)
     scale = float(np.max(np.abs(outs["xla"])))
     err = float(np.max(np.abs(outs["depthwise_native"] - outs["xla"]))) / scale
     t = _harness.interleaved(variants, baseline="depthwise", rounds=rounds, warmup=1)
@@ -112,7 +116,31 @@ def time_buckets(net: str, rounds: int) -> list[str]:
   return rows
 
 
-def time_steps(net: str, rounds: int, cache_dir: str) -> list[str]:
+def _by_form(wgrad: str, channel: str) -> Any:
+  """A kernel running the weight-gradient form on `wgrad` and the channel form on `channel`."""
+  fns = {name: reg.get_kernel("conv", name).fn for name in (wgrad, channel)}
+
+  def fn(lhs, rhs, spec):
+    return fns[wgrad if spec.batch_group_count > 1 else channel](lhs, rhs, spec)
+
+  return fn
+
+
+SPLITS = {  # benchmark-only kernels: depthwise_native for one form, depthwise for the other
+    "native_wgrad_only": ("depthwise_native", "depthwise"),
+    "native_channel_only": ("depthwise", "depthwise_native"),
+}
+
+
+def register_splits() -> None:
+  def both(spec, platform):
+    return all(reg.get_kernel("conv", k).applicable(spec, platform) for k in KERNELS[:2])
+
+  for name, (wgrad, channel) in SPLITS.items():
+    reg.register_kernel("conv", name, _by_form(wgrad, channel), applicable=both, replace=True)
+
+
+def time_steps(net: str, rounds: int, cache_dir: str, split: bool = False) -> list[str]:
   step, args = net_step(net)
   session = autotune.TuningSession()
   cache = {"dir": cache_dir}
@@ -124,7 +152,9 @@ def time_steps(net: str, rounds: int, cache_dir: str) -> list[str]:
                                            "hints": {"conv": "depthwise_native"}}},
       "tuned": {"kernel": {"enable": True}},
   }
-  for name in ("tuned", "hint depthwise", "hint depthwise_native"):
+  for split_name in SPLITS if split else ():
+    configs[f"hint {split_name}"] = {"kernel": {"enable": True, "hints": {"conv": split_name}}}
+  for name in ("tuned", *(n for n in configs if n != "tuned")):
     config = {**configs[name], "cache": cache}
     with tj.config_context(config), warnings.catch_warnings():
       warnings.simplefilter("ignore", HintWarning)
@@ -139,12 +169,16 @@ def time_steps(net: str, rounds: int, cache_dir: str) -> list[str]:
         return jax.block_until_ready(fn(*args))
 
     variants[name] = run
+    if name == "tuned" and split:
+      register_splits()  # after the tuned step: the tuner never times them
   ref = jax.tree.leaves(outs["hint depthwise"])
   for name, out in outs.items():
     err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
               for a, b in zip(jax.tree.leaves(out), ref))
     print(f"{net} {name} vs hint depthwise: max relative error {err:.1e}", file=sys.stderr)
   t = _harness.interleaved(variants, baseline="hint depthwise", rounds=rounds, warmup=1)
+  for split_name in SPLITS if split else ():
+    reg.unregister_kernel("conv", split_name)
   rows = []
   for name in (*variants, _harness.CONTROL):
     lo, hi = t.spread(name)
@@ -160,6 +194,8 @@ def main(argv=None) -> int:
   parser.add_argument("--net", choices=("demo", "mobilenet", "both"), default="both")
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--cache-dir", default=None, help="tuning cache (default: a fresh one)")
+  parser.add_argument("--split", action="store_true",
+                      help="also pin depthwise_native for one form only (each way round)")
   args = parser.parse_args(argv)
   nets = ("demo", "mobilenet") if args.net == "both" else (args.net,)
   print(f"load average {os.getloadavg()}", flush=True)
@@ -174,7 +210,7 @@ def main(argv=None) -> int:
     print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
       for net in nets:
-        time_steps(net, args.rounds, args.cache_dir or tmp)
+        time_steps(net, args.rounds, args.cache_dir or tmp, split=args.split)
   print(f"load average {os.getloadavg()}", flush=True)
   return 0
 
