@@ -27,6 +27,10 @@ import tempfile
 import warnings
 from typing import Any
 
+# vs_pytorch re-runs a script under .venv-torch when torch is missing; only its JAX side
+# is used here.
+os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")
+
 import _harness
 import jax
 import jax.numpy as jnp
@@ -44,16 +48,19 @@ from tunedjax.autotune._hints import HintWarning
 KERNELS = ("depthwise", "depthwise_native", "xla")
 
 
+QUICK = False  # --quick: vs_pytorch's --quick sizes
+
+
 def net_step(net: str) -> tuple[Any, tuple[Any, ...]]:
   """The step function and its arguments, as `vs_pytorch.run_net` builds them."""
   rng = np.random.default_rng(0)
   if net == "mobilenet":
-    batch, size = 32, 64
+    batch, size = (4, 32) if QUICK else (32, 64)
     params, loss, _ = vs_pytorch.mobilenet_jax(rng)
     step, state = vs_pytorch.mobilenet_step(loss), (params,)
   else:
-    batch, size = 128, 32
-    params, stats, step = vs_pytorch.demo_jax(32)
+    width, batch, size = (8, 8, 16) if QUICK else (32, 128, 32)
+    params, stats, step = vs_pytorch.demo_jax(width)
     state = (params, stats)
   x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
   y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
@@ -196,7 +203,11 @@ def main(argv=None) -> int:
   parser.add_argument("--cache-dir", default=None, help="tuning cache (default: a fresh one)")
   parser.add_argument("--split", action="store_true",
                       help="also pin depthwise_native for one form only (each way round)")
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, one round (smoke)")
   args = parser.parse_args(argv)
+  if args.quick:
+    global QUICK
+    QUICK, args.rounds, args.net = True, 1, "demo"
   nets = ("demo", "mobilenet") if args.net == "both" else (args.net,)
   print(f"load average {os.getloadavg()}", flush=True)
   if args.part in ("buckets", "both"):
