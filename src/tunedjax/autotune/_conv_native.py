@@ -13,10 +13,13 @@ The same two forms the ``depthwise`` kernel handles, by the handlers of
 
 Operands are transposed to channels-last (`_conv_layout`; XLA folds the
 transposes into neighbours) and 1-D convolutions run as 2-D ones of unit
-height. The handlers compute in float32 or float64: the kernel computes in
-`_conv_layout.accumulation_dtype` (preferred_element_type, else at least
-float32), so float16 and bfloat16 operands are cast to float32 and the result
-cast back to the equation's output dtype, as the other conv kernels do. The
+height. The handlers compute in float32 or float64, the operands' dtype
+(`_conv_layout.accumulation_dtype` must be that dtype: preferred_element_type
+None or the operands' own). float16 and bfloat16 operands are left to the
+other kernels: cast to float32 around the call they measured 4.5x slower than
+``depthwise`` on the demo's forward and input gradient (the casts are copies
+that XLA cannot fuse into an FFI call; ``depthwise`` fuses them into its taps;
+BENCHMARKS.md, "Native depthwise kernels (issue 20)"). The
 kernel is applicable on CPU only, and only where the native library is
 built (`tunedjax._native.available`): with ``TUNEDJAX_NATIVE=0`` or without
 a C++ compiler the tuner never considers it. Results are bitwise
@@ -170,10 +173,10 @@ def conv_depthwise_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
 
 
 def supports(spec: ConvSpec) -> bool:
-  """The convolutions the handlers compute: either depthwise form, 1-D or 2-D, float."""
+  """Either depthwise form, 1-D or 2-D, float32 or float64 computed in that dtype."""
   if spec.num_spatial not in (1, 2) or not layout.is_float(spec):
     return False
-  if layout.accumulation_dtype(spec).name not in _SUFFIX:
+  if spec.lhs_dtype not in _SUFFIX or layout.accumulation_dtype(spec).name != spec.lhs_dtype:
     return False
   return is_channel_form(spec) or is_weight_grad_form(spec)
 
