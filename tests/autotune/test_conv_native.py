@@ -22,6 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import tunedjax as tj
 from tests.autotune import selection_helpers as h
@@ -319,3 +321,25 @@ def test_export_for_cuda_lowers_a_depthwise_model(tmp_path, rng):
   assert exported.platforms == ("cuda",)
   assert "tunedjax_" not in exported.mlir_module()
   assert all("depthwise_native" not in k for k in f.report(memory=False).last.kernels)
+
+
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_sharded_batch(axes, tmp_path, rng, mesh8_auto, mesh8_explicit):
+  # The FFI call has no partitioning rule: on a sharded batch XLA gathers its
+  # operands and runs it whole, which must still give jax.jit's result.
+  mesh = {"auto": mesh8_auto, "explicit": mesh8_explicit}[axes]
+  params, x = _model_args(rng)
+  x = jnp.concatenate([x, x * 0.5])  # batch 8: one image per device
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  grad = jax.grad(_model)
+  want = jax.jit(grad)(params, x)
+  config = {"cache": {"dir": str(tmp_path / "cache")}, "layout": {"enable": False},
+            "mixed_precision": {"enable": False},
+            "kernel": {"enable": True, "hints": {"conv": "depthwise_native"}}}
+  with tj.config_context(config):
+    f = tj.jit(grad)
+    got = f(params, x)
+    kernels = f.report(memory=False).last.kernels
+  assert kernels == {"conv depthwise_native (hint)": 5}, kernels
+  assert h.max_rel_err(got, want) < 1e-5
