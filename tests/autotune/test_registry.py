@@ -97,8 +97,8 @@ def test_convspec_from_equation_rejects_other_primitives():
 
 def test_builtin_kernels_in_order():
   names = [k.name for k in reg.kernels("conv")]
-  assert names[:7] == ["xla", "matmul_1x1", "im2col", "window_matmul", "fft", "depthwise",
-                       "pallas"]
+  assert names[:8] == ["xla", "matmul_1x1", "im2col", "window_matmul", "fft", "depthwise",
+                       "depthwise_native", "pallas"]
   for k in reg.kernels("conv"):
     assert k.op == "conv" and len(k.source_hash) == 16
     int(k.source_hash, 16)

@@ -4,7 +4,8 @@ Its spec is `ConvSpec`; its bucket key holds the operand shapes (exact, or
 batch and spatial sizes rounded up to powers of two with ``kernel.bucket =
 "pow2"``), the dtypes and every convolution parameter; its kernels are
 ``xla`` (the equation as written, the reference), ``matmul_1x1``, ``im2col``,
-``window_matmul``, ``fft``, ``depthwise`` and ``pallas``.
+``window_matmul``, ``fft``, ``depthwise``, ``depthwise_native`` (C++, CPU,
+where the native library builds) and ``pallas``.
 
 Example:
   >>> from tunedjax.autotune import _registry
@@ -30,7 +31,8 @@ from tunedjax.autotune._conv_spec import ConvSpec
 
 NAME = "conv"
 PRIMITIVE = "conv_general_dilated"
-_KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_pallas")
+_KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_native",
+                  "_conv_pallas")
 
 
 def bucket_shapes(spec: Any, bucket: str = "exact") -> tuple[tuple[int, ...], tuple[int, ...]]:
