@@ -54,7 +54,11 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   assert not loader["from_cache"]
   assert loader["trials"] or loader["stopped"] == "no payback" or (
       loader["stopped"] == "consumer-bound" and loader["step_s"] > loader["batch_s"] > 0)
-  assert any(k.endswith("(tuned)") for k in tuned["kernels"])
+  # Each bucket was decided in this run: timed, or kept because tuning it could
+  # not pay back within the quick run's few steps (on a loaded machine, with
+  # more candidates per bucket, that can be every bucket).
+  assert tuned["kernels"] and any(k.endswith(("(tuned)", "(cannot pay back)"))
+                                  for k in tuned["kernels"])
   assert report["ratios"]["wall"] == pytest.approx(base["wall_s"] / tuned["wall_s"])
   # Convolutions and, routed from Flax's BatchNorm, batch norms: each row's
   # kernel is one of its own family's (the bucket label starts with the family).
