@@ -156,6 +156,8 @@ FAMILY = _registry.OpFamily(
     name=NAME, spec_type=ConvSpec, key=conv_key, operands=conv_operands, default="xla",
     primitive=PRIMITIVE, from_equation=ConvSpec.from_equation, describe=describe_conv)
 
+_KERNEL_MODULES += ("_conv_native_direct",)  # dense small windows in C++ (issue 20)
+
 
 def register() -> None:
   """Registers the family and its built-in kernels, in order (xla first)."""
