@@ -12,7 +12,7 @@ dimension numbers, padding (negative too), strides, lhs and rhs dilation:
   output pixels x output channels kept in registers, broadcast-FMA over
   (tap, input channel);
 * the *weight-gradient form*, 2 to 49 output positions (each side at most 7)
-  and a larger window: the weight gradient of a dense conv as JAX emits it
+  and a window with a side over 7: the weight gradient of a dense conv as JAX emits it
   (the input's batch and channel dimensions swapped, the output gradient as
   the "kernel", the kernel's taps as the output positions). Per tap, an
   in-channel x out-channel tile accumulated over the batch's positions in
@@ -128,8 +128,8 @@ def is_window_form(spec: ConvSpec) -> bool:
 
 
 def is_weight_grad_form(spec: ConvSpec) -> bool:
-  """Not the window form; 2 to 49 output positions, each side at most 7."""
-  return (not is_window_form(spec)
+  """A window side over 7; 2 to 49 output positions, each side at most 7."""
+  return (max(layout.rhs_shape_channels_last(spec)[:-2]) > MAX_SIDE
           and _sides_within(layout.out_shape_channels_last(spec)[1:-1]))
 
 
