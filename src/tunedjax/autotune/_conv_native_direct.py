@@ -2,7 +2,7 @@
 
 Two handlers of ``tunedjax/csrc/direct_conv.cc``, built on first use by
 `tunedjax._native`, cover the dense (``feature_group_count ==
-batch_group_count == 1``) 2-D convolutions of a train step, with any
+batch_group_count == 1``) 1-D and 2-D convolutions of a train step, with any
 dimension numbers, padding (negative too), strides, lhs and rhs dilation:
 
 * the *window form*, a kernel window of 2 to 49 taps (each side at most 7):
@@ -43,12 +43,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
@@ -76,46 +78,97 @@ def _target(handler: str, dtype: str) -> str:
 
 
 def _attrs(spec: ConvSpec) -> dict[str, np.int64]:
-  (sh, sw), (lh, lw), (rh, rw) = spec.window_strides, spec.lhs_dilation, spec.rhs_dilation
-  (ph, _), (pw, _) = spec.padding
+  """The geometry attributes, height first; a 1-D conv is a 2-D one of height 1."""
+  one = ((1,), ((0, 0),), (1,), (1,)) if spec.num_spatial == 1 else ((), (), (), ())
+  (sh, sw) = one[0] + tuple(spec.window_strides)
+  (ph, _), (pw, _) = one[1] + tuple(spec.padding)
+  (lh, lw) = one[2] + tuple(spec.lhs_dilation)
+  (rh, rw) = one[3] + tuple(spec.rhs_dilation)
   return {"stride_h": np.int64(sh), "stride_w": np.int64(sw), "pad_h": np.int64(ph),
           "pad_w": np.int64(pw), "lhs_dil_h": np.int64(lh), "lhs_dil_w": np.int64(lw),
           "rhs_dil_h": np.int64(rh), "rhs_dil_w": np.int64(rw)}
 
 
+def _as_2d(x: Any, spec: ConvSpec) -> Any:
+  """A channels-last 1-D operand ``(A, W, B)`` as ``(A, 1, W, B)``; 2-D as it is."""
+  return x[:, None] if spec.num_spatial == 1 else x
+
+
 def _window_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  x = layout.lhs_to_channels_last(lhs, spec)  # (N, H, W, CI)
+  x = _as_2d(layout.lhs_to_channels_last(lhs, spec), spec)  # (N, H, W, CI)
   w = layout.rhs_to_channels_last(rhs, spec)  # (KH, KW, CI, CO)
+  w = w[None] if spec.num_spatial == 1 else w
   out_cl = layout.out_shape_channels_last(spec)
+  shape = (out_cl[0], 1, *out_cl[1:]) if spec.num_spatial == 1 else out_cl
   call = jax.ffi.ffi_call(_target("Conv", spec.lhs_dtype),
-                          jax.ShapeDtypeStruct(out_cl, jnp.dtype(spec.out_dtype)))
-  return layout.out_from_channels_last(call(x, w, **_attrs(spec)), spec)
+                          jax.ShapeDtypeStruct(shape, jnp.dtype(spec.out_dtype)),
+                          vmap_method="sequential")
+  y = call(x, w, **_attrs(spec)).reshape(out_cl)
+  return layout.out_from_channels_last(y, spec)
 
 
 def _weight_grad_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   ls, rs, os_ = spec.dimension_numbers
-  # lhs as (feature, H, W, batch) and rhs as (in, H, W, out): for the weight
-  # gradient of an NHWC conv, the layouts they already have (x as N, H, W, CI
-  # and the output gradient as N, OH, OW, CO).
-  x = layout.maybe_transpose(lhs, (ls[1], *ls[2:], ls[0]))
-  g = layout.maybe_transpose(rhs, (rs[1], *rs[2:], rs[0]))
+  # lhs as (feature, *spatial, batch) and rhs as (in, *spatial, out): for the
+  # weight gradient of an NHWC conv, the layouts they already have (x as N, H,
+  # W, CI and the output gradient as N, OH, OW, CO).
+  x = _as_2d(layout.maybe_transpose(lhs, (ls[1], *ls[2:], ls[0])), spec)
+  g = _as_2d(layout.maybe_transpose(rhs, (rs[1], *rs[2:], rs[0])), spec)
   shape = spec.out_shape
-  canonical = (*(shape[d] for d in os_[2:]), shape[os_[0]], shape[os_[1]])  # (PH, PW, B, F)
+  canonical = (*(shape[d] for d in os_[2:]), shape[os_[0]], shape[os_[1]])  # (*P, B, F)
   call = jax.ffi.ffi_call(_target("Wgrad", spec.lhs_dtype),
-                          jax.ShapeDtypeStruct(canonical, jnp.dtype(spec.out_dtype)))
-  y = call(x, g, **_attrs(spec))
-  perm = [0] * 4  # out axis os_[k] <- canonical axis
-  perm[os_[0]], perm[os_[1]] = 2, 3
-  perm[os_[2]], perm[os_[3]] = 0, 1
+                          jax.ShapeDtypeStruct(((1,) if spec.num_spatial == 1 else ())
+                                               + canonical, jnp.dtype(spec.out_dtype)),
+                          vmap_method="sequential")
+  y = call(x, g, **_attrs(spec)).reshape(canonical)
+  nsp = spec.num_spatial
+  perm = [0] * (nsp + 2)  # out axis os_[k] <- canonical axis
+  perm[os_[0]], perm[os_[1]] = nsp, nsp + 1
+  for i, d in enumerate(os_[2:]):
+    perm[d] = i
   return layout.maybe_transpose(y, tuple(perm))
 
 
-def conv_direct_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  """A dense small-window conv (or a dense weight gradient) by a native direct kernel."""
+def _forward(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   with layout.kernel_scope("direct_native"):
     if is_window_form(spec):
       return _window_form(lhs, rhs, spec)
     return _weight_grad_form(lhs, rhs, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  return _forward(lhs, rhs, spec)
+
+
+def _conv_fwd(lhs: Any, rhs: Any, spec: ConvSpec) -> tuple[Any, tuple[Any, Any]]:
+  return _forward(lhs, rhs, spec), (lhs, rhs)
+
+
+def _conv_bwd(spec: ConvSpec, residuals: tuple[Any, Any], cot: Any) -> Any:
+  lhs, rhs = residuals
+  params = spec.params()
+  _, vjp = jax.vjp(lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), lhs, rhs)
+  return vjp(cot)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def conv_direct_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  """A dense small-window conv (or a dense weight gradient) by the native CPU handlers.
+
+  Args:
+    lhs: the equation's input (in the weight-gradient form, the layer's input).
+    rhs: the equation's kernel (in the weight-gradient form, the output gradient).
+    spec: the convolution; must be `applicable` on "cpu".
+
+  Returns:
+    The equation's output, in its dtype and layout. Differentiating it
+    differentiates the XLA convolution (in a train step the backward
+    convolutions are equations of their own, tuned separately).
+  """
+  return _conv(lhs, rhs, spec)
 
 
 def _sides_within(sides: tuple[int, ...]) -> bool:
@@ -135,14 +188,14 @@ def is_weight_grad_form(spec: ConvSpec) -> bool:
 
 def _dense_2d(spec: ConvSpec) -> bool:
   pet = spec.preferred_element_type
-  return (spec.num_spatial == 2 and spec.feature_group_count == 1
+  return (spec.num_spatial in (1, 2) and spec.feature_group_count == 1
           and spec.batch_group_count == 1
           and spec.lhs_dtype == spec.rhs_dtype == spec.out_dtype
           and spec.lhs_dtype in _SYMBOLS and pet in (None, spec.lhs_dtype))
 
 
 def applicable(spec: ConvSpec, platform: str) -> bool:
-  """On CPU with the native library built: a dense 2-D conv of either form, float32/64."""
+  """On CPU with the native library built: a dense 1-D/2-D conv of either form, float32/64."""
   if platform != "cpu" or not _dense_2d(spec):
     return False
   if not (is_window_form(spec) or is_weight_grad_form(spec)):

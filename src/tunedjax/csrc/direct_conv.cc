@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "tj_parallel.h"
@@ -377,11 +378,33 @@ ffi::Error DirectWgrad(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   constexpr int L = Vec<T>::kLanes;
   const T* xp = x.typed_data();
   const T* gp = g.typed_data();
-  if (F > L) {  // 8 pairs x 2 vectors
-    WgradAll<T, 8, 2>(pool, xp, gp, op, C, ah, aw, B, GH, GW, F, PH, PW);
-  } else {  // narrow: 12 pairs x 1 vector
-    WgradAll<T, 12, 1>(pool, xp, gp, op, C, ah, aw, B, GH, GW, F, PH, PW);
+  // The tile height MB (pairs of tap column and input channel) that wastes
+  // the fewest rows on the last group; ties go to the taller tile.
+  int64_t pairs = PW * B;
+  auto pick = [pairs](std::initializer_list<int> sizes) {
+    int best = 0;
+    int64_t best_slots = 0;
+    for (int mb : sizes) {
+      int64_t slots = (pairs + mb - 1) / mb * mb;
+      if (best == 0 || slots <= best_slots) best = mb, best_slots = slots;
+    }
+    return best;
+  };
+#define TJ_WGRAD(MB, NV) \
+  case MB:               \
+    WgradAll<T, MB, NV>(pool, xp, gp, op, C, ah, aw, B, GH, GW, F, PH, PW); \
+    break;
+  if (F > L) {  // 2 vectors of output channels: up to 14 x 2 accumulators
+    switch (pick({4, 6, 8, 10, 12, 14})) {
+      TJ_WGRAD(4, 2) TJ_WGRAD(6, 2) TJ_WGRAD(8, 2) TJ_WGRAD(10, 2) TJ_WGRAD(12, 2)
+      TJ_WGRAD(14, 2)
+    }
+  } else {  // narrow: 1 vector, up to 24 accumulators
+    switch (pick({8, 12, 16, 20, 24})) {
+      TJ_WGRAD(8, 1) TJ_WGRAD(12, 1) TJ_WGRAD(16, 1) TJ_WGRAD(20, 1) TJ_WGRAD(24, 1)
+    }
   }
+#undef TJ_WGRAD
   return ffi::Error::Success();
 }
 
