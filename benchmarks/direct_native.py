@@ -7,25 +7,27 @@ step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
    conv bucket where ``direct_native`` is a candidate holds the tuner's
    timings of it and of ``xla``, ``im2col``, ``window_matmul`` (the table:
    each kernel's median over the tuner's rounds, and the chosen one).
-2. A copy of that cache has each ``direct_native`` winner set back to the
+2. Copies of that cache have ``direct_native``'s winners set back to the
    kernel the tuner would have chosen without it (the fastest other candidate
-   that beat ``xla`` by the tuner's margin, else ``xla``): the family's
-   current winner. With ``--only window`` (or ``wgrad``) only that form's
-   winners are set back, so the two forms are measured apart.
-3. One process, both compiled steps (after a check of one step against
-   `jax.jit`): timed in interleaved rounds (`_harness.interleaved`, rotated
-   order, the baseline timed twice as an A/A control); the ratio is the
-   median of per-round ratios ``direct_native / current``.
+   that beat ``xla`` by the tuner's margin, else ``xla``): in every bucket
+   ("current", the family's winners before this kernel), in the
+   weight-gradient buckets only ("window form only") or in the window buckets
+   only ("weight-gradient form only"); the tuned cache itself is "both forms".
+3. One process, the four compiled steps (each checked against `jax.jit` on
+   one step first): timed in interleaved rounds (`_harness.interleaved`,
+   rotated order, "current" timed twice as an A/A control); each ratio is the
+   median of per-round ratios to "current".
 
 Run from the repository root:
 
   PYTHONPATH=src:benchmarks python benchmarks/direct_native.py [--net demo|mobilenet|both]
-      [--rounds N] [--quick] [--only window|wgrad]
+      [--rounds N] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import statistics
@@ -85,7 +87,7 @@ def autotune_describe(key: dict[str, Any]) -> str:
   return describe_conv(key)
 
 
-def run(net: str, rounds: int, quick: bool, only: str | None = None) -> None:
+def run(net: str, rounds: int, quick: bool) -> None:
   rng = np.random.default_rng(0)
   if net == "mobilenet":
     batch, size = (4, 32) if quick else (32, 64)
@@ -101,41 +103,42 @@ def run(net: str, rounds: int, quick: bool, only: str | None = None) -> None:
   args = (*jax_args, x, y)
 
   tmp = tempfile.mkdtemp(prefix="direct_native_")
-  tuned, before = os.path.join(tmp, "tuned"), os.path.join(tmp, "before")
-  config = {"kernel": {"enable": True}, "cache": {"dir": tuned}}
-  with tj.config_context(config):
-    native_step = tj.jit(step, session=autotune.TuningSession())
+  tuned = os.path.join(tmp, "tuned")
+  with tj.config_context({"kernel": {"enable": True}, "cache": {"dir": tuned}}):
     start = time.perf_counter()
-    jax.block_until_ready(native_step(*args))
+    jax.block_until_ready(tj.jit(step, session=autotune.TuningSession())(*args))
   print(f"{net}: tuned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
   print("| bucket (form) | xla (ms) | im2col (ms) | window_matmul (ms) | direct_native (ms) | "
         "chosen | current winner | direct_native / current |\n"
         "|---|---:|---:|---:|---:|---|---|---:|")
   print("\n".join(bucket_rows(tuned)))
 
-  shutil.copytree(tuned, before, ignore=shutil.ignore_patterns("native"))
-  cache = autotune.Cache(before)
-  for entry in cache.entries("conv"):
-    if entry.value["winner"] == NEW and only is not None and _form(entry.key) != only:
-      continue  # --only FORM: the other form keeps direct_native in both steps
-    if entry.value["winner"] == NEW:
-      cache.put("conv", entry.key,
-                {**entry.value, "winner": _without_native(entry.value)})
-  before_config = {"kernel": {"enable": True}, "cache": {"dir": before}}
-  with tj.config_context(before_config):
-    before_step = tj.jit(step, session=autotune.TuningSession())
-    jax.block_until_ready(before_step(*args))
+  # The same tuned cache with direct_native's winners set back to the current
+  # winner: in every bucket ("current"), in the weight-gradient buckets only
+  # (the window form kept) and in the window buckets only.
+  variants = {"current": ("window", "wgrad"), "window form only": ("wgrad",),
+              "weight-gradient form only": ("window",), "both forms": ()}
+  configs = {}
+  for name, revert in variants.items():
+    folder = os.path.join(tmp, name.replace(" ", "_"))
+    shutil.copytree(tuned, folder, ignore=shutil.ignore_patterns("native"))
+    cache = autotune.Cache(folder)
+    for entry in cache.entries("conv"):
+      if entry.value["winner"] == NEW and _form(entry.key) in revert:
+        cache.put("conv", entry.key, {**entry.value, "winner": _without_native(entry.value)})
+    configs[name] = {"kernel": {"enable": True}, "cache": {"dir": folder}}
 
   ref = jax.jit(step)(*args)
-  for name, fn, conf in ((NEW, native_step, config),
-                         ("current", before_step, before_config)):
+  steps = {}
+  for name, conf in configs.items():
     with tj.config_context(conf):
+      fn = steps[name] = tj.jit(step, session=autotune.TuningSession())
       got = fn(*args)
-      chosen = [str(c) for c in fn.report(memory=False).last.kernel_report.of("conv")
-                 if NEW in str(c) or "window_matmul" in str(c)]
+      chosen = collections.Counter(
+          str(c) for c in fn.report(memory=False).last.kernel_report.of("conv"))
     err = vs_pytorch.agreement(float(got[0]), vs_pytorch.flat_names(got[1]), float(ref[0]),
                                vs_pytorch.flat_names(ref[1]))
-    print(f"{net}: {name}: one step vs jax.jit {err:.1e}; conv sites: {chosen}",
+    print(f"{net}: {name}: one step vs jax.jit {err:.1e}; conv sites: {dict(chosen)}",
           file=sys.stderr)
 
   def timed(fn, conf):
@@ -145,10 +148,9 @@ def run(net: str, rounds: int, quick: bool, only: str | None = None) -> None:
     return call
 
   load = os.getloadavg()[0]
-  t = _harness.interleaved({"current": timed(before_step, before_config),
-                            NEW: timed(native_step, config)},
+  t = _harness.interleaved({name: timed(steps[name], configs[name]) for name in variants},
                            baseline="current", rounds=rounds, warmup=1)
-  print(f"\n{net} step ({only or 'both'} forms), {rounds} rounds, load {load:.1f} before, "
+  print(f"\n{net} step, {rounds} rounds, load {load:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after")
   print(_harness.ratio_table(t))
   shutil.rmtree(tmp, ignore_errors=True)
@@ -159,12 +161,10 @@ def main(argv=None) -> int:
   parser.add_argument("--net", choices=("demo", "mobilenet", "both"), default="both")
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
-  parser.add_argument("--only", choices=("window", "wgrad"), default=None,
-                      help="measure one form: the other form's winners stay direct_native")
   args = parser.parse_args(argv)
   print(_harness.machine_line())
   for net in ("mobilenet", "demo") if args.net == "both" else (args.net,):
-    run(net, args.rounds, args.quick, args.only)
+    run(net, args.rounds, args.quick)
   return 0
 
 
