@@ -22,6 +22,9 @@ Run from the repository root:
 
   PYTHONPATH=src:benchmarks python benchmarks/direct_native.py [--net demo|mobilenet|both]
       [--rounds N] [--quick]
+  PYTHONPATH=src:benchmarks python benchmarks/direct_native.py --buckets [--rounds N]
+      (each dense-window bucket of the two steps alone: the kernels' times as
+      ratios to xla's, interleaved, xla timed twice as A/A)
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import vs_pytorch  # pylint: disable=wrong-import-position
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _conv_native_direct as direct  # pylint: disable=wrong-import-position
-from tunedjax.autotune import _tuner  # pylint: disable=wrong-import-position
+from tunedjax.autotune import _registry, _tuner  # pylint: disable=wrong-import-position
 from tunedjax.autotune._conv_spec import ConvSpec  # pylint: disable=wrong-import-position
 
 KERNELS = ("xla", "im2col", "window_matmul", "direct_native")
@@ -85,6 +88,55 @@ def bucket_rows(cache_dir: str) -> list[str]:
 def autotune_describe(key: dict[str, Any]) -> str:
   from tunedjax.autotune._conv_family import describe_conv  # pylint: disable=import-outside-toplevel
   return describe_conv(key)
+
+
+_NHWC = ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))      # forward
+_DGRAD = ((0, 3, 1, 2), (2, 3, 0, 1), (0, 3, 1, 2))     # input gradient
+_WGRAD = ((3, 0, 1, 2), (3, 0, 1, 2), (2, 3, 0, 1))     # weight gradient
+
+
+def _bucket(lhs, rhs, strides, padding, rhs_dil, dn) -> ConvSpec:
+  return ConvSpec(lhs, rhs, "float32", "float32", "float32", strides, padding, (1, 1),
+                  rhs_dil, dn, 1, 1, None, None)
+
+
+# The dense-window convolutions of the two steps (vs_pytorch.py's), as their jaxprs have them.
+BUCKETS = {
+    "MobileNet stem, forward (32x64x64x3, 3x3x3x32, s2)":
+        _bucket((32, 64, 64, 3), (3, 3, 3, 32), (2, 2), ((1, 1), (1, 1)), (1, 1), _NHWC),
+    "MobileNet stem, weight gradient":
+        _bucket((32, 64, 64, 3), (32, 32, 32, 32), (1, 1), ((1, 0), (1, 0)), (2, 2), _WGRAD),
+    "demo stem, forward (128x32x32x3, 3x3x3x32)":
+        _bucket((128, 32, 32, 3), (3, 3, 3, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _NHWC),
+    "demo stem, weight gradient":
+        _bucket((128, 32, 32, 3), (128, 32, 32, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _WGRAD),
+    "demo bottleneck 3x3, forward (128x8x8x32, 3x3x32x32)":
+        _bucket((128, 8, 8, 32), (3, 3, 32, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _NHWC),
+    "demo bottleneck 3x3, input gradient":
+        _bucket((128, 8, 8, 32), (3, 3, 32, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _DGRAD),
+    "demo bottleneck 3x3, weight gradient":
+        _bucket((128, 8, 8, 32), (128, 8, 8, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _WGRAD),
+}
+
+
+def run_buckets(rounds: int) -> None:
+  """Each bucket's applicable kernels (fft and pallas left out) timed alone, interleaved."""
+  rng = np.random.default_rng(0)
+  print("| bucket | xla (ms) | im2col | window_matmul | direct_native | A/A | load |\n"
+        "|---|---:|---:|---:|---:|---:|---:|")
+  for name, spec in BUCKETS.items():
+    x = jnp.asarray(rng.normal(size=spec.lhs_shape).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=spec.rhs_shape).astype(np.float32))
+    variants = {}
+    for kernel in _registry.applicable_kernels(spec, "cpu", "conv"):
+      if kernel.name in KERNELS:
+        fn = jax.jit(lambda a, b, k=kernel, s=spec: k.fn(a, b, s))
+        variants[kernel.name] = lambda fn=fn, x=x, w=w: jax.block_until_ready(fn(x, w))
+    load = os.getloadavg()[0]
+    t = _harness.interleaved(variants, baseline="xla", rounds=rounds, warmup=1)
+    cells = [f"{t.ratio(k):.2f}" if k in variants else "-" for k in KERNELS[1:]]
+    print(f"| {name} | {t.median('xla') * 1e3:.2f} | {' | '.join(cells)} | "
+          f"{t.ratio(_harness.CONTROL):.2f} | {load:.1f} |")
 
 
 def run(net: str, rounds: int, quick: bool) -> None:
@@ -161,8 +213,13 @@ def main(argv=None) -> int:
   parser.add_argument("--net", choices=("demo", "mobilenet", "both"), default="both")
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
+  parser.add_argument("--buckets", action="store_true",
+                      help="time the dense-window buckets alone instead of the steps")
   args = parser.parse_args(argv)
   print(_harness.machine_line())
+  if args.buckets:
+    run_buckets(args.rounds)
+    return 0
   for net in ("mobilenet", "demo") if args.net == "both" else (args.net,):
     run(net, args.rounds, args.quick)
   return 0
