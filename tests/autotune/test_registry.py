@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from tunedjax import _native
 from tunedjax._errors import TunedJaxError
 from tunedjax.autotune._conv_spec import ConvSpec
 from tunedjax.autotune import _registry as reg
@@ -141,7 +142,8 @@ def test_applicable_kernels_platforms(rng):
       dimension_numbers=("NHWC", "HWIO", "NHWC"))
   cpu = [k.name for k in reg.applicable_kernels(spec, "cpu")]
   gpu = [k.name for k in reg.applicable_kernels(spec, "cuda")]
-  assert cpu == ["xla", "im2col"]
+  native = ["direct_native"] if _native.available("direct_conv") else []  # CPU only
+  assert cpu == ["xla", "im2col", *native]
   assert gpu == ["xla", "im2col", "pallas"]
   with pytest.raises(TunedJaxError, match="'gpx'.*did you mean 'gpu'"):
     reg.applicable_kernels(spec, "gpx")

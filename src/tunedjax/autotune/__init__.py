@@ -21,8 +21,9 @@ Example:
   >>> cache = autotune.Cache(tempfile.mkdtemp())
   >>> cache.path.name == autotune.device_fingerprint().digest + ".json"
   True
-  >>> [k.name for k in autotune.kernels("conv")]
-  ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise', 'pallas']
+  >>> [k.name for k in autotune.kernels("conv")]  # doctest: +NORMALIZE_WHITESPACE
+  ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise',
+   'depthwise_native', 'pallas', 'direct_native']
   >>> conv = lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")
   >>> with autotune.hint(conv="im2col"):
   ...   y = autotune.select_kernels(conv, cache=cache)(jnp.ones((1, 2, 5, 5)),

@@ -5,7 +5,8 @@ batch and spatial sizes rounded up to powers of two with ``kernel.bucket =
 "pow2"``), the dtypes and every convolution parameter; its kernels are
 ``xla`` (the equation as written, the reference), ``matmul_1x1``, ``im2col``,
 ``window_matmul``, ``fft``, ``depthwise``, ``depthwise_native`` (C++, CPU,
-where the native library builds) and ``pallas``.
+where the native library builds), ``pallas`` and ``direct_native`` (C++,
+CPU: dense windows up to 7x7 and their weight gradients).
 
 Example:
   >>> from tunedjax.autotune import _registry
@@ -32,7 +33,7 @@ from tunedjax.autotune._conv_spec import ConvSpec
 NAME = "conv"
 PRIMITIVE = "conv_general_dilated"
 _KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_native",
-                  "_conv_pallas")
+                  "_conv_pallas", "_conv_native_direct")
 
 
 def bucket_shapes(spec: Any, bucket: str = "exact") -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -374,8 +374,9 @@ def kernels(op: str) -> tuple[Kernel, ...]:
 
   Example:
     >>> from tunedjax.autotune import _registry as reg
-    >>> [k.name for k in reg.kernels("conv")]
-    ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise', 'pallas']
+    >>> [k.name for k in reg.kernels("conv")]  # doctest: +NORMALIZE_WHITESPACE
+    ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise',
+     'depthwise_native', 'pallas', 'direct_native']
   """
   with _LOCK:
     return tuple(_table(op).values())
