@@ -492,7 +492,8 @@ def where(name: str, hlo_text: str, stacks: Mapping[str, list[tuple[str, str, in
 _JAX_GROUP = {"convolution": "convolutions", "dot": "matmuls (dot)",
               "reduce": "reductions (batch-norm statistics and their gradients, pooling)",
               "elementwise": "elementwise fusions (normalise, ReLU, their gradients, SGD)",
-              "transpose": "copies and transposes", "copy": "copies and transposes"}
+              "transpose": "copies and transposes", "copy": "copies and transposes",
+              "custom-call": "tunedjax's native kernels (C++: convolutions, batch-norm sums)"}
 
 
 def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
@@ -511,7 +512,9 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
       if line.name == "python":
         continue  # the Python tracer; thunks run on PjRt's and Eigen's threads
       for e in line.events:
-        if not e.name.startswith(_SKIP_EVENTS):
+        # "$file:line function": Python frames the tracer put on other
+        # threads (a waiting thread's whole wait), not work of the step.
+        if not e.name.startswith(_SKIP_EVENTS) and not e.name.startswith("$"):
           totals[e.name] += e.duration_ns / 1e6 / steps
   kinds = hlo_kinds(hlo_text)
   stacks = hlo_call_stacks(hlo_text)
