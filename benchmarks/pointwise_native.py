@@ -244,7 +244,6 @@ def main(argv=None) -> int:
                       help="step: profiled runs of each variant (thunk time by group) first")
   args = parser.parse_args(argv)
   nets = ["demo", "mobilenet"] if args.net == "both" else [args.net]
-  _conv_native_1x1.register()  # not registered by default
   print(f"load {os.getloadavg()[0]:.1f}; {_harness.machine_line()}", file=sys.stderr)
   if args.quick:
     buckets(nets, 1, 1, QUICK_BUCKETS)

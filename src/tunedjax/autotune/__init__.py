@@ -23,7 +23,7 @@ Example:
   True
   >>> [k.name for k in autotune.kernels("conv")]  # doctest: +NORMALIZE_WHITESPACE
   ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise',
-   'depthwise_native', 'pallas', 'direct_native']
+   'depthwise_native', 'pallas', 'direct_native', 'matmul_1x1_native']
   >>> conv = lambda x, w: jax.lax.conv(x, w, (1, 1), "SAME")
   >>> with autotune.hint(conv="im2col"):
   ...   y = autotune.select_kernels(conv, cache=cache)(jnp.ones((1, 2, 5, 5)),

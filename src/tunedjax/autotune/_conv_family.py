@@ -5,8 +5,9 @@ batch and spatial sizes rounded up to powers of two with ``kernel.bucket =
 "pow2"``), the dtypes and every convolution parameter; its kernels are
 ``xla`` (the equation as written, the reference), ``matmul_1x1``, ``im2col``,
 ``window_matmul``, ``fft``, ``depthwise``, ``depthwise_native`` (C++, CPU,
-where the native library builds), ``pallas`` and ``direct_native`` (C++,
-CPU: dense windows up to 7x7 and their weight gradients).
+where the native library builds), ``pallas``, ``direct_native`` (C++,
+CPU: dense windows up to 7x7 and their weight gradients) and
+``matmul_1x1_native`` (C++, CPU: 1x1 convolutions and their gradients).
 
 Example:
   >>> from tunedjax.autotune import _registry
@@ -33,7 +34,7 @@ from tunedjax.autotune._conv_spec import ConvSpec
 NAME = "conv"
 PRIMITIVE = "conv_general_dilated"
 _KERNEL_MODULES = ("_conv_xla", "_conv_matmul", "_conv_fft", "_conv_depthwise", "_conv_native",
-                  "_conv_pallas", "_conv_native_direct")
+                  "_conv_pallas", "_conv_native_direct", "_conv_native_1x1")
 
 
 def bucket_shapes(spec: Any, bucket: str = "exact") -> tuple[tuple[int, ...], tuple[int, ...]]:

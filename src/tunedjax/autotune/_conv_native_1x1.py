@@ -22,13 +22,12 @@ Applicable on CPU only, and only where the native library builds
 (`tunedjax._native.available`): elsewhere (another platform, no compiler,
 ``TUNEDJAX_NATIVE=0``) the tuner never considers it.
 
-Not registered by default: alone it beats ``window_matmul`` on every 1x1
-weight-gradient bucket of the demo and MobileNet-style steps (0.4-0.8x its
-time) and is level with ``matmul_1x1`` on the forward and input gradient, but
-inside the whole tuned train steps it was level within the A/A noise of a
-loaded machine (BENCHMARKS.md, "Native pointwise kernels (issue 20)"), and a
-kernel is registered only once it wins there. `register` adds it to the
-``"conv"`` family for a process.
+Alone it beats ``window_matmul`` on every 1x1 weight-gradient bucket of the
+demo and MobileNet-style steps (0.4-0.8x its time) and is level with
+``matmul_1x1`` on the forward and input gradient; in the whole tuned train
+steps, measured on a quiet machine, it took 0.97x (demo) and 0.94x
+(MobileNet) of the time without it, A/A 0.99 and 1.01 (BENCHMARKS.md,
+"Native pointwise kernels (issue 20)").
 
 Example:
   >>> import numpy as np
@@ -150,10 +149,3 @@ def applicable(spec: ConvSpec, platform: str) -> bool:
 
 
 KERNELS = ((NAME, conv_matmul_1x1_native, applicable),)
-
-
-def register() -> None:
-  """Registers ``matmul_1x1_native`` as a ``"conv"`` kernel (a tuned candidate) in this process."""
-  from tunedjax.autotune import _registry  # pylint: disable=import-outside-toplevel
-  for name, fn, is_applicable in KERNELS:
-    _registry.register_kernel("conv", name, fn, applicable=is_applicable, replace=True)

@@ -20,7 +20,7 @@ Example:
   ...     np.ones((1, 8, 8, 4), np.float32), np.ones((1, 1, 4, 6), np.float32),
   ...     window_strides=(1, 1), padding="VALID",
   ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  >>> [k.name for k in applicable_kernels(spec, "cpu")]
+  >>> [k.name for k in applicable_kernels(spec, "tpu")]
   ['xla', 'matmul_1x1']
   >>> [f.name for f in op_families()]
   ['conv', 'batch_norm', 'attention']
@@ -376,7 +376,7 @@ def kernels(op: str) -> tuple[Kernel, ...]:
     >>> from tunedjax.autotune import _registry as reg
     >>> [k.name for k in reg.kernels("conv")]  # doctest: +NORMALIZE_WHITESPACE
     ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise',
-     'depthwise_native', 'pallas', 'direct_native']
+     'depthwise_native', 'pallas', 'direct_native', 'matmul_1x1_native']
   """
   with _LOCK:
     return tuple(_table(op).values())
