@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -35,6 +37,32 @@ def kernel_scope(name: str) -> Any:
   attribute time to the kernel (`benchmarks/vs_pytorch.py`).
   """
   return jax.named_scope(f"tj_conv_{name}")
+
+
+def with_lax_vjp(forward: Callable[[Any, Any, ConvSpec], Any]) -> Callable[..., Any]:
+  """`forward(lhs, rhs, spec)` made differentiable, its VJP lax's for the same equation.
+
+  For kernels JAX cannot differentiate (an FFI call has no derivative): the
+  kernels replace equations of an already differentiated program, so their
+  own derivative only matters when a user differentiates *around* a tuned
+  function (`jax.grad(tj.jit(f))`), where the reference's is exact.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+  def conv(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+    return forward(lhs, rhs, spec)
+
+  def conv_fwd(lhs: Any, rhs: Any, spec: ConvSpec) -> tuple[Any, tuple[Any, Any]]:
+    return forward(lhs, rhs, spec), (lhs, rhs)
+
+  def conv_bwd(spec: ConvSpec, residuals: tuple[Any, Any], cot: Any) -> Any:
+    lhs, rhs = residuals
+    params = spec.params()
+    _, vjp = jax.vjp(lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), lhs, rhs)
+    return vjp(cot)
+
+  conv.defvjp(conv_fwd, conv_bwd)
+  return conv
 
 
 def maybe_transpose(x: Any, perm: tuple[int, ...]) -> Any:

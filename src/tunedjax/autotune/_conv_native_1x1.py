@@ -101,12 +101,22 @@ def _weight_grad_form(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   return layout.out_from_channels_last(y.reshape(layout.out_shape_channels_last(spec)), spec)
 
 
-def conv_matmul_1x1_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  """A pointwise convolution (or its weight gradient) as a native matrix product."""
+def _forward(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
   with layout.kernel_scope(NAME):
     if is_weight_grad_form(spec):
       return _weight_grad_form(lhs, rhs, spec)
     return _matmul_form(lhs, rhs, spec)
+
+
+_conv = layout.with_lax_vjp(_forward)
+
+
+def conv_matmul_1x1_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  """A pointwise convolution (or its weight gradient) as a native matrix product.
+
+  Differentiable (its VJP is lax's), as every kernel must be.
+  """
+  return _conv(lhs, rhs, spec)
 
 
 def _plain(spec: ConvSpec) -> bool:

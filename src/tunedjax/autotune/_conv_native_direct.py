@@ -43,14 +43,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
@@ -138,23 +136,7 @@ def _forward(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
     return _weight_grad_form(lhs, rhs, spec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
-  return _forward(lhs, rhs, spec)
-
-
-def _conv_fwd(lhs: Any, rhs: Any, spec: ConvSpec) -> tuple[Any, tuple[Any, Any]]:
-  return _forward(lhs, rhs, spec), (lhs, rhs)
-
-
-def _conv_bwd(spec: ConvSpec, residuals: tuple[Any, Any], cot: Any) -> Any:
-  lhs, rhs = residuals
-  params = spec.params()
-  _, vjp = jax.vjp(lambda l, r: lax.conv_general_dilated_p.bind(l, r, **params), lhs, rhs)
-  return vjp(cot)
-
-
-_conv.defvjp(_conv_fwd, _conv_bwd)
+_conv = layout.with_lax_vjp(_forward)
 
 
 def conv_direct_native(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
