@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import pathlib
 import subprocess
+import threading
 import warnings
 
 import jax
@@ -84,6 +85,26 @@ def test_a_changed_source_builds_a_new_library(sources, tmp_path):
   assert len(built(tmp_path)) == 2
 
 
+def test_the_first_build_compiles_every_source_side_by_side(sources, tmp_path, monkeypatch):
+  """A new machine's first native kernel builds the others at the same time (not in turn)."""
+  (sources / "second.cc").write_text(TINY.replace("tj_answer", "tj_second"))
+  monkeypatch.setattr(_native, "find_compiler", lambda: _native.Compiler("/usr/bin/c++", "c++"))
+  both_running = threading.Barrier(2, timeout=10)
+  compiled = []
+
+  def fake_compile(source, compiler, target):
+    both_running.wait()  # raises BrokenBarrierError if the builds ran one after the other
+    compiled.append(source)
+    target.write_bytes(b"")
+
+  monkeypatch.setattr(_native, "_compile", fake_compile)
+  monkeypatch.setattr(_native.ctypes, "CDLL", lambda path: pathlib.Path(path).name)
+  assert _native.library("tiny") == "tiny.so"
+  assert sorted(compiled) == ["second", "tiny"]
+  assert _native.library("second") == "second.so"  # already built: no second compile
+  assert sorted(compiled) == ["second", "tiny"]
+
+
 def test_digest_depends_on_compiler_and_cpu(sources, monkeypatch):
   gcc = _native.Compiler("/usr/bin/g++", "g++ 12.2.0")
   base = _native.build_digest("tiny", gcc)
@@ -120,7 +141,7 @@ def test_a_failed_build_warns_with_the_compiler_error_and_leaves_no_file(sources
   (sources / "broken.cc").write_text("this is not C++;\n")
   with pytest.warns(UserWarning, match=r"broken\.cc are unavailable.*failed"):
     assert _native.library("broken") is None
-  assert built(tmp_path) == []
+  assert [f.name for f in built(tmp_path)] == ["tiny.so"]  # built beside it; nothing of broken
 
 
 def test_an_unknown_source_lists_the_known_ones(sources):

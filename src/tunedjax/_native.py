@@ -70,6 +70,7 @@ _LOCK = threading.RLock()
 _LIBRARIES: dict[str, ctypes.CDLL | None] = {}
 _REGISTERED: set[str] = set()
 _WARNED: set[str] = set()
+_PREBUILD_TRIED: set[str] = set()
 _SUSPENDED = contextvars.ContextVar("tunedjax_native_suspended", default=False)
 
 
@@ -199,6 +200,42 @@ def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) ->
     warnings.warn(message, category, stacklevel=3)
 
 
+def _build_missing(requested: str) -> dict[str, Exception]:
+  """Compiles `requested` and every other shipped source not built yet, side by side.
+
+  A model that needs one native kernel usually needs the others too, and a
+  compile is a subprocess, so building them together costs about the time
+  of the slowest rather than the sum (on a new machine's first run). Each
+  other source is tried here once per process; a failure is returned, and
+  raised only when that source is requested.
+  """
+  compiler = find_compiler()
+  if compiler is None:
+    return {}  # `_load` says so
+  jobs = {}
+  for name in sources():
+    if name in _LIBRARIES or (name != requested and name in _PREBUILD_TRIED):
+      continue
+    _PREBUILD_TRIED.add(name)
+    target = _build_folder(build_digest(name, compiler)) / f"{name}.so"
+    if not target.exists():
+      jobs[name] = target
+  errors: dict[str, Exception] = {}
+
+  def build(name: str) -> None:
+    try:
+      _compile(name, compiler, jobs[name])
+    except (NativeBuildError, OSError) as err:
+      errors[name] = err
+
+  threads = [threading.Thread(target=build, args=(name,), daemon=True) for name in jobs]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  return errors
+
+
 def library(source: str) -> ctypes.CDLL | None:
   """The loaded library of ``csrc/<source>.cc``, built if needed; None if native kernels are off.
 
@@ -208,7 +245,10 @@ def library(source: str) -> ctypes.CDLL | None:
     return None
   with _LOCK:
     if source not in _LIBRARIES:
+      errors = _build_missing(source) if source in sources() else {}
       try:
+        if source in errors:
+          raise errors[source]
         _LIBRARIES[source] = _load(source)
       except (NativeBuildError, OSError) as err:
         _warn_once(f"build:{source}", f"tunedjax: native kernels from {source}.cc are "
@@ -311,4 +351,5 @@ def reset() -> None:
   with _LOCK:
     _LIBRARIES.clear()
     _WARNED.clear()
+    _PREBUILD_TRIED.clear()
   _builds.cache_clear()
