@@ -80,14 +80,26 @@ def _stats(x2: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
   return shift + mean_d, var
 
 
-@functools.cache
-def _fused_fn(how: str, epsilon: float) -> Callable[..., Outputs]:
-  """The custom-VJP batch norm whose sums are taken `how` (``"sum"`` or ``"dot"``)."""
+def custom_vjp_batch_norm(stats: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+                          grad_sums: Callable[..., tuple[jax.Array, jax.Array]],
+                          epsilon: float) -> Callable[..., Outputs]:
+  """The fused batch norm (forward, and the fused backward formula) over the sums it is given.
+
+  Args:
+    stats: ``x2 -> (mean, biased variance)`` of each column of the rows x channels input.
+    grad_sums: ``(x2, dy2, mean) -> (sum(dy), sum(dy * (x - mean)))`` per column.
+    epsilon: added to the variance.
+
+  Returns:
+    ``bn(x, scale, bias) -> (y, mean, var)``, a `jax.custom_vjp` whose backward is
+    ``dx = k * (dy - sum(dy) / n - xhat * sum(dy * xhat) / n)`` (``k = scale * inv``)
+    plus the statistics' cotangents, in one elementwise pass; ``fused``, ``fused_dot``
+    and the native kernel differ only in how they take the sums.
+  """
 
   def forward(x, scale, bias):
     c = x.shape[-1]
-    x2 = x.reshape(-1, c)
-    mean, var = _stats(x2, how)
+    mean, var = stats(x.reshape(-1, c))
     inv = lax.rsqrt(var + jnp.asarray(epsilon, x.dtype))
     y = (x - mean) * (scale * inv) + bias
     return (y, mean, var), (x, mean, inv, scale)
@@ -101,18 +113,27 @@ def _fused_fn(how: str, epsilon: float) -> Callable[..., Outputs]:
     dy, dmean, dvar = cotangents
     c = x.shape[-1]
     n = x.size // c
-    centred = x - mean
-    dy2 = dy.reshape(-1, c)
-    sdy = _colsum(dy2, how)
-    sdyxhat = _colsum(dy2 * centred.reshape(-1, c), how) * inv  # sum(dy * xhat)
+    dy = dy.astype(x.dtype)
+    sdy, sdyc = grad_sums(x.reshape(-1, c), dy.reshape(-1, c), mean)
+    sdyxhat = sdyc * inv  # sum(dy * xhat)
     k = scale * inv
     # dx = k * (dy - sdy / n - xhat * sdyxhat / n) + dmean / n + 2 * dvar * centred / n,
     # with the per-channel terms gathered first: one elementwise pass over x.
-    dx = k * dy - (k * sdy - dmean) / n - centred * ((k * inv * sdyxhat - 2 * dvar) / n)
+    dx = k * dy - (k * sdy - dmean) / n - (x - mean) * ((k * inv * sdyxhat - 2 * dvar) / n)
     return dx, sdyxhat.astype(scale.dtype), sdy.astype(scale.dtype)
 
   bn.defvjp(forward, backward)
   return bn
+
+
+@functools.cache
+def _fused_fn(how: str, epsilon: float) -> Callable[..., Outputs]:
+  """The custom-VJP batch norm whose sums are taken `how` (``"sum"`` or ``"dot"``)."""
+
+  def grad_sums(x2, dy2, mean):
+    return _colsum(dy2, how), _colsum(dy2 * (x2 - mean), how)
+
+  return custom_vjp_batch_norm(lambda x2: _stats(x2, how), grad_sums, epsilon)
 
 
 def fused(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:

@@ -48,10 +48,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tunedjax import _native
 from tunedjax._errors import AutotuneError
+from tunedjax.autotune import (
+  _bn_kernels,  # its KERNELS import this module: used at call time
+)
 from tunedjax.autotune._bn_spec import BatchNormSpec
 from tunedjax.rewrite import _compat
 
@@ -79,33 +81,13 @@ def _call(handler: str, dtype: Any, channels: int) -> Callable[..., tuple[jax.Ar
 def _native_fn(epsilon: float) -> Callable[..., Outputs]:
   """The custom-VJP batch norm whose sums are native calls, its elementwise passes XLA's."""
 
-  def forward(x, scale, bias):
-    c = x.shape[-1]
-    mean, var = _call("Stats", x.dtype, c)(x.reshape(-1, c))
-    inv = lax.rsqrt(var + jnp.asarray(epsilon, x.dtype))
-    y = (x - mean) * (scale * inv) + bias
-    return (y, mean, var), (x, mean, inv, scale)
+  def stats(x2):
+    return _call("Stats", x2.dtype, x2.shape[-1])(x2)
 
-  @jax.custom_vjp
-  def bn(x, scale, bias):
-    return forward(x, scale, bias)[0]
+  def grad_sums(x2, dy2, mean):
+    return _call("GradSums", x2.dtype, x2.shape[-1])(x2, dy2, mean)
 
-  def backward(residuals, cotangents):
-    x, mean, inv, scale = residuals
-    dy, dmean, dvar = cotangents
-    c = x.shape[-1]
-    n = x.size // c
-    dy = dy.astype(x.dtype)
-    sdy, sdyc = _call("GradSums", x.dtype, c)(x.reshape(-1, c), dy.reshape(-1, c), mean)
-    sdyxhat = sdyc * inv  # sum(dy * xhat)
-    k = scale * inv
-    # `_bn_kernels._fused_fn`'s dx, the statistics' cotangents included: one
-    # elementwise pass, which XLA fuses with whatever made dy.
-    dx = k * dy - (k * sdy - dmean) / n - (x - mean) * ((k * inv * sdyxhat - 2 * dvar) / n)
-    return dx, sdyxhat.astype(scale.dtype), sdy.astype(scale.dtype)
-
-  bn.defvjp(forward, backward)
-  return bn
+  return _bn_kernels.custom_vjp_batch_norm(stats, grad_sums, epsilon)
 
 
 def native(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:

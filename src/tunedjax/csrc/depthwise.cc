@@ -424,23 +424,8 @@ ffi::Error DepthwiseWgrad(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   return ffi::Error::Success();
 }
 
-#define TJ_GEOMETRY_ATTRS                                                   \
-  .Attr<int64_t>("stride_h").Attr<int64_t>("stride_w")                     \
-      .Attr<int64_t>("pad_h").Attr<int64_t>("pad_w")                       \
-      .Attr<int64_t>("lhs_dil_h").Attr<int64_t>("lhs_dil_w")               \
-      .Attr<int64_t>("rhs_dil_h").Attr<int64_t>("rhs_dil_w")
-
 }  // namespace
 }  // namespace tunedjax
-
-#define TJ_DEFINE(NAME, FN, DT)                                             \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, tunedjax::FN<DT>,                     \
-                                ffi::Ffi::Bind()                            \
-                                    .Ctx<ffi::ThreadPool>()                 \
-                                    .Arg<ffi::Buffer<DT>>()                 \
-                                    .Arg<ffi::Buffer<DT>>()                 \
-                                    .Ret<ffi::Buffer<DT>>()                 \
-                                    TJ_GEOMETRY_ATTRS);
 
 TJ_DEFINE(TjDepthwiseConvF32, DepthwiseConv, ffi::F32)
 TJ_DEFINE(TjDepthwiseConvF64, DepthwiseConv, ffi::F64)
