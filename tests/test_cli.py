@@ -21,7 +21,7 @@ from tunedjax.autotune import device_fingerprint
 JSON_KEYS = {
     "versions", "os", "fingerprint", "fingerprint_digest",
     "fingerprint_summary", "devices", "config", "cache_dir", "cache_exists",
-    "cache_files", "cache_bytes", "native",
+    "cache_files", "cache_bytes", "native", "host_memory",
 }
 
 
@@ -52,6 +52,8 @@ def test_info_prints_fingerprint_and_cache_dir(capsys, cache_dir):
     assert f"\n  {name} " in out
   assert re.search(r"\n  exists +no\n", out)
   assert "Native CPU kernels" in out and re.search(r"\n  sources +.*depthwise", out)
+  assert "Host memory (malloc)" in out
+  assert re.search(r"\n  mode +(retain|default) \(\$TUNEDJAX_HOST_MEMORY\)", out)
 
 
 def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_dir,
@@ -87,6 +89,10 @@ def test_info_json(capsys, cache_dir):
   native = info["native"]
   assert set(native) == {"enabled", "compiler", "folder", "sources", "built"}
   assert "depthwise" in native["sources"] and set(native["built"]) <= set(native["sources"])
+  memory = info["host_memory"]
+  assert memory == {**tunedjax.host_memory_status().to_dict(),
+                    "minor_page_faults": memory["minor_page_faults"]}
+  assert memory["minor_page_faults"] > 0
 
 
 def test_info_json_follows_config_context(capsys, cache_dir, tmp_path):

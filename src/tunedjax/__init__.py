@@ -13,6 +13,12 @@ Example:
 import importlib as _importlib
 import typing as _typing
 
+from tunedjax import _host_memory
+
+# Before JAX starts XLA's threads: a CPU step then reuses the previous step's
+# memory instead of faulting it in again (see `_host_memory`; no JAX import).
+_host_memory.configure()
+
 # Names are imported when first used (PEP 562), so that importing one part
 # (a data-loader worker process unpickling its pipeline imports
 # `tunedjax.input_pipeline`) does not import them all: jax, Flax, optax and
@@ -34,6 +40,10 @@ _LAZY = {
     "AutotuneError": ("tunedjax._errors", "AutotuneError"),
     "CacheWarning": ("tunedjax._errors", "CacheWarning"),
     "ConfigError": ("tunedjax._errors", "ConfigError"),
+    "HostMemoryWarning": ("tunedjax._errors", "HostMemoryWarning"),
+    "HostMemoryStatus": ("tunedjax._host_memory", "HostMemoryStatus"),
+    "host_memory_status": ("tunedjax._host_memory", "host_memory_status"),
+    "release_host_memory": ("tunedjax._host_memory", "release_host_memory"),
     "LayoutError": ("tunedjax._errors", "LayoutError"),
     "RewriteError": ("tunedjax._errors", "RewriteError"),
     "TunedJaxError": ("tunedjax._errors", "TunedJaxError"),
@@ -80,9 +90,13 @@ if _typing.TYPE_CHECKING:
   from tunedjax._errors import AutotuneError as AutotuneError
   from tunedjax._errors import CacheWarning as CacheWarning
   from tunedjax._errors import ConfigError as ConfigError
+  from tunedjax._errors import HostMemoryWarning as HostMemoryWarning
   from tunedjax._errors import LayoutError as LayoutError
   from tunedjax._errors import RewriteError as RewriteError
   from tunedjax._errors import TunedJaxError as TunedJaxError
+  from tunedjax._host_memory import HostMemoryStatus as HostMemoryStatus
+  from tunedjax._host_memory import host_memory_status as host_memory_status
+  from tunedjax._host_memory import release_host_memory as release_host_memory
   from tunedjax._jit import JitReport as JitReport
   from tunedjax._jit import Jitted as Jitted
   from tunedjax._jit import jit as jit
@@ -98,6 +112,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "History",
+    "HostMemoryStatus",
+    "HostMemoryWarning",
     "JitReport",
     "Jitted",
     "LayoutError",
@@ -109,10 +125,12 @@ __all__ = [
     "autotune",
     "config_context",
     "get_config",
+    "host_memory_status",
     "input_pipeline",
     "jit",
     "layout",
     "mixed_precision",
+    "release_host_memory",
     "rewrite",
     "set_config",
     "trainer",

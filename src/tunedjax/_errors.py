@@ -121,6 +121,16 @@ class CacheWarning(UserWarning):
   """
 
 
+class HostMemoryWarning(UserWarning):
+  """tunedjax could not set up host memory as a CPU step needs it.
+
+  Given when JAX's CPU backend started before tunedjax was imported (so each
+  step may fault its temporary buffer in again), or when
+  ``$TUNEDJAX_HOST_MEMORY`` has a value that is not valid. See
+  `tunedjax.host_memory_status`.
+  """
+
+
 def show_value(value: object) -> str:
   """`value` for an error message: its repr (shortened), with its type unless plain.
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 import tunedjax
+from tunedjax import _host_memory
 from tunedjax import _native
 
 # Each tuner registers its cache-entry validator when imported; `import
@@ -91,7 +92,8 @@ def info_dict(backend: str | None = None) -> dict[str, Any]:
   Returns:
     A dict with the keys ``versions``, ``os``, ``fingerprint``,
     ``fingerprint_digest``, ``fingerprint_summary``, ``devices``, ``config``,
-    ``cache_dir``, ``cache_exists``, ``cache_files`` and ``cache_bytes``.
+    ``cache_dir``, ``cache_exists``, ``cache_files``, ``cache_bytes``, ``native``
+    and ``host_memory``.
   """
   fingerprint = device_fingerprint(backend)
   config = tunedjax.get_config()
@@ -116,6 +118,8 @@ def info_dict(backend: str | None = None) -> dict[str, Any]:
       "cache_files": files,
       "cache_bytes": size,
       "native": _native.status(),
+      "host_memory": {**_host_memory.host_memory_status().to_dict(),
+                      "minor_page_faults": _host_memory.minor_page_faults()},
   }
 
 
@@ -162,6 +166,14 @@ def format_info(info: dict[str, Any]) -> str:
       "compiler": native["compiler"] or "(none found)",
       "built": ", ".join(native["built"]) or "(none yet: built on first use)",
       "sources": ", ".join(native["sources"]),
+  })
+  memory = info["host_memory"]
+  settings = ", ".join(f"{k}={v}" for k, v in memory["settings"].items())
+  lines += ["", "Host memory (malloc)"] + _table({
+      "mode": f"{memory['mode']} (${_host_memory.ENV_VAR})",
+      "applied": f"yes: {settings}" if memory["applied"] else "no",
+      "why": memory["reason"],
+      "page faults": f"{memory['minor_page_faults']} minor, in this process so far",
   })
   return "\n".join(lines)
 
