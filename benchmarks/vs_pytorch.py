@@ -70,6 +70,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+# First, before torch or JAX start threads: tunedjax's host-memory settings (glibc
+# malloc) apply to the whole process, so both sides run with them.
+import tunedjax as tj  # pylint: disable=wrong-import-position
+from tunedjax import _host_memory  # pylint: disable=wrong-import-position
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TORCH_VENV = ROOT / ".venv-torch"
 _REEXEC = "TUNEDJAX_VS_PYTORCH_REEXEC"
@@ -105,7 +110,6 @@ import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 from jax import lax  # pylint: disable=wrong-import-position
 
-import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
 from tunedjax.demo import DemoNet  # pylint: disable=wrong-import-position
@@ -582,6 +586,20 @@ class NetResult:
   buckets: list[Any]
   tuning_s: float
   notes: dict[str, str]
+  faults: dict[str, float]
+
+
+def page_faults_per_step(step: Callable[[], Any], steps: int = 3) -> float:
+  """Minor page faults of the process per call of `step` (after one untimed call).
+
+  A step whose temporary buffers are mapped afresh each time faults every page
+  of them in again (see `tunedjax._host_memory`).
+  """
+  step()
+  before = _host_memory.minor_page_faults()
+  for _ in range(steps):
+    step()
+  return (_host_memory.minor_page_faults() - before) / steps
 
 
 def _block(fn, args):
@@ -702,6 +720,7 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
     raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
   baseline = BASELINE if BASELINE in variants else "jax.jit"
   timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1)
+  faults = {name: page_faults_per_step(fn) for name, fn in variants.items()}
 
   with tj.config_context(config):
     hlo = tj_step.lower(*full_args).compile().as_text()
@@ -711,10 +730,18 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
                                     args.profile_steps)
   with tj.config_context(config):
     buckets = autotune.explain(step, *full_args, cache=cache_dir)
-  return NetResult(label, shape, timings, agree, profiles, buckets, tuning_s, notes)
+  return NetResult(label, shape, timings, agree, profiles, buckets, tuning_s, notes, faults)
 
 
 # -- the report -----------------------------------------------------------------------------
+
+
+def _host_memory_line() -> str:
+  status = tj.host_memory_status()
+  if status.applied:
+    return "tunedjax's settings applied (" + ", ".join(
+        f"{k}={v}" for k, v in status.settings.items()) + ")"
+  return f"not applied: {status.reason}"
 
 
 def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float, float]
@@ -732,20 +759,27 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
       "timed twice. One step checked first: the loss and every gradient against `jax.jit` "
       f"(largest relative error, bound {AGREEMENT_BOUND:g}). Load average "
       f"{load[0]:.1f} before, {load[1]:.1f} after. " + _harness.machine_line(),
+      "",
+      (f"Host memory (`tunedjax.host_memory_status()`, one process for both sides): "
+       f"{_host_memory_line()}. Page faults per step: the process's minor page faults per "
+       "call of the variant, over 3 calls after the timing."),
   ]
   for r in results:
     t = r.timings
     lines += ["", f"### {r.name}, {r.shape}", "",
               ("| variant | ms per step | ratio to baseline | per-round range | "
-              "one step vs jax.jit | note |"), "|---|---:|---:|---:|---:|---|"]
+              "one step vs jax.jit | page faults per step | note |"),
+              "|---|---:|---:|---:|---:|---:|---|"]
     for name in t.runs:
       lo, hi = t.spread(name)
       err = r.agreement.get(name)
       note = r.notes.get(name, "")
       if name == "tunedjax (tj.jit, kernel selection)":
         note = f"tuning {r.tuning_s:.0f} s on the first call"
+      faults = r.faults.get(name)
       lines.append(f"| {name} | {1e3 * t.median(name):.1f} | {t.ratio(name):.2f} | "
-                   f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | {note} |")
+                   f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | "
+                   f"{'' if faults is None else f'{faults:,.0f}'} | {note} |")
     groups = sorted({g for prof in r.profiles.values() for g in prof[0]},
                     key=lambda g: -max(p[0].get(g, 0.0) for p in r.profiles.values()))
     sides = list(r.profiles)

@@ -17,7 +17,7 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
 # Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
 # each (the others) run with `make bench-smoke`, not in `make test`, which must
 # stay under 15 minutes with the demo and the notebooks.
-LONG_SMOKE = {"attention", "bn_native", "depthwise_native", "direct_native", "gpu", "input_pipeline", "jit_overhead", "kernels", "layout",
+LONG_SMOKE = {"attention", "bn_native", "depthwise_native", "direct_native", "gpu", "host_memory", "input_pipeline", "jit_overhead", "kernels", "layout",
               "mixed_precision", "rewrite_overhead", "trainer", "vs_pytorch", "xla_options"}
 
 # Runs each block in a namespace of its own and names the block that failed.

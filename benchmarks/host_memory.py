@@ -1,0 +1,224 @@
+"""Host memory: the same CPU train steps with tunedjax's malloc settings and without.
+
+`import tunedjax` sets glibc's malloc so that XLA:CPU's per-step temporary
+buffer is reused instead of mapped and faulted in again every step
+(`tunedjax._host_memory`). The settings act per process at import, so each
+variant runs in its own worker process:
+
+- **retain**: `import tunedjax` as it is (the settings applied);
+- **default**: ``TUNEDJAX_HOST_MEMORY=default`` (glibc's malloc untouched);
+- **A/A control**: a second retain process.
+
+The parent tunes each step once into a cache the workers then read, so nothing
+is tuned while timing. Each round asks every worker for one timed run, in a
+rotated order, one worker at a time; a run is `--reps` steps of each program
+(`jax.jit` and `tj.jit` with kernel selection), with the process's minor page
+faults and system CPU time per step. The third step, `jit_overhead.py`'s small
+MLP (40x the steps per run), is host-bound: it shows what serving every thread
+from one arena costs a dispatch-bound step, if anything. Ratios are medians of per-round ratios
+against retain.
+
+Run: ``PYTHONPATH=src:benchmarks python benchmarks/host_memory.py [--write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VARIANTS = {"retain": {}, "default": {"TUNEDJAX_HOST_MEMORY": "default"},
+            "A/A control": {}}
+PROGRAMS = ("jax.jit", "tj.jit (kernel selection)")
+NETS = ("mobilenet", "demo", "mlp")
+SECTION = "host_memory"
+
+
+# -- the worker ------------------------------------------------------------------------------
+
+
+def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
+  """Builds `net`'s step under both programs, then answers "run" lines with timings."""
+  import resource  # pylint: disable=import-outside-toplevel
+
+  # vs_pytorch imports tunedjax first (the settings apply before JAX starts its
+  # threads); the flag keeps it from re-running itself in the torch venv.
+  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import vs_pytorch  # pylint: disable=import-outside-toplevel
+
+  import tunedjax as tj  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(0)
+  if net == "mlp":  # host-bound: what one arena costs a small step's dispatch, if anything
+    import jit_overhead  # pylint: disable=import-outside-toplevel
+    step, args = jit_overhead.mlp_problem()
+    reps *= 40
+  elif net == "mobilenet":
+    batch, size = (4, 32) if quick else (32, 64)
+    params, loss, _ = vs_pytorch.mobilenet_jax(rng)
+    step, args = vs_pytorch.mobilenet_step(loss), (params,)
+  else:
+    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
+    params, stats, step = vs_pytorch.demo_jax(width)
+    args = (params, stats)
+  if net != "mlp":
+    x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
+    args = (*args, x, y)
+  config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
+  programs = {"jax.jit": jax.jit(step)}
+  with tj.config_context(config):
+    programs["tj.jit (kernel selection)"] = tj.jit(step)
+
+  def run(fn):
+    with tj.config_context(config):
+      return jax.block_until_ready(fn(*args))
+
+  for fn in programs.values():
+    run(fn)
+    run(fn)
+  print(json.dumps({"ready": tj.host_memory_status().to_dict()}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "run":
+      break
+    out = {}
+    for name, fn in programs.items():
+      before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+      for _ in range(reps):
+        run(fn)
+      wall = time.perf_counter() - start
+      after = resource.getrusage(resource.RUSAGE_SELF)
+      out[name] = {"s": wall / reps, "faults": (after.ru_minflt - before.ru_minflt) / reps,
+                   "sys_s": (after.ru_stime - before.ru_stime) / reps}
+    print(json.dumps(out), flush=True)
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+def _spawn(net: str, cache_dir: str, args: argparse.Namespace, extra_env: dict[str, str]
+           ) -> subprocess.Popen:
+  env = {k: v for k, v in os.environ.items()  # no allocator settings but the variant's
+         if k != "TUNEDJAX_HOST_MEMORY" and not k.startswith("MALLOC_")}
+  env.update(extra_env)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
+                                                    env.get("PYTHONPATH")]))
+  cmd = [sys.executable, __file__, "--worker", net, "--cache", cache_dir,
+         "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
+  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env=env)
+
+
+def _reply(proc: subprocess.Popen) -> dict:
+  line = proc.stdout.readline()
+  if not line:
+    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
+  return json.loads(line)
+
+
+def measure(net: str, args: argparse.Namespace) -> dict:
+  """Tunes `net` once, then times every variant's worker in rotated rounds."""
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-host-memory-")
+  tuner = _spawn(net, cache_dir, args, {})  # tunes into the cache, then exits
+  status = _reply(tuner)["ready"]
+  tuner.communicate("")
+  procs = {name: _spawn(net, cache_dir, args, env) for name, env in VARIANTS.items()}
+  statuses = {name: _reply(p)["ready"] for name, p in procs.items()}
+  names = list(procs)
+  runs: dict[str, list[dict]] = {n: [] for n in names}
+  for r in range(args.rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      procs[name].stdin.write("run\n")
+      procs[name].stdin.flush()
+      runs[name].append(_reply(procs[name]))
+  for p in procs.values():
+    p.communicate("")
+  return {"net": net, "runs": runs, "statuses": statuses, "tuner": status}
+
+
+def _row(result: dict, program: str) -> str:
+  runs = result["runs"]
+
+  def per(name, key):
+    return [r[program][key] for r in runs[name]]
+
+  base = per("retain", "s")
+  ratio = {n: [t / b for t, b in zip(per(n, "s"), base)] for n in runs}
+  cells = [result["net"], program, f"{1e3 * statistics.median(base):.1f}",
+           f"{1e3 * statistics.median(per('default', 's')):.1f}",
+           f"{statistics.median(ratio['default']):.2f}",
+           f"{min(ratio['default']):.2f}-{max(ratio['default']):.2f}",
+           f"{statistics.median(ratio['A/A control']):.2f}",
+           (f"{statistics.median(per('retain', 'faults')):,.0f} / "
+            f"{statistics.median(per('default', 'faults')):,.0f}"),
+           (f"{1e3 * statistics.median(per('retain', 'sys_s')):.1f} / "
+            f"{1e3 * statistics.median(per('default', 'sys_s')):.1f}")]
+  return "| " + " | ".join(cells) + " |"
+
+
+def report(results: list[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
+  import _harness  # pylint: disable=import-outside-toplevel
+  statuses = results[0]["statuses"]
+  lines = [
+      "## Host memory: a CPU step with and without tunedjax's malloc settings",
+      "",
+      (f"`benchmarks/host_memory.py{' --quick' if args.quick else ''}`: the train steps of "
+       "`benchmarks/vs_pytorch.py` (one SGD step, same weights and batch) and "
+       "`jit_overhead.py`'s small MLP step, each variant in its own worker process: "
+       f"**retain** (`import tunedjax` as it is: {statuses['retain']['reason']}), "
+       f"**default** (`TUNEDJAX_HOST_MEMORY=default`: {statuses['default']['reason']}) and "
+       f"a second retain process as the A/A control. {args.rounds} rounds in a rotated "
+       f"order, one process at a time; a run is {args.reps} steps of each program (the MLP: "
+       f"{40 * args.reps}); ratio = default over retain (median of per-round ratios; above "
+       "1: the settings save time). Page faults and system CPU time are the worker's, per "
+       "step (`getrusage`). The kernel choices come from one tuning run shared by all "
+       f"workers. Load average {load[0]:.1f} before, {load[1]:.1f} after. "
+       + _harness.machine_line()),
+      "",
+      "| step | program | retain (ms) | default (ms) | default / retain | range | A/A | "
+      "page faults per step, retain / default | system CPU ms per step, retain / default |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for result in results:
+    lines += [_row(result, program) for program in PROGRAMS]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke)")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--reps", type=int, default=None, help="steps per timed run")
+  parser.add_argument("--net", choices=(*NETS, "all"), default="all")
+  parser.add_argument("--worker", choices=NETS, help=argparse.SUPPRESS)
+  parser.add_argument("--cache", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  args.rounds = args.rounds or (2 if args.quick else 9)
+  args.reps = args.reps or (2 if args.quick else 5)
+  if args.worker:
+    worker(args.worker, args.cache, args.quick, args.reps)
+    return 0
+  nets = NETS if args.net == "all" else (args.net,)
+  load0 = os.getloadavg()[0]
+  results = [measure(net, args) for net in nets]
+  text = report(results, args, (load0, os.getloadavg()[0]))
+  print(text)
+  if args.write and not args.quick:
+    import _harness  # pylint: disable=import-outside-toplevel
+    _harness.write_section(SECTION, text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
