@@ -185,8 +185,8 @@ def report(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
        f"workers. Load average {load[0]:.1f} before, {load[1]:.1f} after. "
        + _harness.machine_line()),
       "",
-      "| step | program | retain (ms) | default (ms) | default / retain | range | A/A | "
-      "page faults per step, retain / default | system CPU ms per step, retain / default |",
+      ("| step | program | retain (ms) | default (ms) | default / retain | range | A/A | "
+       "page faults per step, retain / default | system CPU ms per step, retain / default |"),
       "|---|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for result in results:
