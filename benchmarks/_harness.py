@@ -10,8 +10,8 @@ so the table shows how much the noise alone moves a ratio.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import datetime
+import gc
 import os
 import pathlib
 import platform
@@ -50,7 +50,7 @@ class Timings:
 
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
-                rounds: int = 7, warmup: int = 1) -> Timings:
+                rounds: int = 7, warmup: int = 1, prime: bool = False) -> Timings:
   """Times each variant once per round, rotating the order each round.
 
   The baseline is also timed a second time under the name `CONTROL`, as an
@@ -62,6 +62,10 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
     baseline: the name ratios are taken against.
     rounds: timed rounds.
     warmup: untimed rounds first (compilation, caches).
+    prime: call each variant once, untimed, right before timing it, so that it
+      is timed as the second of two consecutive calls (a training loop's steady
+      state) and not charged for what the previous variant left running (after
+      a PyTorch step its OpenMP threads spin for a few ms on the same cores).
   """
   names = [*variants, CONTROL]
   fns = {**variants, CONTROL: variants[baseline]}
@@ -70,6 +74,8 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
     order = names[r % len(names):] + names[:r % len(names)]
     for name in order:
       gc.collect()  # a collection triggered by an earlier variant is not charged to this one
+      if prime:
+        fns[name]()
       start = time.perf_counter()
       fns[name]()
       elapsed = time.perf_counter() - start

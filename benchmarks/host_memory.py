@@ -146,6 +146,12 @@ def measure(net: str, args: argparse.Namespace) -> dict:
   return {"net": net, "runs": runs, "statuses": statuses, "tuner": status}
 
 
+def _ms(seconds: float) -> str:
+  """Milliseconds with three significant digits or one decimal: 0.153, 28.1, 1054.0."""
+  ms = 1e3 * seconds
+  return f"{ms:.3g}" if ms < 10 else f"{ms:.1f}"
+
+
 def _row(result: dict, program: str) -> str:
   runs = result["runs"]
 
@@ -154,8 +160,8 @@ def _row(result: dict, program: str) -> str:
 
   base = per("retain", "s")
   ratio = {n: [t / b for t, b in zip(per(n, "s"), base)] for n in runs}
-  cells = [result["net"], program, f"{1e3 * statistics.median(base):.1f}",
-           f"{1e3 * statistics.median(per('default', 's')):.1f}",
+  cells = [result["net"], program, _ms(statistics.median(base)),
+           _ms(statistics.median(per("default", "s"))),
            f"{statistics.median(ratio['default']):.2f}",
            f"{min(ratio['default']):.2f}-{max(ratio['default']):.2f}",
            f"{statistics.median(ratio['A/A control']):.2f}",

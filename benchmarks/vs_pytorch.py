@@ -719,7 +719,8 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
   if bad:
     raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
   baseline = BASELINE if BASELINE in variants else "jax.jit"
-  timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1)
+  timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1,
+                                 prime=not args.no_prime)
   faults = {name: page_faults_per_step(fn) for name, fn in variants.items()}
 
   with tj.config_context(config):
@@ -748,13 +749,17 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
            ) -> str:
   torch_line = (f"PyTorch {torch.__version__} ({args.threads} threads)" if torch is not None
                 else "PyTorch not installed: JAX side only")
+  primed = ("" if args.no_prime else
+            ", each timed step right after an untimed step of the same variant (the steady "
+            "state of a training loop; not charged for the previous variant's spinning threads)")
   lines = [
       "## tunedjax against PyTorch on CPU",
       "",
       f"`benchmarks/vs_pytorch.py{' --quick' if args.quick else ''}`: one SGD train step "
       "(forward, backward, update), the same weights and batch on both sides; "
       f"{torch_line}; jax {jax.__version__}. Each variant timed in {args.rounds} interleaved "
-      "rounds after a warm-up; ratio = the variant's time over PyTorch eager channels_last "
+      f"rounds after a warm-up{primed}; ratio = the variant's time over PyTorch eager "
+      "channels_last "
       "(median of per-round ratios; under 1 is faster than PyTorch); A/A = that baseline "
       "timed twice. One step checked first: the loss and every gradient against `jax.jit` "
       f"(largest relative error, bound {AGREEMENT_BOUND:g}). Load average "
@@ -822,6 +827,9 @@ def main(argv=None) -> int:
                       help="PyTorch's intra-op threads (JAX uses every core)")
   parser.add_argument("--net", choices=("mobilenet", "demo", "both"), default="both")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--no-prime", action="store_true",
+                      help="time each variant's step right after the previous variant's "
+                           "(before stop 25: charges a JAX step for PyTorch's spinning threads)")
   parser.add_argument("--profile-steps", type=int, default=None)
   parser.add_argument("--bf16", action="store_true",
                       help="also time tunedjax with the mixed-precision policy (bf16 compute)")
