@@ -1,4 +1,5 @@
-"""Host memory (`tunedjax._host_memory`): what `import tunedjax` does to glibc's malloc.
+"""Host memory (`tunedjax._host_memory`): what `import tunedjax` does to glibc's malloc
+with ``TUNEDJAX_HOST_MEMORY=retain`` (opt in), and that it does nothing without it.
 
 The import-time behaviour is checked in fresh processes: each runs a jitted
 function whose temporary buffer (80 MiB, kept by an optimization barrier) is
@@ -48,8 +49,12 @@ for _ in range(15):  # the heap may still grow in a few calls: the median is the
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   f(x).block_until_ready()
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+import numpy as np
+block = np.ones(64 * 2**20 // 8)  # with the settings, from the heap: mapping is off
+del block
+released = tj.release_host_memory()
 print(json.dumps({"status": tj.host_memory_status().to_dict(),
-                  "faults": statistics.median(faults),
+                  "faults": statistics.median(faults), "released": released,
                   "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}))
 """.replace("TEMP_BYTES", str(TEMP_BYTES))
 
@@ -72,30 +77,38 @@ needs_glibc = pytest.mark.skipif(_host_memory._glibc() is None,
                                  reason="the host-memory settings are glibc's")
 
 
+RETAIN = {_host_memory.ENV_VAR: "retain"}
+
+
 @needs_glibc
-def test_import_retains_memory_so_a_step_does_not_fault_its_temporaries_again():
-  retained = _child()
+def test_retain_reuses_memory_so_a_step_does_not_fault_its_temporaries_again():
+  retained = _child(**RETAIN)
   assert retained["status"]["applied"] is True
   assert retained["status"]["settings"] == _host_memory.SETTINGS
   assert retained["warnings"] == []
   assert retained["faults"] < 0.05 * PAGES, retained
-  # The same process without the settings faults the whole temporary in on every call.
-  default = _child(**{_host_memory.ENV_VAR: "default"})
-  assert default["status"]["applied"] is False
-  assert "TUNEDJAX_HOST_MEMORY=default" in default["status"]["reason"]
-  assert default["faults"] > 0.5 * PAGES, default
+  assert retained["released"] is True  # the freed 64 MiB block went back to the OS
+  # By default (and with "default") the allocator is untouched: the whole
+  # temporary is faulted in again on every call.
+  for env in ({}, {_host_memory.ENV_VAR: "default"}):
+    default = _child(**env)
+    assert default["status"] == {"mode": "default", "applied": False, "settings": {},
+                                 "reason": default["status"]["reason"]}
+    assert "is not 'retain'" in default["status"]["reason"]
+    assert default["warnings"] == []
+    assert default["faults"] > 0.5 * PAGES, default
 
 
 @needs_glibc
 def test_backend_started_before_import_warns_and_leaves_malloc_alone():
-  got = _child("jax-first")
+  got = _child("jax-first", **RETAIN)
   status = got["status"]
   assert status["applied"] is False and status["settings"] == {}
   assert "started before tunedjax was imported" in status["reason"]
   (warning,) = [w for w in got["warnings"] if w.startswith("HostMemoryWarning")]
   assert "Import tunedjax before running JAX code" in warning
   assert _host_memory.ENVIRONMENT_HINT in warning
-  quiet = _child("jax-first", **{_host_memory.ENV_VAR: "default"})
+  quiet = _child("jax-first")  # not opted in: nothing to warn about
   assert quiet["warnings"] == []
 
 
@@ -103,7 +116,7 @@ def test_backend_started_before_import_warns_and_leaves_malloc_alone():
 @pytest.mark.parametrize("name,value", [("MALLOC_ARENA_MAX", "2"),
                                         ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")])
 def test_an_environment_that_tunes_malloc_is_respected(name, value):
-  status = _child(**{name: value})["status"]
+  status = _child(**RETAIN, **{name: value})["status"]
   assert status["applied"] is False
   assert status["reason"] == f"the environment already tunes malloc (${name})"
 
@@ -129,7 +142,7 @@ def _decide(monkeypatch, **env: str) -> _host_memory.HostMemoryStatus:
 
 def test_without_glibc_nothing_is_set(monkeypatch):
   monkeypatch.setattr(_host_memory, "_glibc", lambda: None)
-  status = _decide(monkeypatch)
+  status = _decide(monkeypatch, **RETAIN)
   assert status == _host_memory.HostMemoryStatus(
       "retain", False, "the C library is not glibc (nothing to set)")
   assert tj.release_host_memory() is False
@@ -139,23 +152,20 @@ def test_without_glibc_nothing_is_set(monkeypatch):
 def test_a_preloaded_allocator_is_respected(monkeypatch, preload):
   if _host_memory._glibc() is None:
     pytest.skip("the check follows the glibc check")
-  status = _decide(monkeypatch, LD_PRELOAD=preload)
+  status = _decide(monkeypatch, LD_PRELOAD=preload, **RETAIN)
   assert status.reason == "the environment already tunes malloc ($LD_PRELOAD)"
 
 
 def test_status_is_decided_once(monkeypatch):
   first = tj.host_memory_status()
-  monkeypatch.setenv(_host_memory.ENV_VAR, "default")
+  monkeypatch.setenv(_host_memory.ENV_VAR, "retain" if first.mode == "default" else "default")
   assert tj.host_memory_status() is first
 
 
-@needs_glibc
-def test_release_host_memory_returns_freed_heap_memory():
-  if not tj.host_memory_status().applied:
-    pytest.skip("this process's allocator was not set up by tunedjax")
-  block = np.ones(64 * 2**20 // 8)  # from the heap: mapping is off
-  del block
-  assert tj.release_host_memory() is True
+def test_not_opting_in_changes_nothing(monkeypatch):
+  monkeypatch.setattr(_host_memory, "_glibc", lambda: pytest.fail("looked at the C library"))
+  status = _decide(monkeypatch)
+  assert status.mode == "default" and not status.applied and status.settings == {}
 
 
 def test_status_is_json_able():

@@ -1,4 +1,4 @@
-"""Host memory: a CPU step reuses the last step's memory instead of faulting it in again.
+"""Host memory: opt in, and a CPU step reuses the last step's memory instead of faulting it in.
 
 XLA:CPU allocates each execution's temporary buffer as one block (73 MiB for the
 MobileNet-style train step of ``benchmarks/kernels.py``) with ``posix_memalign``
@@ -7,21 +7,24 @@ on one of its worker threads, and frees it when the execution ends. glibc's
 cannot hold more than 64 MiB, and the main arena maps anything over its
 threshold (at most 32 MiB). ``free`` unmaps it, so the next step faults every
 page in and the kernel zeroes it again: about 18,000 minor page faults and
-30 ms of system time per step there, a step that takes 30 ms without them.
+30 ms of system time per step there, a step that takes 28 ms without them.
 
-When tunedjax is imported it asks glibc (``mallopt``) to serve every thread
-from the main arena (``M_ARENA_MAX=1``), never to map a block on its own
-(``M_MMAP_MAX=0``) and to keep up to 2 GiB free at the top of the heap
-(``M_TRIM_THRESHOLD``), so one step's temporaries are the next step's, as a
-caching allocator would have them. The price is resident memory: what the
-process once used stays mapped until `release_host_memory` (or the process
-ends). PyTorch runs in the same process are served by the same allocator.
+With ``TUNEDJAX_HOST_MEMORY=retain`` in the environment, ``import tunedjax``
+asks glibc (``mallopt``) to serve every thread from the main arena
+(``M_ARENA_MAX=1``), never to map a block on its own (``M_MMAP_MAX=0``) and to
+keep up to 2 GiB free at the top of the heap (``M_TRIM_THRESHOLD``), so one
+step's temporaries are the next step's, as a caching allocator would have them.
+It is opt-in because it has two costs. Resident memory: what the process once
+used stays mapped until `release_host_memory` (or the process ends). And
+dispatch: with one arena, JAX's Python thread and XLA's threads take the same
+lock, so a tiny jitted call dispatched asynchronously went from about 20 to
+37-52 us on 2 cores. Importing a library should not slow unrelated JAX code
+that much, so by default (``default``) nothing is changed. PyTorch runs in the
+same process are served by the same allocator.
 
-It is left alone (and `host_memory_status` says why) where it cannot help or
-someone chose otherwise:
+With ``retain`` it is still left alone (and `host_memory_status` says why)
+where it cannot help or someone chose otherwise:
 
-* ``$TUNEDJAX_HOST_MEMORY=default`` (the other valid value is ``retain``, the
-  default);
 * the C library is not glibc (macOS, musl);
 * the environment already tunes the allocator (``MALLOC_ARENA_MAX``,
   ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``,
@@ -53,7 +56,8 @@ import warnings
 from tunedjax._errors import HostMemoryWarning, format_choices
 
 ENV_VAR = "TUNEDJAX_HOST_MEMORY"
-"""``retain`` (the default) or ``default`` (leave the C library's allocator as it is)."""
+"""``retain`` (opt in: set malloc up for large CPU steps) or ``default`` (the default: leave
+the C library's allocator as it is)."""
 
 MODES = ("retain", "default")
 
@@ -149,7 +153,7 @@ def _mode() -> tuple[str, str | None]:
   is not a valid one, a message that names it and the valid values."""
   raw = os.environ.get(ENV_VAR)
   if raw is None or not raw.strip():
-    return "retain", None
+    return "default", None
   value = raw.strip().lower()
   if value in MODES:
     return value, None
@@ -178,7 +182,8 @@ def _decide_and_apply() -> HostMemoryStatus:
     warnings.warn(complaint, HostMemoryWarning, stacklevel=4)
     return HostMemoryStatus(mode, False, complaint)
   if mode == "default":
-    return HostMemoryStatus(mode, False, f"${ENV_VAR}=default: the allocator is left as it is")
+    return HostMemoryStatus(mode, False, f"${ENV_VAR} is not 'retain': the allocator is left "
+                            "as it is (opt in for large CPU steps: README, 'Host memory')")
   libc = _glibc()
   if libc is None:
     return HostMemoryStatus(mode, False, "the C library is not glibc (nothing to set)")
@@ -194,7 +199,7 @@ def _decide_and_apply() -> HostMemoryStatus:
           f"tunedjax: {reason}. Each CPU step may map and fault in its temporary buffer "
           "again (tens of ms per step for a CNN). Import tunedjax before running JAX "
           f"code, or start Python with {ENVIRONMENT_HINT}. "
-          f"Set ${ENV_VAR}=default to silence this.", HostMemoryWarning, stacklevel=4)
+          f"Unset ${ENV_VAR} to silence this.", HostMemoryWarning, stacklevel=4)
     return HostMemoryStatus(mode, False, reason)
   for name, value in SETTINGS.items():
     if libc.mallopt(_PARAMS[name], value) != 1:
@@ -222,8 +227,8 @@ def host_memory_status() -> HostMemoryStatus:
 def release_host_memory() -> bool:
   """Returns the heap's free memory to the operating system (glibc's ``malloc_trim``).
 
-  With the host-memory settings applied, memory the process freed stays mapped
-  for reuse; call this after a phase that used much more than training does
+  With the host-memory settings applied (``TUNEDJAX_HOST_MEMORY=retain``),
+  memory the process freed stays mapped for reuse; call this after a phase that used much more than training does
   (loading a large dataset into memory, say) to shrink the resident size.
 
   Returns:
