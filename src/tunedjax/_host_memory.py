@@ -162,7 +162,8 @@ def _mode() -> tuple[str, str | None]:
 
 
 def configure() -> HostMemoryStatus:
-  """Applies the host-memory settings if they can help; returns what was done.
+  """Applies the host-memory settings if asked (``retain``) and they can help; returns what
+  was done.
 
   `tunedjax`'s import calls this once; later calls return the first status.
 
