@@ -53,18 +53,7 @@ QUICK = False  # --quick: vs_pytorch's --quick sizes
 
 def net_step(net: str) -> tuple[Any, tuple[Any, ...]]:
   """The step function and its arguments, as `vs_pytorch.run_net` builds them."""
-  rng = np.random.default_rng(0)
-  if net == "mobilenet":
-    batch, size = (4, 32) if QUICK else (32, 64)
-    params, loss, _ = vs_pytorch.mobilenet_jax(rng)
-    step, state = vs_pytorch.mobilenet_step(loss), (params,)
-  else:
-    width, batch, size = (8, 8, 16) if QUICK else (32, 128, 32)
-    params, stats, step = vs_pytorch.demo_jax(width)
-    state = (params, stats)
-  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return step, (*state, x, y)
+  return vs_pytorch.net_problem(net, QUICK)[:2]
 
 
 def _eqns(jaxpr: Any):

@@ -165,19 +165,7 @@ def interleaved_wall_and_cpu(variants, *, baseline: str, rounds: int, warmup: in
 
 
 def run(net: str, rounds: int, quick: bool) -> None:
-  rng = np.random.default_rng(0)
-  if net == "mobilenet":
-    batch, size = (4, 32) if quick else (32, 64)
-    params, loss, _ = vs_pytorch.mobilenet_jax(rng)
-    step = vs_pytorch.mobilenet_step(loss)
-    jax_args: tuple[Any, ...] = (params,)
-  else:
-    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-    params, stats, step = vs_pytorch.demo_jax(width)
-    jax_args = (params, stats)
-  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  args = (*jax_args, x, y)
+  step, args = vs_pytorch.net_problem(net, quick)[:2]
 
   tmp = tempfile.mkdtemp(prefix="direct_native_")
   tuned = os.path.join(tmp, "tuned")

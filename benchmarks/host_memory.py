@@ -52,29 +52,16 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   # threads); the flag keeps it from re-running itself in the torch venv.
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
 
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
 
-  rng = np.random.default_rng(0)
   if net == "mlp":  # host-bound: what one arena costs a small step's dispatch, if anything
     import jit_overhead  # pylint: disable=import-outside-toplevel
     step, args = jit_overhead.mlp_problem()
     reps *= 40
-  elif net == "mobilenet":
-    batch, size = (4, 32) if quick else (32, 64)
-    params, loss, _ = vs_pytorch.mobilenet_jax(rng)
-    step, args = vs_pytorch.mobilenet_step(loss), (params,)
   else:
-    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-    params, stats, step = vs_pytorch.demo_jax(width)
-    args = (params, stats)
-  if net != "mlp":
-    x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-    y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-    args = (*args, x, y)
+    step, args = vs_pytorch.net_problem(net, quick)[:2]
   config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
   programs = {"jax.jit": jax.jit(step)}
   with tj.config_context(config):

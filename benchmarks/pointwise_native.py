@@ -150,17 +150,7 @@ def _set_back(value: Any, keep=lambda spec: False) -> int:
 def step(nets: list[str], rounds: int, reps: int, profile: int = 0) -> None:
   import vs_pytorch  # pylint: disable=import-outside-toplevel
   for net in nets:
-    rng = np.random.default_rng(0)
-    if net == "mobilenet":
-      params, loss, _ = vs_pytorch.mobilenet_jax(rng)
-      fn = vs_pytorch.mobilenet_step(loss)
-      state, batch, size = (params,), 32, 64
-    else:
-      params, stats, fn = vs_pytorch.demo_jax(32)
-      state, batch, size = (params, stats), 128, 32
-    x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-    y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-    args = (*state, x, y)
+    fn, args = vs_pytorch.net_problem(net)[:2]
     new_dir = tempfile.mkdtemp(prefix="tj-pw-new-")
     old_dir = tempfile.mkdtemp(prefix="tj-pw-old-")
     steps = {}

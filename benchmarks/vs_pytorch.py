@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 # First, before torch or JAX start threads: tunedjax's opt-in host-memory settings
 # (glibc malloc; `TUNEDJAX_HOST_MEMORY=retain` unless the caller set the variable)
@@ -608,22 +608,39 @@ def _block(fn, args):
   return lambda: jax.block_until_ready(fn(*args))
 
 
-def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
+class NetProblem(NamedTuple):
+  """One network's SGD train step with its arguments, as the benchmarks here time it."""
+
+  step: Callable[..., Any]
+  args: tuple[Any, ...]  # (params, [batch stats,] x, y)
+  width: int | None  # DemoNet's width; None for the MobileNet-style network
+  label: str
+
+
+def net_problem(net: str, quick: bool = False) -> NetProblem:
+  """The MobileNet-style (batch 32, 64x64) or demo (width 32, batch 128, 32x32) step
+  on seeded random data; `quick`: the smoke run's small sizes."""
   rng = np.random.default_rng(0)
+  width = None
   if net == "mobilenet":
-    batch, size = (4, 32) if args.quick else (32, 64)
+    batch, size = (4, 32) if quick else (32, 64)
     params, loss, _ = mobilenet_jax(rng)
-    step = mobilenet_step(loss)
-    jax_args = (params,)
+    step, state = mobilenet_step(loss), (params,)
     label = "MobileNet-style step (`benchmarks/kernels.py`)"
   else:
-    width, batch, size = (8, 8, 16) if args.quick else (32, 128, 32)
+    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
     params, stats, step = demo_jax(width)
-    jax_args = (params, stats)
+    state = (params, stats)
     label = f"demo network (`DemoNet`, width {width})"
   x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
   y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  full_args = (*jax_args, x, y)
+  return NetProblem(step, (*state, x, y), width, label)
+
+
+def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
+  step, full_args, width, label = net_problem(net, args.quick)
+  params, x, y = full_args[0], full_args[-2], full_args[-1]
+  batch, size = x.shape[0], x.shape[1]
   shape = f"batch {batch}, {size}x{size}"
 
   # JAX: jax.jit and tunedjax (kernel selection on, a fresh session: the first call tunes).

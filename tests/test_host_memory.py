@@ -59,9 +59,13 @@ print(json.dumps({"status": tj.host_memory_status().to_dict(),
 """.replace("TEMP_BYTES", str(TEMP_BYTES))
 
 
+# Every variable the decision reads: cleared, so the machine's environment cannot steer a test.
+_ALLOCATOR_ENV = (*_host_memory._MALLOC_ENV, "GLIBC_TUNABLES", "LD_PRELOAD", _host_memory.ENV_VAR)
+
+
 def _clean_env(**extra: str) -> dict[str, str]:
   env = processes.cpu_env()
-  for name in (*_host_memory._MALLOC_ENV, "GLIBC_TUNABLES", "LD_PRELOAD", _host_memory.ENV_VAR):
+  for name in _ALLOCATOR_ENV:
     env.pop(name, None)
   return {**env, **extra}
 
@@ -132,7 +136,7 @@ def test_a_bad_mode_warns_naming_the_value_and_the_valid_ones():
 def _decide(monkeypatch, **env: str) -> _host_memory.HostMemoryStatus:
   """The decision `configure` would make in this process under `env` (no mallopt call
   unless every check passes; the suite's process already has the settings)."""
-  for name in (*_host_memory._MALLOC_ENV, "GLIBC_TUNABLES", "LD_PRELOAD", _host_memory.ENV_VAR):
+  for name in _ALLOCATOR_ENV:
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)

@@ -46,8 +46,8 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -104,12 +104,17 @@ _LOCK = threading.Lock()
 _STATUS: HostMemoryStatus | None = None
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-  """The process's C library if it is glibc (it has ``mallopt`` and ``gnu_get_libc_version``)."""
+  """The process's C library if it is glibc (it has ``mallopt`` and ``gnu_get_libc_version``).
+
+  Looked up among the symbols already loaded (``dlopen(NULL)``), not with
+  `ctypes.util.find_library`, which runs ``ldconfig`` in a subprocess.
+  """
   if not sys.platform.startswith("linux"):
     return None
   try:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = ctypes.CDLL(None)
   except OSError:
     return None
   if not all(hasattr(libc, f) for f in ("mallopt", "gnu_get_libc_version", "malloc_trim")):

@@ -332,15 +332,7 @@ ffi::Error PointwiseWgrad(ffi::ThreadPool pool, ffi::Buffer<DT> x,
 }  // namespace
 }  // namespace tunedjax
 
-#define TJ_DEFINE(NAME, FN, DT)                                             \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, tunedjax::FN<DT>,                     \
-                                ffi::Ffi::Bind()                            \
-                                    .Ctx<ffi::ThreadPool>()                 \
-                                    .Arg<ffi::Buffer<DT>>()                 \
-                                    .Arg<ffi::Buffer<DT>>()                 \
-                                    .Ret<ffi::Buffer<DT>>());
-
-TJ_DEFINE(TjPointwiseMatmulF32, PointwiseMatmul, ffi::F32)
-TJ_DEFINE(TjPointwiseMatmulF64, PointwiseMatmul, ffi::F64)
-TJ_DEFINE(TjPointwiseWgradF32, PointwiseWgrad, ffi::F32)
-TJ_DEFINE(TjPointwiseWgradF64, PointwiseWgrad, ffi::F64)
+TJ_DEFINE_BINARY(TjPointwiseMatmulF32, PointwiseMatmul, ffi::F32, )
+TJ_DEFINE_BINARY(TjPointwiseMatmulF64, PointwiseMatmul, ffi::F64, )
+TJ_DEFINE_BINARY(TjPointwiseWgradF32, PointwiseWgrad, ffi::F32, )
+TJ_DEFINE_BINARY(TjPointwiseWgradF64, PointwiseWgrad, ffi::F64, )

@@ -76,22 +76,26 @@ inline void split_range(int64_t n, int64_t parts, int64_t i, int64_t* lo,
 }  // namespace tunedjax
 
 // The geometry attributes of a convolution handler, as the Python side passes
-// them (`_conv_native.py`, `_conv_native_direct.py`), and the binding of a
-// two-operand, one-result convolution handler `tunedjax::FN<DT>` to the
-// exported symbol NAME.
+// them (`_conv_native.py`, `_conv_native_direct.py`).
 #define TJ_GEOMETRY_ATTRS                                                   \
   .Attr<int64_t>("stride_h").Attr<int64_t>("stride_w")                     \
       .Attr<int64_t>("pad_h").Attr<int64_t>("pad_w")                       \
       .Attr<int64_t>("lhs_dil_h").Attr<int64_t>("lhs_dil_w")               \
       .Attr<int64_t>("rhs_dil_h").Attr<int64_t>("rhs_dil_w")
 
-#define TJ_DEFINE(NAME, FN, DT)                                             \
+// Binds a two-operand, one-result handler `tunedjax::FN<DT>` (run on XLA's
+// thread pool) to the exported symbol NAME; ATTRS are further binding calls,
+// or nothing (`TJ_DEFINE_BINARY(Name, Fn, ffi::F32, )`).
+#define TJ_DEFINE_BINARY(NAME, FN, DT, ATTRS)                               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, tunedjax::FN<DT>,                     \
                                 ffi::Ffi::Bind()                            \
                                     .Ctx<ffi::ThreadPool>()                 \
                                     .Arg<ffi::Buffer<DT>>()                 \
                                     .Arg<ffi::Buffer<DT>>()                 \
                                     .Ret<ffi::Buffer<DT>>()                 \
-                                    TJ_GEOMETRY_ATTRS);
+                                    ATTRS);
+
+// A convolution handler: the binary binding with the geometry attributes.
+#define TJ_DEFINE(NAME, FN, DT) TJ_DEFINE_BINARY(NAME, FN, DT, TJ_GEOMETRY_ATTRS)
 
 #endif  // TUNEDJAX_CSRC_TJ_PARALLEL_H_
