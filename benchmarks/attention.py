@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 
 import tunedjax as tj
-from tunedjax.autotune._attn_spec import AttentionSpec
+from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.demo import TransformerLM, lm_data, lm_loss
 
 HEADS, HEAD_DIM = 8, 64

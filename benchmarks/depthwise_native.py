@@ -39,10 +39,10 @@ import vs_pytorch
 
 import tunedjax as tj
 from tunedjax import autotune
-from tunedjax.autotune import _conv_native
+from tunedjax.ops.conv import _native_depthwise as _conv_native
 from tunedjax.autotune import _registry as reg
-from tunedjax.autotune._conv_family import conv_key, describe_conv
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.ops.conv._family import conv_key, describe_conv
+from tunedjax.ops.conv._spec import ConvSpec
 from tunedjax.autotune._hints import HintWarning
 
 KERNELS = ("depthwise", "depthwise_native", "xla")

@@ -50,9 +50,9 @@ import vs_pytorch  # pylint: disable=wrong-import-position
 
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
-from tunedjax.autotune import _conv_native_direct as direct  # pylint: disable=wrong-import-position
+from tunedjax.ops.conv import _native_direct as direct  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _registry, _tuner  # pylint: disable=wrong-import-position
-from tunedjax.autotune._conv_spec import ConvSpec  # pylint: disable=wrong-import-position
+from tunedjax.ops.conv._spec import ConvSpec  # pylint: disable=wrong-import-position
 
 KERNELS = ("xla", "im2col", "window_matmul", "direct_native")
 NEW = "direct_native"
@@ -87,7 +87,7 @@ def bucket_rows(cache_dir: str) -> list[str]:
 
 
 def autotune_describe(key: dict[str, Any]) -> str:
-  from tunedjax.autotune._conv_family import describe_conv  # pylint: disable=import-outside-toplevel
+  from tunedjax.ops.conv._family import describe_conv  # pylint: disable=import-outside-toplevel
   return describe_conv(key)
 
 

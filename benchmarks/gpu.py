@@ -41,7 +41,7 @@ from jax import lax
 
 import _harness
 import tunedjax as tj
-from tunedjax.autotune import _conv_pallas
+from tunedjax.ops.conv import _pallas as _conv_pallas
 from tunedjax.autotune import _registry as reg
 
 PARTS = ("resnet50", "conv_buckets", "layout_f16", "attention", "demo")

@@ -42,9 +42,9 @@ from jax import lax
 
 import tunedjax as tj
 from tunedjax import autotune
-from tunedjax.autotune import _conv_native_1x1
+from tunedjax.ops.conv import _native_1x1 as _conv_native_1x1
 from tunedjax.autotune import _registry as reg
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.ops.conv._spec import ConvSpec
 
 NATIVE = "matmul_1x1_native"
 # (batch, height = width, in channels, out channels) of each step's 1x1 convolutions.

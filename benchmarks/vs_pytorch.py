@@ -12,10 +12,10 @@ convolutions, `nn.BatchNorm2d` on batch statistics, `torch.optim.SGD`; eager
 NCHW, eager channels_last, `torch.compile` of both; and, for the diagnosis,
 the same step with batch norm written out in primitive ops as JAX computes
 it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
-MobileNet-style step's batch norms call `tunedjax.autotune._bn_family.batch_norm`
+MobileNet-style step's batch norms call `tunedjax.ops.batch_norm._family.batch_norm`
 (the batch-norm op family's call site: the reference under `jax.jit`, the
 tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`, routed to
-the same family under `tj.jit` by `autotune.route_batch_norm` (as the Trainer
+the same family under `tj.jit` by `ops.batch_norm.route_batch_norm` (as the Trainer
 does). `--bf16` also times tunedjax on the opt-in mixed-precision policy. The
 strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
 ``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
@@ -112,8 +112,8 @@ import optax  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 from jax import lax  # pylint: disable=wrong-import-position
 
-from tunedjax import autotune  # pylint: disable=wrong-import-position
-from tunedjax.autotune import _bn_family  # pylint: disable=wrong-import-position
+from tunedjax import autotune, ops  # pylint: disable=wrong-import-position
+from tunedjax.ops.batch_norm import _family as _bn_family  # pylint: disable=wrong-import-position
 from tunedjax.demo import DemoNet  # pylint: disable=wrong-import-position
 
 if torch is not None:
@@ -169,7 +169,7 @@ def demo_jax(width: int, classes: int = 10):
 
   # nnx.BatchNorm onto the batch-norm family under tj.jit (as the Trainer does); under
   # jax.jit, outside kernel selection, Flax's own code.
-  @autotune.route_batch_norm()
+  @ops.batch_norm.route_batch_norm()
   def loss(params, stats, x, y):
     m = nnx.merge(graphdef, params, stats, copy=True)
     logits = m(x)

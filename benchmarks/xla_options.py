@@ -43,8 +43,8 @@ import optax
 from flax import nnx
 
 import tunedjax as tj
-from tunedjax import autotune
-from tunedjax.autotune import _bn_family
+from tunedjax import autotune, ops
+from tunedjax.ops.batch_norm import _family as _bn_family
 from tunedjax.demo import DemoNet
 
 BOUND = 1e-4  # largest relative error against the default program (float32 rounding)
@@ -104,7 +104,7 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
   graphdef, dparams, stats = nnx.split(DemoNet(10, width=width, seed=0), nnx.Param,
                                        nnx.BatchStat)
 
-  @autotune.route_batch_norm()
+  @ops.batch_norm.route_batch_norm()
   def demo_loss(params, stats, x, y):
     m = nnx.merge(graphdef, params, stats, copy=True)
     value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()

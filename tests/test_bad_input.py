@@ -36,7 +36,7 @@ from tunedjax import input_pipeline as ip
 from tunedjax import layout
 from tunedjax import mixed_precision as mp
 from tunedjax._errors import TunedJaxError
-from tunedjax.mixed_precision._policy import canonical_dtype
+from tunedjax._policy import canonical_dtype
 from tests.trainer import models as m
 
 SRC = pathlib.Path(tj.__file__).resolve().parent

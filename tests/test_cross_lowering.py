@@ -33,8 +33,8 @@ from jax import lax
 import tunedjax as tj
 from tunedjax import layout
 from tunedjax.autotune import _registry as reg
-from tunedjax.autotune._conv_spec import ConvSpec
-from tunedjax.autotune import _conv_pallas
+from tunedjax.ops.conv._spec import ConvSpec
+from tunedjax.ops.conv import _pallas as _conv_pallas
 from tunedjax.autotune._hints import HintWarning
 from tunedjax.rewrite import _compat
 from tunedjax.trainer import Trainer
@@ -383,7 +383,7 @@ def test_trainer_train_step_exports(platform, precision, tmp_path):
 
 def attention_specs():
   """Attention buckets the accelerator kernels claim: every dtype, causal or not, GQA."""
-  from tunedjax.autotune._attn_spec import AttentionSpec  # pylint: disable=import-outside-toplevel
+  from tunedjax.ops.attention._spec import AttentionSpec  # pylint: disable=import-outside-toplevel
   return tuple(AttentionSpec(1, 256, 256, heads, kv_heads, h, jnp.dtype(dtype).name,
                              causal=causal, scale=0.125)
                for dtype in DTYPES for causal in (False, True)

@@ -26,7 +26,7 @@ from tests.rewrite import cases
 from tunedjax import rewrite
 from tunedjax.rewrite import _compat
 from tunedjax.autotune import _registry as reg
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.ops.conv._spec import ConvSpec
 from tunedjax.autotune._hints import HintWarning
 
 CASES = {c.__name__: c for c in cases.ALL_CASES}

@@ -1,7 +1,7 @@
 """The native-kernel build: compile on first use, reuse, and every way it can fail.
 
 Most tests build a tiny C++ file (a fraction of a second) from a folder that
-stands in for ``tunedjax/csrc``; one builds the real depthwise source and
+stands in for an op family's ``csrc``; one builds the real depthwise source and
 calls its FFI handler against `lax.conv_general_dilated`.
 """
 
@@ -43,7 +43,8 @@ def sources(monkeypatch, tmp_path) -> pathlib.Path:
   folder = tmp_path / "csrc"
   folder.mkdir()
   (folder / "tiny.cc").write_text(TINY)
-  monkeypatch.setattr(_native, "SOURCE_DIR", folder)
+  monkeypatch.setattr(_native, "HEADER_DIR", folder)
+  monkeypatch.setattr(_native, "_SOURCES", {"tiny": folder / "tiny.cc"})
   return folder
 
 
@@ -88,6 +89,7 @@ def test_a_changed_source_builds_a_new_library(sources, tmp_path):
 def test_the_first_build_compiles_every_source_side_by_side(sources, tmp_path, monkeypatch):
   """A new machine's first native kernel builds the others at the same time (not in turn)."""
   (sources / "second.cc").write_text(TINY.replace("tj_answer", "tj_second"))
+  _native.register_source(sources / "second.cc")
   monkeypatch.setattr(_native, "find_compiler", lambda: _native.Compiler("/usr/bin/c++", "c++"))
   both_running = threading.Barrier(2, timeout=10)
   compiled = []
@@ -200,6 +202,8 @@ def test_an_unusable_cache_folder_builds_in_a_temporary_one(sources, tmp_path, m
 def test_the_depthwise_handler_matches_lax(rng):
   """The real source: built, registered, called through `jax.ffi.ffi_call`."""
   needs_compiler()
+  from tunedjax.ops.conv import _native_depthwise  # registers the source
+  assert _native_depthwise.SOURCE == "depthwise"
   target = _native.ffi_target("depthwise", "TjDepthwiseConvF64")
   assert target == "tunedjax_TjDepthwiseConvF64"
   assert _native.ffi_target("depthwise", "TjDepthwiseConvF64") == target  # registered once
@@ -246,7 +250,7 @@ def test_an_exported_program_calls_no_native_kernel(rng):
   from tunedjax import autotune
 
   def loss(x, scale, bias):
-    return jnp.sum(jax.nn.relu(autotune.batch_norm(x, scale, bias)) ** 2)
+    return jnp.sum(jax.nn.relu(tj.ops.batch_norm.batch_norm(x, scale, bias)) ** 2)
 
   x = jnp.asarray(rng.normal(size=(8, 4, 4, 6)), jnp.float32)
   scale = jnp.asarray(rng.uniform(0.5, 1.5, size=6), jnp.float32)

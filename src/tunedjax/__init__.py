@@ -29,11 +29,12 @@ _LAZY = {
     "input_pipeline": ("tunedjax.input_pipeline", None),
     "layout": ("tunedjax.layout", None),
     "mixed_precision": ("tunedjax.mixed_precision", None),
+    "ops": ("tunedjax.ops", None),
     "rewrite": ("tunedjax.rewrite", None),
     "trainer": ("tunedjax.trainer", None),
-    "attention": ("tunedjax._attention", "attention"),
-    "AttentionSwap": ("tunedjax._attention_flax", "AttentionSwap"),
-    "use_tuned_attention": ("tunedjax._attention_flax", "use_tuned_attention"),
+    "attention": ("tunedjax.ops.attention", "attention"),
+    "AttentionSwap": ("tunedjax.ops.attention", "AttentionSwap"),
+    "use_tuned_attention": ("tunedjax.ops.attention", "use_tuned_attention"),
     "Config": ("tunedjax._config", "Config"),
     "config_context": ("tunedjax._config", "config_context"),
     "get_config": ("tunedjax._config", "get_config"),
@@ -79,11 +80,12 @@ if _typing.TYPE_CHECKING:
   from tunedjax import input_pipeline as input_pipeline
   from tunedjax import layout as layout
   from tunedjax import mixed_precision as mixed_precision
+  from tunedjax import ops as ops
   from tunedjax import rewrite as rewrite
   from tunedjax import trainer as trainer
-  from tunedjax._attention import attention as attention
-  from tunedjax._attention_flax import AttentionSwap as AttentionSwap
-  from tunedjax._attention_flax import use_tuned_attention as use_tuned_attention
+  from tunedjax.ops.attention import attention as attention
+  from tunedjax.ops.attention import AttentionSwap as AttentionSwap
+  from tunedjax.ops.attention import use_tuned_attention as use_tuned_attention
   from tunedjax._config import Config as Config
   from tunedjax._config import config_context as config_context
   from tunedjax._config import get_config as get_config
@@ -131,6 +133,7 @@ __all__ = [
     "jit",
     "layout",
     "mixed_precision",
+    "ops",
     "release_host_memory",
     "rewrite",
     "set_config",

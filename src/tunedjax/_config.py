@@ -135,8 +135,8 @@ def _check_policy(key: str, value: Any) -> str:
   value = _check_text(key, value)
   if value == DEFAULT_POLICY:  # Valid; also read while this module loads.
     return value
-  # Imported here: tunedjax.mixed_precision imports this module.
-  from tunedjax.mixed_precision._policy import PolicyError, get_policy
+  # Imported here, not at the top: it imports JAX, which this module does not need.
+  from tunedjax._policy import PolicyError, get_policy  # pylint: disable=import-outside-toplevel
   try:
     get_policy(value)
   except PolicyError as e:
@@ -163,22 +163,16 @@ def _check_range(key: str, value: Any) -> tuple[int, int]:
   return tuple(value)
 
 
-def _op_families() -> tuple[str, ...]:
-  """The registered op families (hints are keyed by them); imported late, as they import this."""
-  from tunedjax.autotune import _registry  # pylint: disable=import-outside-toplevel
-  return tuple(f.name for f in _registry.op_families())
-
-
 def _check_hints(key: str, value: Any) -> FrozenDict:
+  """A mapping of op family names to kernel names; both are checked against the
+  registry when the hints are used (`tunedjax.autotune`), not here: the families
+  are plug-ins of a layer above this one."""
   if not isinstance(value, Mapping):
     raise _type_error(key, value,
                       "a dict {op: kernel name}, e.g. {'conv': 'im2col'}")
-  families = _op_families() if value else ()
   for op, name in value.items():
-    if op not in families:
-      raise ConfigError(UNKNOWN_KEY.format(
-          key=f"{key}.{op}", suggestion=did_you_mean(str(op), families),
-          valid=format_choices(families)))
+    if not isinstance(op, str) or not op:
+      raise _type_error(f"{key}.{op}", op, "a non-empty op family name string")
     if not isinstance(name, str) or not name:
       raise _type_error(f"{key}.{op}", name, "a non-empty kernel name string")
   return value if isinstance(value, FrozenDict) else FrozenDict(value)

@@ -1,7 +1,6 @@
 """Native CPU kernels: C++ XLA FFI handlers, built on first use and cached per machine.
 
-tunedjax ships a few kernels as C++ sources (``tunedjax/csrc/*.cc``) that XLA
-calls through its FFI, for work XLA:CPU compiles poorly (a depthwise
+tunedjax ships a few kernels as C++ sources that XLA calls through its FFI, for work XLA:CPU compiles poorly (a depthwise
 convolution's weight gradient, batch norm's statistics). They are built the
 first time a kernel needs them, with the host's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``) and ``-O3 -march=native``, into the cache
@@ -19,6 +18,10 @@ load (a truncated file) is warned about, removed and rebuilt once. Builds
 write to a temporary file and rename it into place, so a build interrupted
 mid-write or two processes building at once never leave a broken library
 under the final name.
+
+Each op family keeps its C++ sources in its own package (``ops/<family>/csrc``)
+and names them here with `register_source`; the headers every source shares
+(``tj_parallel.h``) are in ``tunedjax/csrc``.
 
 Example:
   >>> target = ffi_target("depthwise", "TjDepthwiseConvF32")
@@ -62,11 +65,13 @@ CXX_ENV_VAR = "CXX"
 COMPILERS = ("c++", "g++", "clang++")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300.0
-SOURCE_DIR = pathlib.Path(__file__).parent / "csrc"
+HEADER_DIR = pathlib.Path(__file__).parent / "csrc"
+"""The headers every native source may include (``#include "tj_parallel.h"``)."""
 TARGET_PREFIX = "tunedjax_"
 
 _OFF = ("0", "off", "false", "no")
 _LOCK = threading.RLock()
+_SOURCES: dict[str, pathlib.Path] = {}
 _LIBRARIES: dict[str, ctypes.CDLL | None] = {}
 _REGISTERED: set[str] = set()
 _WARNED: set[str] = set()
@@ -107,14 +112,50 @@ def find_compiler() -> Compiler | None:
   return None
 
 
+def register_source(path: os.PathLike | str) -> str:
+  """Names a C++ source that native kernels are built from; returns its stem.
+
+  An op family calls this for each file of its ``csrc`` folder when its kernel
+  module is imported; `ffi_target`, `available` and `library` then take the
+  stem. Stems are unique across families.
+
+  Args:
+    path: the ``.cc`` file.
+
+  Returns:
+    The file's stem (``"depthwise"`` for ``.../csrc/depthwise.cc``).
+
+  Raises:
+    ValueError: another file was registered under the same stem.
+
+  Example:
+    >>> register_source(HEADER_DIR.parent / "ops" / "conv" / "csrc" / "depthwise.cc")
+    'depthwise'
+  """
+  path = pathlib.Path(path)
+  with _LOCK:
+    known = _SOURCES.setdefault(path.stem, path)
+  if known != path:
+    raise ValueError(f"native source {path.stem!r} is already registered as {known}; "
+                     f"cannot register {path} under the same stem.")
+  return path.stem
+
+
+def source_path(source: str) -> pathlib.Path | None:
+  """The registered file of stem `source`, or None."""
+  with _LOCK:
+    return _SOURCES.get(source)
+
+
 def _headers() -> list[pathlib.Path]:
-  return sorted(SOURCE_DIR.glob("*.h"))
+  return sorted(HEADER_DIR.glob("*.h"))
 
 
 def source_bytes(source: str) -> bytes:
-  """``csrc/<source>.cc`` and the shared headers, as one byte string (for hashes); b"" if absent."""
+  """`source`'s ``.cc`` file and the shared headers, as one byte string (for hashes)."""
   parts = []
-  for path in [SOURCE_DIR / f"{source}.cc", *_headers()]:
+  cc = source_path(source)
+  for path in [*([cc] if cc is not None else []), *_headers()]:
     if path.exists():
       parts += [path.name.encode(), b"\0", path.read_bytes(), b"\0"]
   return b"".join(parts)
@@ -155,11 +196,11 @@ def _build_folder(digest: str) -> pathlib.Path:
 
 
 def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
-  """Compiles ``csrc/<source>.cc`` into `target`, atomically (a temporary name, then a rename)."""
+  """Compiles `source`'s ``.cc`` into `target`, atomically (a temporary name, then a rename)."""
   fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source}-", suffix=".so")
   os.close(fd)
-  command = [compiler.path, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}",
-             str(SOURCE_DIR / f"{source}.cc"), "-o", tmp]
+  command = [compiler.path, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADER_DIR}",
+             str(source_path(source)), "-o", tmp]
   try:
     done = subprocess.run(command, capture_output=True, text=True, check=False,
                           timeout=BUILD_TIMEOUT_S)
@@ -174,8 +215,9 @@ def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
 
 
 def _load(source: str) -> ctypes.CDLL:
-  """Builds (unless cached) and loads the library of ``csrc/<source>.cc``."""
-  if not (SOURCE_DIR / f"{source}.cc").exists():
+  """Builds (unless cached) and loads the library of `source`."""
+  path = source_path(source)
+  if path is None or not path.exists():
     raise NativeBuildError(f"no native source {source!r}; available: {sources()}")
   compiler = find_compiler()
   if compiler is None:
@@ -237,7 +279,7 @@ def _build_missing(requested: str) -> dict[str, Exception]:
 
 
 def library(source: str) -> ctypes.CDLL | None:
-  """The loaded library of ``csrc/<source>.cc``, built if needed; None if native kernels are off.
+  """The loaded library of `source`'s ``.cc`` file, built if needed; None if native kernels are off.
 
   A failed build is warned about once and remembered for the process.
   """
@@ -258,10 +300,10 @@ def library(source: str) -> ctypes.CDLL | None:
 
 
 def ffi_target(source: str, symbol: str) -> str | None:
-  """Registers handler `symbol` of ``csrc/<source>.cc`` as a CPU FFI target; returns its name.
+  """Registers handler `symbol` of `source`'s ``.cc`` file as a CPU FFI target; returns its name.
 
   Args:
-    source: the C++ file's stem under ``tunedjax/csrc``.
+    source: the C++ file's stem, as `register_source` returned it.
     symbol: the handler's exported name (``XLA_FFI_DEFINE_HANDLER_SYMBOL``).
 
   Returns:
@@ -286,7 +328,7 @@ def _builds(source: str) -> bool:
 
 
 def available(source: str) -> bool:
-  """Whether ``csrc/<source>.cc``'s kernels can run here: built and loaded, and not `suspended`.
+  """Whether `source`'s ``.cc`` file's kernels can run here: built and loaded, and not `suspended`.
 
   The build's outcome is cached per process.
   """
@@ -320,8 +362,9 @@ def is_suspended() -> bool:
 
 
 def sources() -> list[str]:
-  """The native sources tunedjax ships (stems of ``csrc/*.cc``)."""
-  return sorted(p.stem for p in SOURCE_DIR.glob("*.cc"))
+  """The registered native sources' stems (the op families imported so far name theirs)."""
+  with _LOCK:
+    return sorted(_SOURCES)
 
 
 def status() -> dict[str, object]:

@@ -14,7 +14,7 @@ import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax._errors import TunedJaxError
 from tunedjax._tuning import _cache
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.ops.conv._spec import ConvSpec
 from tunedjax.autotune import _bucket, _hints, _phases, _registry, _select
 from tunedjax.autotune._hints import HintWarning, hint
 
@@ -119,3 +119,14 @@ def test_config_hints_are_scoped():
     assert dict(_hints.active_hints()) == {"conv": "xla"}
   with tj.config_context({"kernel": {"hints": {}}}):
     assert dict(_hints.active_hints()) == {}
+
+
+def test_config_hints_are_checked_against_the_registry_when_used():
+  """The config module knows no op family: an unknown one is reported on use, with the known."""
+  from tunedjax.autotune import _hints
+  with tj.config_context({"kernel": {"hints": {"conv2d": "im2col"}}}):  # accepted here
+    with pytest.raises(tj.AutotuneError, match=r"unknown op family 'conv2d'.*did you mean 'conv'"):
+      _hints.active_hints()
+  with tj.config_context({"kernel": {"hints": {"conv": "im2cool"}}}):
+    with pytest.raises(tj.AutotuneError, match=r"unknown conv kernel 'im2cool'.*'im2col'"):
+      _hints.active_hints()

@@ -14,8 +14,8 @@ from tests.autotune import selection_helpers as h
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax._tuning import _cache
-from tunedjax.autotune import _explain, _payback, _report, _select, _tuner
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.autotune import _explain, _payback, _registry, _report, _select, _tuner
+from tunedjax.ops.conv._spec import ConvSpec
 
 FAST = {"rounds": 1, "budget_s": 3.0}
 
@@ -162,7 +162,7 @@ def test_old_cache_values_without_payback_still_load():
          "timings": {"xla": [0.001, 0.001], "im2col": [0.0012, 0.0012]},
          "ratios": {"im2col": 1.2}, "errors": {}, "rejected": {}, "skipped": [],
          "measured_at": "2026-11-20T10:00:00+00:00", "tuning_s": 0.3, "temp_bytes": {}}
-  _tuner.validate_value(old, "conv")
+  _registry.validate_cache_value(old, "conv")
   result = _tuner.TuneResult.from_value(old)
   assert result.payback == {} and not result.kept and result.to_value() == old
 
@@ -170,11 +170,11 @@ def test_old_cache_values_without_payback_still_load():
 def test_bad_payback_records_are_rejected():
   good = {"horizon": 4, "sites": 1, "default_s": 0.001, "cost_s": 0.2, "estimate_s": 0.2,
           "decided_s": 0.05, "kept": True}
-  _tuner.validate_value({"winner": "xla", "payback": good}, "conv")
+  _registry.validate_cache_value({"winner": "xla", "payback": good}, "conv")
   for bad in ([1], {**good, "horizon": 0}, {**good, "kept": "yes"}, {**good, "cost_s": -1},
               {k: v for k, v in good.items() if k != "sites"}, {**good, "horizon": True}):
     with pytest.raises((TypeError, ValueError), match="payback"):
-      _tuner.validate_value({"winner": "xla", "payback": bad}, "conv")
+      _registry.validate_cache_value({"winner": "xla", "payback": bad}, "conv")
 
 
 # -- the session's horizon ------------------------------------------------------------

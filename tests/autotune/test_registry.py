@@ -14,7 +14,7 @@ from jax import lax
 
 from tunedjax import _native
 from tunedjax._errors import TunedJaxError
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.ops.conv._spec import ConvSpec
 from tunedjax.autotune import _registry as reg
 
 

@@ -24,8 +24,9 @@ from tests.autotune import selection_helpers as h
 from tunedjax import rewrite
 from tunedjax import _tuning
 from tunedjax._tuning import _cache
-from tunedjax.autotune import _bucket, _conv_family, _phases, _registry, _select, _tuner
-from tunedjax.autotune._conv_spec import ConvSpec
+from tunedjax.autotune import _bucket, _phases, _registry, _select, _tuner
+from tunedjax.ops.conv import _family as _conv_family
+from tunedjax.ops.conv._spec import ConvSpec
 
 FAST = dict(rounds=2, budget_s=5.0)
 
@@ -258,14 +259,14 @@ def test_tune_result_round_trips_and_validates():
     result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed", "t_boom"),
                                 options=_tuner.TuneOptions(rounds=2))
     value = json.loads(json.dumps(result.to_value()))
-    _tuner.validate_value(value, "conv")
+    _registry.validate_cache_value(value, "conv")
     assert _tuner.TuneResult.from_value(value) == result
     assert value["measured_at"] and value["tuning_s"] > 0
     assert set(value["timings"]) == {"xla", "t_transposed"}
   for bad in ({**value, "winner": "os.system"}, {**value, "timings": {"xla": "fast"}},
               {**value, "tuning_s": -1}, {**value, "errors": {"x": 3}}, [1, 2]):
     with pytest.raises((TypeError, ValueError)):
-      _tuner.validate_value(bad, "conv")
+      _registry.validate_cache_value(bad, "conv")
 
 
 def test_cache_entry_with_unknown_kernel_reads_as_miss(tmp_path):

@@ -112,13 +112,13 @@ def test_the_bucket_table_says_which_buckets_were_not_tuned_and_why():
 
   kept = autotune.BucketChoice(bucket="conv 8x8x8x8 * 1x1x8x8 float32 s1x1", count=1,
                                candidates=("xla", "matmul_1x1"), kernel="xla", xla_ms=1.2,
-                               kernel_ms=1.2, speedup=1.0, horizon=48)
+                               kernel_ms=1.2, speedup=1.0, horizon=48, op="conv")
   tuned = autotune.BucketChoice(bucket="conv 8x8x8x8 * 3x3x1x8 float32 s1x1 fg8", count=2,
                                 candidates=("xla", "depthwise"), kernel="depthwise",
-                                xla_ms=30.0, kernel_ms=1.5, speedup=20.0)
+                                xla_ms=30.0, kernel_ms=1.5, speedup=20.0, op="conv")
   lost = autotune.BucketChoice(bucket="conv 8x8x8x3 * 3x3x3x8 float32 s1x1", count=1,
                                candidates=("xla", "im2col"), kernel="xla", xla_ms=2.0,
-                               kernel_ms=2.0, speedup=1.0)
+                               kernel_ms=2.0, speedup=1.0, op="conv")
   rows = _report.kernel_rows([kept, tuned, lost])
   assert rows[0][3:] == ("1.2", "-", "-", "not tuned: cannot pay back in 48 steps")
   assert rows[1][2:] == ("depthwise", "30.0", "1.5", "20.00x", "fastest")

@@ -1,10 +1,12 @@
 """Per-shape kernel selection for op families, and its persistent, device-keyed cache.
 
-An **op family** (`OpFamily`) is a kind of operation with several
-implementations: convolutions are built in (kernels ``xla``, ``matmul_1x1``,
-``im2col``, ``window_matmul``, ``fft``, ``depthwise``, ``pallas``), and
-`register_op_family` adds others, whose sites are found in the jaxpr (a
-primitive) or call `dispatch`. The selector times a site's applicable kernels
+This package is the tuning core, and names no op family. An **op family**
+(`OpFamily`) is a kind of operation with several implementations; the
+built-in ones (convolution, batch norm, attention: `tunedjax.ops`) and a
+plug-in package's are found through the ``tunedjax.op_families`` entry points
+the first time the registry is asked about families, and each registers
+itself with `register_op_family` and `register_kernel`, as a user's family
+would. Sites are found in the jaxpr (a primitive) or call `dispatch`. The selector times a site's applicable kernels
 once per shape bucket, checks each against the family's reference on the
 tuning inputs, and keeps the winner in the tuning `Cache`: one JSON file per
 device fingerprint, shared by every tuner, reused across restarts and,
@@ -41,11 +43,6 @@ from tunedjax._tuning import Stats as Stats
 from tunedjax._tuning import TuningSession as TuningSession
 from tunedjax._tuning import default_session as default_session
 from tunedjax._tuning import device_fingerprint as device_fingerprint
-from tunedjax.autotune import _registry  # noqa: F401  # first: it registers the families
-from tunedjax.autotune._bn_family import batch_norm as batch_norm
-from tunedjax.autotune._bn_flax import route_batch_norm as route_batch_norm
-from tunedjax.autotune._bn_spec import BatchNormSpec as BatchNormSpec
-from tunedjax.autotune._conv_spec import ConvSpec as ConvSpec
 from tunedjax.autotune._explain import BucketChoice as BucketChoice
 from tunedjax.autotune._explain import explain as explain
 from tunedjax.autotune._hints import HintWarning as HintWarning
@@ -56,6 +53,7 @@ from tunedjax.autotune._registry import Kernel as Kernel
 from tunedjax.autotune._registry import OpFamily as OpFamily
 from tunedjax.autotune._registry import kernels as kernels
 from tunedjax.autotune._registry import op_families as op_families
+from tunedjax.autotune._registry import op_family as op_family
 from tunedjax.autotune._registry import register_kernel as register_kernel
 from tunedjax.autotune._registry import register_op_family as register_op_family
 from tunedjax.autotune._registry import unregister_kernel as unregister_kernel
@@ -67,12 +65,10 @@ from tunedjax.autotune._select import dispatch as dispatch
 from tunedjax.autotune._select import select_kernels as select_kernels
 
 __all__ = [
-    "BatchNormSpec",
     "BucketChoice",
     "BucketTemporaries",
     "Cache",
     "CacheEntry",
-    "ConvSpec",
     "DeviceFingerprint",
     "HintWarning",
     "Kernel",
@@ -81,7 +77,6 @@ __all__ = [
     "OpFamily",
     "Stats",
     "TuningSession",
-    "batch_norm",
     "default_session",
     "device_fingerprint",
     "dispatch",
@@ -89,9 +84,9 @@ __all__ = [
     "hint",
     "kernels",
     "op_families",
+    "op_family",
     "register_kernel",
     "register_op_family",
-    "route_batch_norm",
     "select_kernels",
     "stats",
     "step",

@@ -73,7 +73,7 @@ def bucket_key(spec: Any, candidates: Iterable[Any], *, bucket: str = "exact",
 
   Example:
     >>> import numpy as np, types
-    >>> from tunedjax.autotune._conv_spec import ConvSpec
+    >>> from tunedjax.ops.conv._spec import ConvSpec
     >>> spec = ConvSpec.from_arrays(np.ones((2, 4, 8, 8), np.float32),
     ...                             np.ones((4, 4, 3, 3), np.float32), padding="SAME")
     >>> xla = types.SimpleNamespace(name="xla", source_hash="abc")

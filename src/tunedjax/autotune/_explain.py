@@ -57,7 +57,7 @@ class BucketChoice:
   speedup: float | None = None
   tuning_s: float = 0.0
   reason: str = ""
-  op: str = "conv"
+  op: str = ""
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   horizon: int | None = None
 

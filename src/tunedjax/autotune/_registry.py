@@ -9,13 +9,16 @@ one implementation of a family: ``fn(*operands, spec)`` plus
 ``applicable(spec, platform)``, and a hash of its module's source so that
 timings measured with old code are not reused.
 
-Convolutions, batch norm and attention are the built-in families (registered when this
-module is imported, kernels ``xla`` first, the default). `register_op_family` and
-`register_kernel` add others.
+The registry names no family. The families are packages that register
+themselves when imported (`register_op_family`, then `register_kernel` for
+each kernel, the default first); `load_op_families` imports every package
+named by a ``tunedjax.op_families`` entry point (tunedjax's own convolution,
+batch norm and attention, and any plug-in's) the first time a family is
+looked up, so asking for ``"conv"`` finds it without importing it first.
 
 Example:
   >>> import numpy as np
-  >>> from tunedjax.autotune._conv_spec import ConvSpec
+  >>> from tunedjax.ops.conv._spec import ConvSpec
   >>> spec = ConvSpec.from_arrays(
   ...     np.ones((1, 8, 8, 4), np.float32), np.ones((1, 1, 4, 6), np.float32),
   ...     window_strides=(1, 1), padding="VALID",
@@ -23,7 +26,7 @@ Example:
   >>> [k.name for k in applicable_kernels(spec, "tpu")]
   ['xla', 'matmul_1x1']
   >>> [f.name for f in op_families()]
-  ['conv', 'batch_norm', 'attention']
+  ['attention', 'batch_norm', 'conv']
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
+import importlib.metadata
 import inspect
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,6 +48,7 @@ import numpy as np
 from tunedjax import _native, _tuning
 from tunedjax._errors import AutotuneError, did_you_mean, format_choices
 from tunedjax._tuning import canonical_platform
+from tunedjax.autotune import _result
 
 # max |candidate - reference| / max |reference| allowed, by output dtype.
 _TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -174,6 +179,42 @@ _LOCK = threading.Lock()
 _FAMILIES: dict[str, OpFamily] = {}
 _REGISTRY: dict[str, dict[str, Kernel]] = {}
 
+ENTRY_POINT_GROUP = "tunedjax.op_families"
+"""The entry-point group whose packages register op families when imported."""
+
+_PLUGIN_LOCK = threading.RLock()  # re-entrant: a family's own registrations look families up
+_PLUGINS = {"loading": False, "done": False}
+
+
+def load_op_families() -> None:
+  """Imports the packages of the ``tunedjax.op_families`` entry points, once per process.
+
+  Each registers its family and kernels on import. A package that fails to
+  import is left out with a warning that names it; the others still load.
+  Called by every lookup that could miss, so nobody needs to call it.
+
+  Example:
+    >>> load_op_families()
+    >>> "conv" in [f.name for f in op_families()]
+    True
+  """
+  if _PLUGINS["done"]:
+    return
+  with _PLUGIN_LOCK:
+    if _PLUGINS["done"] or _PLUGINS["loading"]:
+      return
+    _PLUGINS["loading"] = True
+    try:
+      for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+          entry.load()
+        except Exception as err:  # pylint: disable=broad-except  # a broken plug-in
+          warnings.warn(f"tunedjax: the op family package {entry.value!r} (entry point "
+                        f"{entry.name!r} of {ENTRY_POINT_GROUP!r}) failed to import and is "
+                        f"left out: {err!r}", RuntimeWarning, stacklevel=2)
+    finally:
+      _PLUGINS["done"] = True
+
 
 def _source_of(obj: Any) -> str:
   try:
@@ -185,8 +226,9 @@ def _source_of(obj: Any) -> str:
 def source_hash(fn: Callable[..., Any]) -> str:
   """The sha256 (16 hex digits) of the source a kernel function depends on.
 
-  That is the source of `fn`'s module, plus the modules of tunedjax's
-  `_conv_*` helpers it imports, plus the C++ sources of the native
+  That is the source of `fn`'s module, plus the modules of its own package
+  it imports (a family's shared helpers, such as the convolutions' layout
+  module), plus the C++ sources of the native
   libraries the module names in ``NATIVE_SOURCES`` (`tunedjax._native`):
   editing a native kernel re-tunes its buckets too. When the source is not
   available (a function typed at a prompt), the function's own code object
@@ -209,10 +251,11 @@ def source_hash(fn: Callable[..., Any]) -> str:
                  getattr(code, "co_code", b""), getattr(code, "co_consts", ())))
   h.update(text.encode())
   if module is not None:
+    package = module.__name__.rpartition(".")[0] + "."
     deps = sorted(
         v.__name__ for v in vars(module).values()
-        if isinstance(v, types.ModuleType)
-        and v.__name__.startswith("tunedjax.autotune._conv_"))
+        if isinstance(v, types.ModuleType) and v.__name__.startswith(package)
+        and v.__name__ != module.__name__ and package != ".")
     for name in deps:
       h.update(_source_of(sys.modules[name]).encode())
     for stem in getattr(module, "NATIVE_SOURCES", ()):
@@ -245,10 +288,20 @@ def register_op_family(family: OpFamily, *, replace: bool = False) -> OpFamily:
                           "pick another name or pass replace=True.")
     _FAMILIES[family.name] = family
     _REGISTRY.setdefault(family.name, {})
-  from tunedjax.autotune import _tuner  # pylint: disable=import-outside-toplevel
-  _tuning.register_validator(family.name, functools.partial(_tuner.validate_value,
+  _tuning.register_validator(family.name, functools.partial(validate_cache_value,
                                                             op=family.name))
   return family
+
+
+def validate_cache_value(value: Any, op: str) -> None:
+  """Checks a cache value of family `op` (`_result.validate_value`) against its kernels.
+
+  The validator the cache runs on each entry of the family's namespace.
+
+  Raises:
+    ValueError, TypeError: what is wrong with the value.
+  """
+  _result.validate_value(value, op, known={k.name for k in kernels(op)})
 
 
 def unregister_op_family(name: str) -> None:
@@ -265,6 +318,7 @@ def op_family(name: str) -> OpFamily:
   Raises:
     AutotuneError: an unknown name.
   """
+  _load_unless_known(name)
   with _LOCK:
     family = _FAMILIES.get(name) if isinstance(name, str) else None
     if family is None:
@@ -275,9 +329,10 @@ def op_family(name: str) -> OpFamily:
 
 
 def op_families() -> tuple[OpFamily, ...]:
-  """Every registered op family, in registration order ("conv" first)."""
+  """Every registered op family, by name (whatever order their packages were imported in)."""
+  load_op_families()
   with _LOCK:
-    return tuple(_FAMILIES.values())
+    return tuple(_FAMILIES[name] for name in sorted(_FAMILIES))
 
 
 def family_of(spec: Any) -> OpFamily:
@@ -354,6 +409,12 @@ def unregister_kernel(op: str, name: str) -> None:
     del _REGISTRY[op][name]
 
 
+def _load_unless_known(op: Any) -> None:
+  """`load_op_families` when `op` is not registered yet; never under `_LOCK` (imports register)."""
+  if not _PLUGINS["done"] and (not isinstance(op, str) or op not in _FAMILIES):
+    load_op_families()
+
+
 def _table(op: str) -> dict[str, Kernel]:
   table = _REGISTRY.get(op) if isinstance(op, str) else None
   if table is None:
@@ -378,6 +439,7 @@ def kernels(op: str) -> tuple[Kernel, ...]:
     ['xla', 'matmul_1x1', 'im2col', 'window_matmul', 'fft', 'depthwise',
      'depthwise_native', 'pallas', 'direct_native', 'matmul_1x1_native']
   """
+  _load_unless_known(op)
   with _LOCK:
     return tuple(_table(op).values())
 
@@ -392,6 +454,7 @@ def get_kernel(op: str, name: str) -> Kernel:
   Returns:
     The Kernel.
   """
+  _load_unless_known(op)
   with _LOCK:
     table = _table(op)
     kernel = table.get(name)
@@ -417,13 +480,3 @@ def applicable_kernels(spec: Any, platform: str, op: str | None = None,
   platform = canonical_platform(platform)
   family = family_of(spec) if op is None else op_family(op)
   return tuple(k for k in kernels(family.name) if k.applicable(spec, platform))
-
-
-def _register_builtins() -> None:
-  """Registers the built-in families (convolutions, batch norm, attention) and their kernels."""
-  importlib.import_module("tunedjax.autotune._conv_family").register()
-  importlib.import_module("tunedjax.autotune._bn_family").register()
-  importlib.import_module("tunedjax.autotune._attn_family").register()
-
-
-_register_builtins()

@@ -166,53 +166,77 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   phase = session.phase(config)
   if phase == _tuning.OBSERVE:
     return default, _report.OBSERVE
-  why = {}
   # By the full key: two buckets can share a label (a convolution and its input
   # gradient differ only in their dimension numbers).
   bucket = json.dumps(key, sort_keys=True, default=str)
   selection.sites[bucket] += 1
-  sites = selection.sites[bucket]
-  horizon = session.horizon if config.kernel.payback else None
-
-  def leader_decides() -> str:
-    value = session.lookup(selection.cache, family.name, key)
-    if value is not None and (not value.get("payback", {}).get("kept")
-                              or _payback.still_cannot_pay_back(value, horizon=horizon,
-                                                              sites=sites)):
-      session.record(hit=True, config=config)
-      why["why"] = _report.HIT
-      why["temp_bytes"] = value.get("temp_bytes", {})
-      return value["winner"]
-    if phase == _tuning.APPLY:
-      session.record(hit=False, config=config)
-      why["why"] = _report.MISS
-      return default
-    options = selection.options
-    if options.objective != objective:
-      options = dataclasses.replace(options, objective=objective)
-    # A bucket kept for a shorter horizon that now pays back is tuned outright.
-    payback = None if horizon is None or value is not None else _payback.Payback(
-        horizon=horizon, sites=sites, cost_factor=session.tuning_cost_factor())
-    result = _tuner.tune_bucket(spec, candidates, platform=selection.platform,
-                                options=options, label=label, family=family, payback=payback)
-    session.store(selection.cache, family.name, key, result.to_value())
-    record = result.payback
-    if record and not result.kept:  # what tuning the rest took, against its estimate
-      session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"])
-    session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
-                   kept=result.kept, config=config)
-    selection.tally.add_tuning(result.tuning_s)
-    why["why"] = _report.CANNOT_PAY_BACK if result.kept else _report.TUNED
-    why["temp_bytes"] = result.temp_bytes
-    return result.winner
-
+  site = _Site(family, spec, tuple(candidates), key, label, selection.sites[bucket],
+               session.horizon if config.kernel.payback else None, phase)
+  why: dict[str, Any] = {}
   all_names = sorted(k.name for k in _registry.kernels(family.name))
-  name = _multihost.agree(leader_decides, all_names)
+  name = _multihost.agree(lambda: _leader_decides(site, selection, why), all_names)
   if name not in names:
     return default, _report.NOT_APPLICABLE
   if "temp_bytes" in why:
     selection.tally.add_temporaries(label, name, why["temp_bytes"], default)
   return name, why.get("why", _report.RECEIVED)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """One site being decided: its bucket, and what the decision depends on."""
+
+  family: _registry.OpFamily
+  spec: Any
+  candidates: tuple[Any, ...]
+  key: dict[str, Any]
+  label: str
+  sites: int  # of this bucket in the traced program so far
+  horizon: int | None  # program runs the tuning must pay back within; None: unbounded
+  phase: str
+
+
+def _leader_decides(site: _Site, selection: Selection, why: dict[str, Any]) -> str:
+  """The kernel process 0 chooses (every process, in a single-process run): the
+  cache's, the default in the apply phase, or one tuned now. Says why in `why`."""
+  config, session = selection.config, selection.session
+  value = session.lookup(selection.cache, site.family.name, site.key)
+  if value is not None and (not value.get("payback", {}).get("kept")
+                            or _payback.still_cannot_pay_back(value, horizon=site.horizon,
+                                                            sites=site.sites)):
+    session.record(hit=True, config=config)
+    why.update(why=_report.HIT, temp_bytes=value.get("temp_bytes", {}))
+    return value["winner"]
+  if site.phase == _tuning.APPLY:
+    session.record(hit=False, config=config)
+    why["why"] = _report.MISS
+    return site.family.default
+  # A bucket kept for a shorter horizon that now pays back is tuned outright.
+  return _tune_now(site, selection, why, weigh_payback=value is None)
+
+
+def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
+              weigh_payback: bool) -> str:
+  """Tunes the site's bucket (`tune_bucket`), stores and counts the result."""
+  config, session = selection.config, selection.session
+  options = selection.options
+  if options.objective != config.kernel.objective:
+    options = dataclasses.replace(options, objective=config.kernel.objective)
+  payback = None if site.horizon is None or not weigh_payback else _payback.Payback(
+      horizon=site.horizon, sites=site.sites, cost_factor=session.tuning_cost_factor())
+  result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
+                              options=options, label=site.label, family=site.family,
+                              payback=payback)
+  session.store(selection.cache, site.family.name, site.key, result.to_value())
+  record = result.payback
+  if record and not result.kept:  # what tuning the rest took, against its estimate
+    session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"])
+  session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
+                 kept=result.kept, config=config)
+  selection.tally.add_tuning(result.tuning_s)
+  why.update(why=_report.CANNOT_PAY_BACK if result.kept else _report.TUNED,
+             temp_bytes=result.temp_bytes)
+  return result.winner
 
 
 def _count(selection: Selection, op: str, name: str, why: str) -> None:
@@ -350,7 +374,7 @@ def dispatch(op: str, spec: Any, *operands: Any) -> Any:
 
   Example:
     >>> import jax.numpy as jnp, numpy as np
-    >>> from tunedjax.autotune._conv_spec import ConvSpec
+    >>> from tunedjax.ops.conv._spec import ConvSpec
     >>> x, w = jnp.ones((1, 2, 4, 4)), jnp.ones((3, 2, 1, 1))
     >>> spec = ConvSpec.from_arrays(x, w)
     >>> dispatch("conv", spec, x, w).shape  # outside kernel selection: xla

@@ -36,12 +36,8 @@ import numpy as np
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _registry
-from tunedjax.autotune._payback import (
-  CANNOT_PAY_BACK,
-  Payback,
-  is_number,
-  validate_payback,
-)
+from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback
+from tunedjax.autotune._result import TuneResult
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -116,145 +112,6 @@ class TuneOptions:
     if self.objective not in OBJECTIVES:
       raise AutotuneError(f"TuneOptions.objective must be one of "
                           f"{', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-  """What tuning one bucket measured and chose (stored as the cache value).
-
-  Attributes:
-    winner: the chosen kernel's name (``"xla"`` unless another beat it).
-    reason: one line saying why.
-    timings: seconds per timed call, ``{name: [round 0, round 1, ...]}``.
-    ratios: median over rounds of each candidate's time / ``xla``'s time.
-    errors: ``{name: "ExceptionType: message"}`` of candidates that failed.
-    rejected: ``{name: relative error}`` of candidates that gave wrong results.
-    skipped: candidates not tried because the time budget ran out.
-    measured_at: when, as an ISO 8601 UTC timestamp.
-    tuning_s: seconds the tuning took.
-    temp_bytes: ``{name: bytes}``: the temporaries each compiled candidate
-      needs (XLA's `memory_analysis`), where the backend reports them.
-    payback: with a tuning horizon, the numbers the decision to tune was
-      made from (`Payback.record`): ``horizon``, ``sites``, ``default_s``
-      (the default's first call), ``cost_s`` (what tuning the others was
-      expected to cost), ``estimate_s`` (that estimate before the session's
-      correction), ``decided_s`` (seconds before the decision), and
-      ``kept`` (True: the default was kept untuned). Empty without a horizon.
-
-  Example:
-    >>> r = TuneResult(winner="xla", reason="only xla applies")
-    >>> TuneResult.from_value(r.to_value()) == r
-    True
-  """
-
-  winner: str
-  reason: str
-  timings: Mapping[str, Sequence[float]] = dataclasses.field(default_factory=dict)
-  ratios: Mapping[str, float] = dataclasses.field(default_factory=dict)
-  errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  rejected: Mapping[str, float] = dataclasses.field(default_factory=dict)
-  skipped: Sequence[str] = ()
-  measured_at: str = ""
-  tuning_s: float = 0.0
-  temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  payback: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  @property
-  def kept(self) -> bool:
-    """Whether the default was kept untuned because tuning could not pay back."""
-    return bool(self.payback.get("kept", False))
-
-  def to_value(self) -> dict[str, Any]:
-    """The JSON dict stored in the cache (``payback`` only when there is one)."""
-    extra = {"payback": dict(self.payback)} if self.payback else {}
-    return {
-        "winner": self.winner,
-        "reason": self.reason,
-        "timings": {k: [float(t) for t in v] for k, v in self.timings.items()},
-        "ratios": {k: float(v) for k, v in self.ratios.items()},
-        "errors": dict(self.errors),
-        "rejected": {k: float(v) for k, v in self.rejected.items()},
-        "skipped": list(self.skipped),
-        "measured_at": self.measured_at,
-        "tuning_s": float(self.tuning_s),
-        "temp_bytes": {k: int(v) for k, v in self.temp_bytes.items()},
-        **extra,
-    }
-
-  @classmethod
-  def from_value(cls, value: Mapping[str, Any]) -> TuneResult:
-    """Reads a cache value back (call `validate_value` first)."""
-    return cls(
-        winner=value["winner"], reason=value.get("reason", ""),
-        timings={k: tuple(v) for k, v in value.get("timings", {}).items()},
-        ratios=dict(value.get("ratios", {})), errors=dict(value.get("errors", {})),
-        rejected=dict(value.get("rejected", {})), skipped=tuple(value.get("skipped", ())),
-        measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)),
-        temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()},
-        payback=dict(value.get("payback", {})))
-
-  def __eq__(self, other: object) -> bool:
-    if not isinstance(other, TuneResult):
-      return NotImplemented
-    return self.to_value() == other.to_value()
-
-  def __hash__(self) -> int:
-    return hash((self.winner, self.measured_at, self.tuning_s))
-
-
-def _known_names(op: str) -> set[str]:
-  return {k.name for k in _registry.kernels(op)}
-
-
-def validate_value(value: Any, op: str) -> None:
-  """Checks a cache value of op family `op` before it is used; raises on a bad one.
-
-  The winner must name a registered kernel and every field must have its
-  type, so a tampered or stale file can never select unknown code.
-
-  Raises:
-    ValueError, TypeError: what is wrong with the value.
-
-  Example:
-    >>> validate_value({"winner": "no_such_kernel", "timings": {}}, "conv")
-    Traceback (most recent call last):
-    ...
-    ValueError: cache entry names unknown conv kernel 'no_such_kernel'...
-  """
-  if not isinstance(value, Mapping):
-    raise TypeError(f"a {op} cache value must be a dict, got {type(value).__name__}.")
-  winner = value.get("winner")
-  if not isinstance(winner, str):
-    raise TypeError(f"cache entry 'winner' must be a string, got {winner!r}.")
-  known = _known_names(op)
-  if winner not in known:
-    raise ValueError(f"cache entry names unknown {op} kernel {winner!r}; known: "
-                     f"{sorted(known)}.")
-  for field, check, what in (
-      ("timings", lambda v: isinstance(v, list) and all(is_number(t) and t >= 0 for t in v),
-       "a list of seconds"),
-      ("ratios", lambda v: is_number(v) and v >= 0, "a number"),
-      ("errors", lambda v: isinstance(v, str), "a string"),
-      ("rejected", is_number, "a number"),
-      ("temp_bytes", lambda v: is_number(v) and v >= 0, "a number of bytes"),
-  ):
-    sub = value.get(field, {})
-    if not isinstance(sub, Mapping):
-      raise TypeError(f"cache entry {field!r} must be a dict, got {type(sub).__name__}.")
-    for k, v in sub.items():
-      if not isinstance(k, str) or not check(v):
-        raise TypeError(f"cache entry {field}[{k!r}] must be {what}, got {v!r}.")
-  skipped = value.get("skipped", [])
-  if not (isinstance(skipped, list) and all(isinstance(s, str) for s in skipped)):
-    raise TypeError(f"cache entry 'skipped' must be a list of names, got {skipped!r}.")
-  if not isinstance(value.get("measured_at", ""), str):
-    raise TypeError("cache entry 'measured_at' must be an ISO timestamp string.")
-  tuning_s = value.get("tuning_s", 0.0)
-  if not (is_number(tuning_s) and tuning_s >= 0):
-    raise TypeError(f"cache entry 'tuning_s' must be a number >= 0, got {tuning_s!r}.")
-  if not isinstance(value.get("reason", ""), str):
-    raise TypeError("cache entry 'reason' must be a string.")
-  validate_payback(value.get("payback", {}))
 
 
 def _describe_error(e: BaseException) -> str:
@@ -487,6 +344,13 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 payback: Payback | None = None) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
+  The stages, in order: prepare the operands (`_Bucket.prepare`); with a
+  horizon, weigh whether tuning can pay back from the default's compile and
+  first call (`_weigh_payback`); compile the candidates side by side
+  (`_compile_all`); make one call each, which both screens and checks
+  (`_start`, `_screen`, `_check`); time the survivors (`_time`); choose
+  (`_choose`). Each stage's rule is a function of its own.
+
   Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
   while an enclosing function is being traced) on random operands of
   `spec`'s shapes and dtypes (the family's `OpFamily.operands`).
@@ -513,7 +377,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   Example:
     >>> import jax, jax.numpy as jnp, types
     >>> from jax import lax
-    >>> from tunedjax.autotune._conv_spec import ConvSpec
+    >>> from tunedjax.ops.conv._spec import ConvSpec
     >>> spec = ConvSpec.from_arrays(jnp.ones((1, 6, 6, 2)), jnp.ones((3, 3, 2, 2)),
     ...     padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     >>> conv = lambda l, r, s: lax.conv_general_dilated(
@@ -524,158 +388,242 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     >>> r.winner, sorted(r.rejected)
     ('xla', ['wrong'])
   """
-  start = _clock()
-  family = _registry.family_of(spec) if family is None else family
-  default = family.default
-  by_name = {k.name: k for k in candidates}
-  if default not in by_name:
-    raise AutotuneError(
-        f"tune_bucket needs the {default!r} kernel among the candidates (the "
-        f"{family.name} family's default, always a candidate); got {sorted(by_name)}.")
-  rng = np.random.default_rng(options.seed)
-  try:
-    device = jax.devices(platform)[0]
-  except RuntimeError:
-    device = jax.devices()[0]
-  errors: dict[str, str] = {}
-  rejected: dict[str, float] = {}
-  skipped: list[str] = []
-  runners: dict[str, Any] = {}
-  record: dict[str, Any] = {}
-  temps: dict[str, int] = {}
-
-  def finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
-             ratios: Mapping[str, float]) -> TuneResult:
-    return _finish(winner, reason, timings, ratios, errors, rejected, skipped, start, label,
-                   temps, payback=record)
-
+  bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
   with jax.ensure_compile_time_eval():
-    operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
-    args = _timed_args(family, spec, operands, by_name[default], rng, device)
-    functions = {n: _timed_function(k, spec, family.timed) for n, k in by_name.items()}
-    outputs: dict[str, Any] = {}
-    default_screen: list[float] | None = None
-    if payback is not None and len(by_name) > 1:
-      # The default alone first: its compile and first call say what tuning
-      # the rest would cost and what it could save.
-      compile_start = _clock()
-      compiled = _compile_all({default: functions[default]}, args)
-      compile_s = _clock() - compile_start
-      ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
-      default_screen = list(_tuning.time_interleaved(
-          {default: _keeping(outputs, default, ref_run)}, rounds=1, warmup=0)[default])
-      default_s, others = default_screen[0], len(by_name) - 1
-      default_calls = list(default_screen)
-      cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
-      if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
-        # A short first call can be mostly one-time costs (the process's first
-        # convolution: ~60 ms): a second call confirms before paying for tuning.
-        again = _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
-        default_calls = [*default_screen, *again]
-        default_s = min(default_calls)
-        cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
-      record.update(horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
-                    cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
-                    decided_s=float(_clock() - start), kept=not payback.pays(default_s, cost))
-      temps.update(_temps_of(compiled))
-      if record["kept"]:
-        saved = payback.most_saved(default_s)
-        return finish(default, (
-            f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
-            f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
-            f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
-            {default: default_calls}, {})
-      compiled.update(_compile_all({n: f for n, f in functions.items() if n != default},
-                                   args))
-    else:
-      compiled = _compile_all(functions, args)
+    compiled, default_screen = {}, None
+    if payback is not None and len(bucket.functions) > 1:
+      weighed = _weigh_payback(bucket, payback)
+      if isinstance(weighed, TuneResult):
+        return weighed
+      compiled, default_screen = weighed
+    compiled.update(_compile_all({n: f for n, f in bucket.functions.items()
+                                  if n not in compiled}, bucket.args))
     # The budget bounds timing only: compiles (above) are not counted, so a
     # loaded machine that compiles slowly still times every candidate.
-    timing_start = _clock()
-    temps.update(_temps_of(compiled))
-    ref_run = _runner(compiled[default], args)  # the default failing to compile: an error
-    runs: dict[str, Callable[[], Any]] = {default: ref_run}
-    for name in by_name:
-      if name == default:
-        continue
-      if _clock() - timing_start > options.budget_s:
-        skipped.append(name)
-        continue
-      try:
-        runs[name] = _runner(compiled[name], args)
-      except Exception as e:  # pylint: disable=broad-except  # failed to compile: skip it
-        _failed(errors, name, e, label)
-    # One call each, side by side: the call that checks a candidate's result is
-    # also its screening round (a candidate many times slower than xla, an FFT
-    # on a small kernel, is dropped before it costs `rounds` calls). With a
-    # horizon the default's first call was made above and is its screening call.
-    screen = _tuning.time_interleaved(
-        {n: _keeping(outputs, n, r) for n, r in runs.items()
-         if n != default or default_screen is None}, rounds=1, warmup=0)
-    if default_screen is not None:
-      screen = {default: default_screen, **screen}
-    ref = _output(outputs, default, ref_run)
-    if isinstance(ref, BaseException):
-      raise ref
-    ref = jax.tree_util.tree_map(np.asarray, ref)
-    ref_out = jax.tree_util.tree_leaves(ref)[0]
-    runners[default] = ref_run
-    tol = family.tolerance(ref_out.dtype, platform)
-    for name, run in runs.items():
-      if name == default:
-        continue
-      out = _output(outputs, name, run)
-      if isinstance(out, BaseException):
-        _failed(errors, name, out, label)
-        continue
-      err = _leaves_error(out, ref)
-      if not err <= tol:
-        rejected[name] = err if math.isfinite(err) else 1e300
-        got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
-        logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
-                       "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
-                       label, name, err, tol, getattr(got, "dtype", "?"),
-                       list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
-        continue
-      runners[name] = run
-    del outputs
-    if skipped:
+    bucket.timing_start = _clock()
+    bucket.temps.update(_temps_of(compiled))
+    runs = _start(bucket, compiled)
+    screen = _screen(bucket, runs, default_screen)
+    runners = _check(bucket, runs)
+    if bucket.skipped:
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
-                  label, options.budget_s, ", ".join(skipped))
+                  bucket.label, options.budget_s, ", ".join(bucket.skipped))
     if len(runners) == 1:
-      return finish(default, "no other candidate passed the checks", {}, {})
+      return bucket.finish(bucket.default, "no other candidate passed the checks", {}, {})
     try:
-      screen = {n: screen[n] for n in runners}
-      telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
-      slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
-              if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
-      for name in slow:
-        del runners[name]
-      timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
-      if (len(runners) > 1 and telling
-          and decisive({n: screen[n] for n in runners}, default=default)):
-        timings.update({n: screen[n] for n in runners})
-      elif len(runners) > 1:
-        left = max(options.budget_s - (_clock() - timing_start), 1e-3)
-        # The screening call counts as a round toward a clear choice, so a
-        # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
-        timings.update(_tuning.time_interleaved(
-            runners, rounds=options.rounds, warmup=0, budget_s=left,
-            stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin,
-                                          default=default)))
+      timings, slow = _time(bucket, runners, screen)
     except Exception as e:  # pylint: disable=broad-except
-      logger.warning("autotune %s: timing failed (%s); keeping %s.", label,
-                     _describe_error(e), default)
-      return finish(default, f"timing failed: {_describe_error(e)}", {}, {})
+      logger.warning("autotune %s: timing failed (%s); keeping %s.", bucket.label,
+                     _describe_error(e), bucket.default)
+      return bucket.finish(bucket.default, f"timing failed: {_describe_error(e)}", {}, {})
+  return _choose(bucket, timings, slow)
+
+
+@dataclasses.dataclass
+class _Bucket:
+  """One `tune_bucket` call in progress: what every stage reads and adds to.
+
+  Made fresh per call (never shared between calls or threads).
+  """
+
+  spec: Any
+  family: Any
+  kernels: dict[str, Any]
+  options: TuneOptions
+  label: str
+  platform: str
+  start: float
+  args: list[Any] = dataclasses.field(default_factory=list)
+  functions: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  errors: dict[str, str] = dataclasses.field(default_factory=dict)
+  rejected: dict[str, float] = dataclasses.field(default_factory=dict)
+  skipped: list[str] = dataclasses.field(default_factory=list)
+  temps: dict[str, int] = dataclasses.field(default_factory=dict)
+  record: dict[str, Any] = dataclasses.field(default_factory=dict)
+  timing_start: float = 0.0
+
+  @property
+  def default(self) -> str:
+    return self.family.default
+
+  @classmethod
+  def prepare(cls, spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
+              label: str, family: Any) -> _Bucket:
+    """Checks the candidates and draws the operands (on `platform`'s first device)."""
+    start = _clock()
+    family = _registry.family_of(spec) if family is None else family
+    kernels = {k.name: k for k in candidates}
+    if family.default not in kernels:
+      raise AutotuneError(
+          f"tune_bucket needs the {family.default!r} kernel among the candidates (the "
+          f"{family.name} family's default, always a candidate); got {sorted(kernels)}.")
+    bucket = cls(spec, family, kernels, options, label, platform, start)
+    rng = np.random.default_rng(options.seed)
+    try:
+      device = jax.devices(platform)[0]
+    except RuntimeError:
+      device = jax.devices()[0]
+    with jax.ensure_compile_time_eval():
+      operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
+      bucket.args = _timed_args(family, spec, operands, kernels[family.default], rng, device)
+    bucket.functions = {n: _timed_function(k, spec, family.timed) for n, k in kernels.items()}
+    return bucket
+
+  def finish(self, winner: str, reason: str, timings: Mapping[str, Sequence[float]],
+             ratios: Mapping[str, float]) -> TuneResult:
+    """The `TuneResult` of this bucket, logged."""
+    return _finish(winner, reason, timings, ratios, self.errors, self.rejected, self.skipped,
+                   self.start, self.label, self.temps, payback=self.record)
+
+
+def _weigh_payback(bucket: _Bucket, payback: Payback
+                   ) -> TuneResult | tuple[dict[str, Any], list[float]]:
+  """The default alone first: its compile and first call say what tuning the
+  rest would cost and what it could save.
+
+  Returns:
+    The result keeping the default (``"cannot pay back"``), or the default's
+    executable and its first call's time (its screening round).
+  """
+  default = bucket.default
+  compile_start = _clock()
+  compiled = _compile_all({default: bucket.functions[default]}, bucket.args)
+  compile_s = _clock() - compile_start
+  ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
+  screen = list(_tuning.time_interleaved(
+      {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
+  default_s, others, calls = screen[0], len(bucket.functions) - 1, list(screen)
+  cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
+  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
+    # A short first call can be mostly one-time costs (the process's first
+    # convolution: ~60 ms): a second call confirms before paying for tuning.
+    calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
+    default_s = min(calls)
+    cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
+  bucket.record.update(
+      horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
+      cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
+      decided_s=float(_clock() - bucket.start), kept=not payback.pays(default_s, cost))
+  bucket.temps.update(_temps_of(compiled))
+  if not bucket.record["kept"]:
+    return compiled, screen
+  saved = payback.most_saved(default_s)
+  return bucket.finish(default, (
+      f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
+      f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
+      f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
+      {default: calls}, {})
+
+
+def _start(bucket: _Bucket, compiled: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:
+  """A call of each compiled candidate, the default first; a failed compile is
+  recorded and skipped, and once the budget is spent the rest are skipped."""
+  runs = {bucket.default: _runner(compiled[bucket.default], bucket.args)}  # fails: an error
+  for name in bucket.functions:
+    if name == bucket.default:
+      continue
+    if _clock() - bucket.timing_start > bucket.options.budget_s:
+      bucket.skipped.append(name)
+      continue
+    try:
+      runs[name] = _runner(compiled[name], bucket.args)
+    except Exception as e:  # pylint: disable=broad-except  # failed to compile: skip it
+      _failed(bucket.errors, name, e, bucket.label)
+  return runs
+
+
+def _screen(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]],
+            default_screen: list[float] | None) -> dict[str, Sequence[float]]:
+  """One call each, side by side: the call that checks a candidate's result is
+  also its screening round (a candidate many times slower than the default,
+  an FFT on a small kernel, is dropped before it costs `rounds` calls). With
+  a horizon the default's first call was made already and is its screening call."""
+  screen = _tuning.time_interleaved(
+      {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
+       if n != bucket.default or default_screen is None}, rounds=1, warmup=0)
+  return {bucket.default: default_screen, **screen} if default_screen is not None else screen
+
+
+def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
+           ) -> dict[str, Callable[[], Any]]:
+  """The candidates whose screening output matches the default's within the
+  family's tolerance; the others are recorded as failed or rejected."""
+  default = bucket.default
+  ref = _output(bucket.outputs, default, runs[default])
+  if isinstance(ref, BaseException):
+    raise ref
+  ref = jax.tree_util.tree_map(np.asarray, ref)
+  ref_out = jax.tree_util.tree_leaves(ref)[0]
+  tol = bucket.family.tolerance(ref_out.dtype, bucket.platform)
+  runners = {default: runs[default]}
+  for name, run in runs.items():
+    if name == default:
+      continue
+    out = _output(bucket.outputs, name, run)
+    if isinstance(out, BaseException):
+      _failed(bucket.errors, name, out, bucket.label)
+      continue
+    err = _leaves_error(out, ref)
+    if err <= tol:
+      runners[name] = run
+      continue
+    bucket.rejected[name] = err if math.isfinite(err) else 1e300
+    got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
+    logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
+                   "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
+                   bucket.label, name, err, tol, getattr(got, "dtype", "?"),
+                   list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
+  bucket.outputs.clear()
+  return runners
+
+
+def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
+          screen: Mapping[str, Sequence[float]]
+          ) -> tuple[dict[str, Sequence[float]], dict[str, float]]:
+  """The checked candidates' times: the screening round drops those over
+  `SCREEN_FACTOR` times the default's and may settle the choice (`decisive`);
+  otherwise interleaved rounds until `clear_choice` or the budget.
+
+  Returns:
+    ``(timings, slow)``: seconds per call by candidate, and the screened-out
+    candidates' first-call ratios.
+  """
+  default, options = bucket.default, bucket.options
+  screen = {n: screen[n] for n in runners}
+  telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
+  slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
+          if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
+  for name in slow:
+    del runners[name]
+  timings: dict[str, Sequence[float]] = {n: screen[n] for n in slow}
+  if len(runners) > 1 and telling and decisive({n: screen[n] for n in runners},
+                                               default=default):
+    timings.update({n: screen[n] for n in runners})
+  elif len(runners) > 1:
+    left = max(options.budget_s - (_clock() - bucket.timing_start), 1e-3)
+    # The screening call counts as a round toward a clear choice, so a
+    # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
+    timings.update(_tuning.time_interleaved(
+        runners, rounds=options.rounds, warmup=0, budget_s=left,
+        stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin,
+                                    default=default)))
+  return timings, slow
+
+
+def _choose(bucket: _Bucket, timings: Mapping[str, Sequence[float]],
+            slow: Mapping[str, float]) -> TuneResult:
+  """The result from the timings: `choose` among the candidates not screened out."""
+  default, options = bucket.default, bucket.options
   if default not in timings:  # every candidate was screened out
-    return finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x {default}'s "
-                  "time in a first call", timings, dict(slow))
+    return bucket.finish(default, f"every other candidate took over {SCREEN_FACTOR:g}x "
+                         f"{default}'s time in a first call", timings, dict(slow))
   base = timings[default]
   ratios = {name: _ratio(t, base) for name, t in timings.items() if name not in slow}
   ratios.update(slow)
-  winner, reason = choose({n: r for n, r in ratios.items() if n not in slow}, temps,
+  winner, reason = choose({n: r for n, r in ratios.items() if n not in slow}, bucket.temps,
                           objective=options.objective, margin=options.margin, default=default)
-  return finish(winner, reason, timings, ratios)
+  return bucket.finish(winner, reason, timings, ratios)
 
 
 def _temps_of(compiled: Mapping[str, Any]) -> dict[str, int]:

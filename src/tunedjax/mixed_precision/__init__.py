@@ -33,9 +33,9 @@ from tunedjax.mixed_precision._optax import MasterWeightsState as MasterWeightsS
 from tunedjax.mixed_precision._optax import SkipNonFiniteState as SkipNonFiniteState
 from tunedjax.mixed_precision._optax import master_weights as master_weights
 from tunedjax.mixed_precision._optax import skip_nonfinite as skip_nonfinite
-from tunedjax.mixed_precision._policy import Policy as Policy
-from tunedjax.mixed_precision._policy import PolicyError as PolicyError
-from tunedjax.mixed_precision._policy import get_policy as get_policy
+from tunedjax._policy import Policy as Policy
+from tunedjax._policy import PolicyError as PolicyError
+from tunedjax._policy import get_policy as get_policy
 from tunedjax.mixed_precision._wrap import LinenMixedPrecision as LinenMixedPrecision
 from tunedjax.mixed_precision._wrap import MixedPrecision as MixedPrecision
 from tunedjax.mixed_precision._wrap import wrap as wrap

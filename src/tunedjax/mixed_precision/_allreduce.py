@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunedjax._errors import format_choices
-from tunedjax.mixed_precision._policy import DTypeLike, PolicyError, canonical_dtype
+from tunedjax._policy import DTypeLike, PolicyError, canonical_dtype
 
 REDUCE_OPS = ("mean", "sum")
 

@@ -42,7 +42,7 @@ from jax.extend import source_info_util
 
 from tunedjax import rewrite
 from tunedjax._errors import did_you_mean
-from tunedjax.mixed_precision._policy import (DTypeLike, PolicyError,
+from tunedjax._policy import (DTypeLike, PolicyError,
                                               PolicyLike, canonical_dtype,
                                               get_policy)
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from tunedjax._config import LOSS_SCALES, get_config
 from tunedjax._errors import ConfigError, format_choices
-from tunedjax.mixed_precision._policy import PolicyLike, get_policy
+from tunedjax._policy import PolicyLike, get_policy
 
 
 def _is_floating(x: Any) -> bool:

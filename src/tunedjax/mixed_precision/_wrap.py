@@ -34,7 +34,7 @@ from flax import nnx
 from tunedjax import rewrite
 from tunedjax._errors import did_you_mean, format_choices
 from tunedjax.mixed_precision._autocast import autocast_pass, precision_region
-from tunedjax.mixed_precision._policy import (Policy, PolicyError, PolicyLike,
+from tunedjax._policy import (Policy, PolicyError, PolicyLike,
                                               get_policy)
 
 PARAM_STORAGE = ("master", "compute")

@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tunedjax import _attention_flax
+from tunedjax.ops.attention import _flax as _attention_flax
 from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
 from tunedjax._errors import format_choices
 from tunedjax._jit import jit as tj_jit
-from tunedjax.autotune._bn_flax import route_batch_norm
-from tunedjax.mixed_precision._policy import canonical_dtype
+from tunedjax.ops.batch_norm._flax import route_batch_norm
+from tunedjax._policy import canonical_dtype
 from tunedjax.trainer import _relayout
 from tunedjax.trainer import _step
 from tunedjax.trainer._callbacks import Callback, CallbackList

@@ -1,0 +1,135 @@
+"""The built-in ``"attention"`` op family: scaled dot-product attention, chosen per bucket.
+
+A call-site family: `tunedjax.attention` builds an `AttentionSpec` and calls
+`autotune.dispatch` while it is traced, so that a kernel's own backward (a
+blocked attention recomputes its scores per block) is in place before
+`jax.grad` runs. Outside kernel selection the reference, ``xla``
+(`jax.nn.dot_product_attention(implementation="xla")`), runs; under
+`tunedjax.jit` with kernel selection on, the bucket's measured winner among
+the kernels of `_attn_kernels`, each checked against ``xla`` on random
+operands first, timed forward and backward together.
+
+A bucket's key is the batch, the query and key/value lengths (with
+``kernel.bucket = "pow2"`` the batch and lengths rounded up to powers of two),
+the heads and key/value heads (so the grouped-query ratio), the head
+dimension, the dtype, the mask kind with the axes the bias and mask vary
+along, and causality; the platform is in the cache's device fingerprint.
+
+Example:
+  >>> spec = AttentionSpec(1, 1000, 1000, 8, 2, 64, "float32", causal=True)
+  >>> key = attention_key(spec, "pow2")
+  >>> key["q_len"], key["kv_len"], key["kv_heads"], key["mask"]
+  (1024, 1024, 2, 'none')
+  >>> describe_attention(key)
+  'attention 1x1024x1024 h8/2 d64 float32 causal'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tunedjax._config import BUCKETS
+from tunedjax._errors import BAD_CHOICE, ConfigError, format_choices
+from tunedjax._tuning import random_array
+from tunedjax import autotune
+from tunedjax.autotune import _registry
+from tunedjax.ops.attention import _kernels as _attn_kernels
+from tunedjax.ops.attention._spec import AttentionSpec
+from tunedjax.autotune._bucket import pow2
+
+NAME = "attention"
+
+# Relative error allowed against the reference, over the output and every gradient.
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def attention_tolerance(dtype: Any, platform: str = "cpu") -> float:
+  """The largest relative difference from ``xla`` an attention kernel may show.
+
+  Example:
+    >>> attention_tolerance("float32"), attention_tolerance("bfloat16")
+    (0.0001, 0.05)
+  """
+  return _registry.tolerance_from(_TOLERANCE, dtype, platform)
+
+
+def _axes(shape: tuple[int, ...] | None) -> str | None:
+  """The axes a bias or mask varies along: ``"b.ts"`` for ``[B, 1, T, S]``."""
+  if shape is None:
+    return None
+  return "".join(c if d != 1 else "." for c, d in zip("bnts", shape))
+
+
+def attention_key(spec: AttentionSpec, bucket: str = "exact") -> dict[str, Any]:
+  """What an attention's timing depends on (lengths and batch rounded up with "pow2").
+
+  Example:
+    >>> attention_key(AttentionSpec(3, 300, 300, 4, 4, 32, "bfloat16"), "pow2")["batch"]
+    4
+  """
+  if bucket not in BUCKETS:
+    raise ConfigError(BAD_CHOICE.format(key="kernel.bucket",
+                                        choices=format_choices(BUCKETS), value=bucket))
+  r = pow2 if bucket == "pow2" else int
+  return {
+      "batch": r(spec.batch), "q_len": r(spec.q_len), "kv_len": r(spec.kv_len),
+      "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+      "dtype": spec.dtype, "mask": spec.mask_kind, "bias_axes": _axes(spec.bias_shape),
+      "bias_dtype": spec.bias_dtype, "mask_axes": _axes(spec.mask_shape),
+      "causal": spec.causal,
+  }
+
+
+def describe_attention(key: Mapping[str, Any]) -> str:
+  """A bucket's short name.
+
+  Example:
+    >>> describe_attention({"batch": 2, "q_len": 128, "kv_len": 256, "heads": 8,
+    ...                     "kv_heads": 8, "head_dim": 64, "dtype": "bfloat16",
+    ...                     "mask": "bool", "mask_axes": "b..s", "causal": False})
+    'attention 2x128x256 h8/8 d64 bfloat16 bool(b..s)'
+  """
+  parts = [f"{NAME} {key['batch']}x{key['q_len']}x{key['kv_len']}",
+           f"h{key['heads']}/{key['kv_heads']}", f"d{key['head_dim']}", key["dtype"]]
+  if key.get("bias_axes"):
+    parts.append(f"bias({key['bias_axes']})")
+  if key.get("mask_axes"):
+    parts.append(f"bool({key['mask_axes']})")
+  if key.get("causal"):
+    parts.append("causal")
+  return " ".join(parts)
+
+
+def attention_operands(spec: AttentionSpec, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+  """Random query, key, value, bias and mask of the spec's shapes; never zeros.
+
+  The mask keeps about 80% of the entries and always the first key, so no
+  row is fully masked (a kernel must still match the reference on those:
+  the tests check them).
+  """
+  ops = [random_array(spec.q_shape, spec.dtype, rng),
+         random_array(spec.kv_shape, spec.dtype, rng),
+         random_array(spec.kv_shape, spec.dtype, rng)]
+  if spec.has_bias:
+    ops.append(random_array(spec.bias_shape, spec.bias_dtype, rng))
+  if spec.has_mask:
+    mask = rng.random(spec.mask_shape) < 0.8
+    mask[..., 0] = True
+    ops.append(mask)
+  return tuple(ops)
+
+
+FAMILY = autotune.OpFamily(
+    name=NAME, spec_type=AttentionSpec, key=attention_key, operands=attention_operands,
+    default="xla", tolerance=attention_tolerance, describe=describe_attention,
+    timed="forward+backward")  # blocked kernels differ most in their backward
+
+
+def register() -> None:
+  """Registers the family and its kernels, in order (xla first)."""
+  autotune.register_op_family(FAMILY, replace=True)
+  for name, fn, applicable in _attn_kernels.KERNELS:
+    autotune.register_kernel(NAME, name, fn, applicable=applicable, replace=True)

@@ -1,0 +1,192 @@
+"""The layout ARCHITECTURE.md draws, held: no import circles, layers point down,
+the tuning core names no op family, and no procedure is longer than a screen or two.
+
+Imports are read from the source (every `import`, at any depth, in functions
+too), so a circle hidden behind a function-level import still counts. Importing
+``a.b.c`` runs ``a/b/__init__.py`` too, so the packages above an imported module
+count as imported as well (except those the importer is inside of).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "tunedjax"
+
+# ARCHITECTURE.md's layers, lowest first: a module may import its own layer
+# (without a circle) and the layers below it, never above.
+LAYERS = (
+    ("_config", "_errors", "_host_memory", "_policy", "_version"),
+    ("rewrite",),
+    ("_tuning", "_native"),
+    ("autotune", "mixed_precision", "layout", "input_pipeline"),
+    ("ops",),
+    ("_jit", "_pipeline"),
+    ("trainer", "callbacks", "demo", "cli", "__main__"),
+)
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
+  found = {}
+  for path in (SRC / PACKAGE).rglob("*.py"):
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+      parts = parts[:-1]
+    found[".".join(parts)] = (path, is_package)
+  return found
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, is_package: bool, node: ast.AST) -> list[str]:
+  """The tunedjax modules (or packages) an import statement names."""
+  if isinstance(node, ast.Import):
+    return [alias.name for alias in node.names]
+  assert isinstance(node, ast.ImportFrom)
+  base = module.split(".") if is_package else module.split(".")[:-1]
+  if node.level:
+    base = base[:len(base) - (node.level - 1)]
+    prefix = ".".join(base + ([node.module] if node.module else []))
+  else:
+    prefix = node.module or ""
+  return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in MODULES else prefix
+          for a in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+  """``{module: the tunedjax modules it imports}``, implicit parent packages included."""
+  graph: dict[str, set[str]] = {m: set() for m in MODULES}
+  for module, (path, is_package) in MODULES.items():
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if not isinstance(node, (ast.Import, ast.ImportFrom)):
+        continue
+      for name in _imported(module, is_package, node):
+        parts = name.split(".")
+        for i in range(2, len(parts) + 1):  # the module and the packages above it
+          target = ".".join(parts[:i])
+          if target in MODULES and not (module + ".").startswith(target + "."):
+            graph[module].add(target)
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import circle as ``[a, b, ..., a]``, or None (depth-first search)."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+  path: list[str] = []
+
+  def visit(node: str) -> list[str] | None:
+    state[node] = 1
+    path.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == 1:
+        return path[path.index(nxt):] + [nxt]
+      if nxt not in state:
+        found = visit(nxt)
+        if found:
+          return found
+    path.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node)
+      if found:
+        return found
+  return None
+
+
+def layer_of(module: str) -> int | None:
+  top = module.split(".")[1] if "." in module else None
+  for level, names in enumerate(LAYERS):
+    if top in names:
+      return level
+  return None
+
+
+def test_find_cycle_finds_a_circle_and_only_a_circle():
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_there_is_no_import_circle_among_tunedjax_modules():
+  cycle = find_cycle(import_graph())
+  assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_every_module_has_a_layer():
+  missing = sorted(m for m in MODULES if m != PACKAGE and layer_of(m) is None)
+  assert not missing, f"add these to LAYERS (and ARCHITECTURE.md): {missing}"
+
+
+def test_layers_only_point_down():
+  wrong = []
+  for module, targets in import_graph().items():
+    if module == PACKAGE:
+      continue  # the namespace loads its public names lazily, from every layer
+    for target in targets:
+      same_package = module.split(".")[:2] == target.split(".")[:2]
+      if target != PACKAGE and not same_package and layer_of(target) > layer_of(module):
+        wrong.append(f"{module} (layer {layer_of(module)}) imports {target} "
+                     f"(layer {layer_of(target)})")
+  assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_tuning_core_imports_no_op_family():
+  core = [m for m in MODULES if m.startswith(f"{PACKAGE}.autotune")]
+  graph = import_graph()
+  named = sorted(f"{m} -> {t}" for m in core for t in graph[m]
+                 if t.startswith(f"{PACKAGE}.ops"))
+  assert not named, named
+
+
+def _code_strings(tree: ast.AST) -> list[ast.Constant]:
+  """String constants that are not docstrings."""
+  docstrings = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        docstrings.add(id(body[0].value))
+  return [n for n in ast.walk(tree) if isinstance(n, ast.Constant)
+          and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+@pytest.mark.parametrize("family", ["conv", "batch_norm", "attention"])
+def test_the_tuning_core_names_no_op_family_in_its_code(family):
+  """Outside docstrings and error-message examples, the core never says a family's name."""
+  for module, (path, _) in MODULES.items():
+    if not module.startswith(f"{PACKAGE}.autotune"):
+      continue
+    for const in _code_strings(ast.parse(path.read_text())):
+      assert const.value != family, f"{path}:{const.lineno} names the {family!r} family"
+
+
+def test_each_op_family_is_one_package_that_imports_no_other_family():
+  graph = import_graph()
+  families = {m.split(".")[2] for m in MODULES if m.startswith(f"{PACKAGE}.ops.")}
+  assert families == {"conv", "batch_norm", "attention"}
+  for module, targets in graph.items():
+    if module.startswith(f"{PACKAGE}.ops."):
+      own = module.split(".")[2]
+      others = [t for t in targets if t.startswith(f"{PACKAGE}.ops.")
+                and t.split(".")[2] != own]
+      assert not others, f"{module} imports another family: {others}"
+
+
+def test_no_function_is_longer_than_the_limit():
+  long = []
+  for path, _ in MODULES.values():
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
+  assert not long, "split these into named steps:\n" + "\n".join(long)
