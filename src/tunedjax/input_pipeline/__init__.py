@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from tunedjax.input_pipeline._dataset import TransformError as TransformError
+from tunedjax.input_pipeline._errors import TransformError as TransformError
 from tunedjax.input_pipeline._loader import Loader as Loader
 from tunedjax.input_pipeline._settings import LoaderSettings as LoaderSettings
 from tunedjax.input_pipeline._state import LoaderState as LoaderState

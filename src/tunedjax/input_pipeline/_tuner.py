@@ -35,6 +35,7 @@ from tunedjax._config import get_config
 from tunedjax._errors import ConfigError
 from tunedjax import _tuning
 from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _errors
 from tunedjax.input_pipeline import _processes
 from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
@@ -81,8 +82,8 @@ def pipeline_fingerprint(source: Any, *, batch_size: int, transforms: Sequence[A
     ...                      shuffle=True, drop_remainder=True)["transforms"]
     ['numpy.sqrt']
   """
-  return {"source": _dataset.name_of(source), "num_records": len(source),
-          "batch_size": batch_size, "transforms": [_dataset.name_of(t) for t in transforms],
+  return {"source": _errors.name_of(source), "num_records": len(source),
+          "batch_size": batch_size, "transforms": [_errors.name_of(t) for t in transforms],
           "shuffle": bool(shuffle), "drop_remainder": bool(drop_remainder)}
 
 
@@ -135,7 +136,7 @@ def cache_key(source: Any, *, batch_size: int, transforms: Sequence[Any], shuffl
                                            transforms=transforms, shuffle=shuffle,
                                            drop_remainder=drop_remainder),
           "maxima": dict(maxima), "tune": sorted(tune), "start": start.to_dict(),
-          "consumer": (_dataset.name_of(consumer) if consumer is not None
+          "consumer": (_errors.name_of(consumer) if consumer is not None
                        else (f"sleep {consumer_s:.3g} s" if consumer_s else None))}
 
 
