@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from tunedjax import input_pipeline as ip
+from tunedjax.input_pipeline import _search
 
 
 class FakeClock:
@@ -51,3 +52,13 @@ def buffered_peak(w, t, b):
 
 
 buffered_peak.with_buffer = True
+
+
+def bench_on(clock, speed, *, serial=(0.01, 0.01, 8), step_s=None, **kwargs):
+  """A `_search.Bench` on the fake clock, and the trials it was asked for:
+  trials of `measure_on(clock, speed, **kwargs)`, a serial read measuring
+  `serial` (seconds, CPU seconds, batches) and a step of `step_s`."""
+  measure = measure_on(clock, speed, **kwargs)
+  bench = _search.Bench(serial=lambda batches, limit_s: serial,
+                        step=lambda calls, limit_s: step_s, trial=lambda window_s: measure)
+  return bench, measure.calls

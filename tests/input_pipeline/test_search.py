@@ -12,6 +12,7 @@ from tunedjax import input_pipeline as ip
 from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
 from tests.input_pipeline.fakes import FakeClock
+from tests.input_pipeline.fakes import bench_on
 from tests.input_pipeline.fakes import buffered_peak
 from tests.input_pipeline.fakes import measure_on
 from tests.input_pipeline.fakes import peak
@@ -194,3 +195,185 @@ def test_compare_stops_at_a_round_that_does_not_fit():
   trials, best, _ = _search.compare(measure, [S(0, 0), S(0, 2)], rounds=3,
                                    left=lambda: 0.7, estimate=lambda s: 0.4, clock=clock)
   assert trials == [] and best is None  # no round fits: no trial, no winner
+
+
+# --- the rules, one by one ---------------------------------------------------------
+
+
+def _trial(settings, rate=10.0, *, startup_s=0.0, seconds=0.1, cpu_s=None):
+  return ip.Trial(S.of(settings), batches_per_s=rate, batches=4, startup_s=startup_s,
+                  seconds=seconds, cpu_s=cpu_s)
+
+
+def _look(serial_s=0.01, cpu_s=0.01, step_s=None):
+  return _search.Look(serial_s, cpu_s, 8, step_s)
+
+
+def test_scores_are_medians_and_the_first_measured_wins_a_tie():
+  scores = _search.Scores()
+  scores.add([_trial((0, 2), r) for r in (3.0, 1.0, 2.0)] + [_trial((0, 4), 2.0)])
+  assert scores.of(S(0, 2)) == 2.0 and scores.best() == S(0, 2)
+
+
+def test_beats_means_more_than_the_margin():
+  assert _search.beats(10.6, 10.0, 0.05) and not _search.beats(10.5, 10.0, 0.05)
+
+
+def test_keep_start_keeps_a_measured_start_unless_beaten_beyond_noise():
+  scores = _search.Scores()
+  scores.add([_trial((0, 0), 10.0), _trial((0, 2), 10.4), _trial((0, 4), 11.0)])
+  assert _search.keep_start(S(0, 2), S(0, 0), scores, 0.05) == S(0, 0)
+  assert _search.keep_start(S(0, 4), S(0, 0), scores, 0.05) == S(0, 4)
+  assert _search.keep_start(S(0, 4), S(1, 0), scores, 0.05) == S(0, 4)  # never measured
+
+
+def test_consumer_bound_when_a_batch_costs_the_step_at_most_the_margin():
+  assert _search.consumer_bound(_look(0.01, step_s=1.0), 0.05)
+  assert not _search.consumer_bound(_look(0.1, step_s=1.0), 0.05)
+  assert not _search.consumer_bound(_look(1e-6), 0.05)  # no step: the loader is all
+
+
+def test_the_allowance_is_a_tenth_of_the_horizon_within_bounds():
+  assert _search.allowance_for(0.001, 1000, 60.0) == pytest.approx(0.1)
+  assert _search.allowance_for(1e-6, 1000, 60.0) == _search.MIN_ALLOWANCE_S
+  assert _search.allowance_for(1.0, 1000, 60.0) == 60.0  # the budget
+
+
+def test_the_trial_window_is_sized_for_the_fastest_setting_the_model_allows():
+  # 8 ms of CPU a batch over 2 cores: 4 ms at best; 10% of 1,000 of them, over 20
+  assert _search.trial_window(_look(0.01, 0.008), 1000, 2) == pytest.approx(0.02)
+  assert _search.trial_window(_look(0.01, 0.008, step_s=0.5), 1000, 2) == 2.0  # at most
+  assert _search.trial_window(_look(0.01, 0.008), 1, 2) == _search.MIN_WINDOW_S
+
+
+def test_a_trial_estimate_is_start_wave_and_window_until_measured():
+  estimate = lambda trials: _search.trial_estimate(S(0, 4), trials, _look(), usable=2,
+                                                   window_s=0.05)
+  # start 2 ms + a wave of 4 batches on 2 cores (20 ms) and 4 thread starts (8 ms) + 50 ms
+  assert estimate([]) == pytest.approx(0.08)
+  # a thread measured to start in 5 ms
+  assert estimate([_trial((0, 2), startup_s=0.01)]) == pytest.approx(0.092)
+  assert estimate([_trial((0, 4), seconds=0.05), _trial((0, 4), seconds=0.03)]) == 0.03
+
+
+def test_the_possible_saving_is_the_read_with_a_step_else_what_cores_leave():
+  assert _search.possible_saving(_look(0.01, 0.005), 100, 2) == pytest.approx(0.75)
+  assert _search.possible_saving(_look(0.01, 0.005, step_s=1.0), 100, 2) == pytest.approx(1.0)
+  assert _search.possible_saving(_look(0.01, 0.01), 100, 1) == 0.0  # CPU-bound on one core
+
+
+def test_in_series_is_the_start_without_threads_or_workers_where_allowed():
+  assert _search.in_series(S(2, 16, 4), _space()) == S(0, 0, 4)
+  assert _search.in_series(S(0, 16), _space(tune=("workers",))) is None
+
+
+def test_startup_estimate_counts_worker_and_thread_starts_and_a_wave():
+  assert _search.startup_estimate(S(0, 16), 0.01, 2) == pytest.approx(0.032 + 0.08)
+  assert _search.startup_estimate(S(2, 1), 0.01, 2) == pytest.approx(3.0 + 0.004 + 0.01)
+
+
+def test_a_climb_estimate_cuts_in_process_trials_short_but_not_worker_starts():
+  seen = [_trial((1, 0), startup_s=1.0, seconds=1.5), _trial((0, 16), seconds=0.3),
+          _trial((0, 8), seconds=0.2)]
+  assert _search.climb_estimate(S(0, 4), seen) == 0.2  # the cheapest in this process
+  assert _search.climb_estimate(S(1, 4), seen) == 1.5  # the dearest at that worker count
+  assert _search.climb_estimate(S(2, 0), seen) == pytest.approx(2 * 1.0 + 0.5)
+  assert _search.climb_estimate(S(2, 0), []) == 2 * _search.DEFAULT_STARTUP_PER_WORKER_S
+
+
+def test_the_worker_floor_spreads_the_cpu_over_the_cores_at_the_share_a_thread_gets():
+  assert _search.worker_floor(_look(0.1, 0.05), [], 2) == (0.05, 0.5, 0.05)
+  assert _search.worker_floor(_look(0.1, 0.05), [_trial((0, 0), cpu_s=0.02)], 2)[0] == 0.02
+  assert _search.worker_floor(_look(0.1, 0.05, step_s=0.2), [], 2)[0] == 0.2  # the step
+  assert _search.worker_floor(_look(1.0, 0.01), [], 2)[1] == 0.05  # a busy host
+
+
+def test_a_worker_trial_costs_the_fewest_workers_starts_and_a_body():
+  space = _space(max_workers=4)
+  assert _search.worker_trial_cost(space, S(0, 16), [], 0.05) == pytest.approx(1.5 + 0.05)
+  assert _search.worker_trial_cost(space, S(1, 16), [_trial((1, 0), startup_s=0.1,
+                                                            seconds=0.4)], 0.05) == 3.3
+
+
+def test_the_thread_guess_is_none_one_per_core_and_twice_that():
+  space = _space(max_workers=0)
+  guess = lambda cores, **kw: [s.read_threads for s in _search.thread_guess(S(), space,
+                                                                            cores=cores)]
+  assert guess(1) == [0, 1, 2] and guess(2) == [0, 2, 4] and guess(16) == [0, 16]
+  assert _search.thread_guess(S(), _space(tune=("workers",)), cores=2) == [S()]
+
+
+def test_thread_neighbours_are_one_rung_down_and_up():
+  ladder = [0, 1, 2, 4]
+  step = lambda t: [s.read_threads for s in _search.thread_neighbours(S(0, t), ladder)]
+  assert step(2) == [1, 4] and step(0) == [1] and step(4) == [2]
+
+
+# --- the stages, through `search` on a synthetic bench -------------------------------
+
+
+def _search_on(speed, *, start=S(), max_workers=4, n=1000, usable=2, budget_s=60.0,
+               **bench):
+  clock = FakeClock()
+  bench, calls = bench_on(clock, speed, **bench)
+  result = _search.search(bench, start=start, space=_space(start, max_workers=max_workers),
+                          budget_s=budget_s, margin=0.05, expected_batches=n, usable=usable,
+                          clock=clock)
+  return result, calls
+
+
+def test_a_consumer_bound_start_in_series_is_kept_without_a_trial():
+  result, calls = _search_on(peak, start=S(0, 0), step_s=1.0)
+  assert result.stopped == "consumer-bound" and not calls and result.settings == S(0, 0)
+  assert result.batches_per_s == 1 / 1.01 and result.batches == 8
+  assert result.reason.startswith("kept workers=0 read_threads=0")
+
+
+def test_no_payback_reads_in_series_without_a_trial():
+  result, calls = _search_on(peak, start=S(0, 16), serial=(2e-4, 2e-4, 8), n=100)
+  assert result.stopped == "no payback" and not calls and result.settings == S(0, 0)
+  assert "does not pay for one round of the first guesses (0, 2, 4 read threads" in result.reason
+
+
+def _threads_only(w, t):
+  return {0: 10.0, 1: 16.0, 2: 20.0, 4: 23.0, 8: 22.0, 16: 20.0}[t] if w == 0 else 5.0
+
+
+def test_threads_are_searched_in_this_process_from_the_guess():
+  result, calls = _search_on(_threads_only, max_workers=0, serial=(0.1, 0.01, 2), usable=1,
+                             n=10**5)
+  assert result.settings == S(0, 4) and result.stopped == "converged"
+  assert [t.phase for t in result.trials[:9]] == ["guess"] * 9
+  assert {s.read_threads for s, _ in calls} == {0, 1, 2, 4, 8}
+  assert result.reason.endswith("searched the read threads and buffer only")
+
+
+def test_a_start_with_workers_climbs_its_threads_first():
+  result, calls = _search_on(peak, start=S(2, 16), max_workers=2, serial=(0.1, 0.1, 2),
+                             n=10**5)
+  first = [s for s, _ in calls][:3]
+  assert all(s.worker_count == 2 for s in first) and first[0] == S(2, 16)
+  assert result.settings == S(2, 1)
+
+
+def test_workers_are_not_tried_where_they_cannot_read_faster():
+  # 50 ms of CPU a batch at half a core each on 2 cores: 50 ms at best, as read now
+  result, calls = _search_on(lambda w, t: 20.0, serial=(0.1, 0.05, 8), n=10**5)
+  assert "worker processes cannot read faster" in result.reason
+  assert result.stopped == "converged" and all(s.worker_count == 0 for s, _ in calls)
+
+
+def test_workers_are_not_tried_where_a_tenth_of_their_saving_does_not_pay():
+  # 20 ms of CPU a batch at a fifth of a core each on 2 cores: 50 ms at best
+  # against 100 ms, 10 s over 200 batches, a tenth of which is not a worker trial
+  result, calls = _search_on(lambda w, t: 10.0, serial=(0.1, 0.02, 2), n=200)
+  assert "does not fit in 10% of that" in result.reason
+  assert all(s.worker_count == 0 for s, _ in calls)
+
+
+def test_workers_are_searched_where_they_pay_and_the_start_kept_unless_beaten():
+  result, calls = _search_on(lambda w, t: 40.0 if w else 10.0, serial=(0.1, 0.1, 2), n=10**5)
+  assert result.worker_count > 0 and "after the worker search" in result.reason
+  assert {t.phase for t in result.trials} >= {"guess", "seed"}
+  flat, _ = _search_on(lambda w, t: 10.0, start=S(0, 0), serial=(0.1, 0.1, 2), n=10**6)
+  assert flat.settings == S(0, 0)  # nothing beat the start beyond noise

@@ -552,17 +552,6 @@ def compare(measure: Measure, candidates: Sequence[LoaderSettings], *, rounds: i
 
   Returns:
     (trials, the winner or None where no round was complete, the scores).
-
-  Example:
-    >>> speed = {0: 10.0, 2: 30.0, 4: 20.0}
-    >>> def measure(s, deadline):
-    ...   return Trial(s, batches_per_s=speed[s.read_threads], batches=4,
-    ...                startup_s=0.0, seconds=0.01)
-    >>> trials, best, scores = compare(
-    ...     measure, [LoaderSettings(0, t) for t in (0, 2, 4)], rounds=2,
-    ...     left=lambda: 1.0, estimate=lambda s: 0.01)
-    >>> len(trials), best.read_threads, scores[best]
-    (6, 2, 3.0)
   """
   trials: list[Trial] = []
   complete: list[dict[LoaderSettings, float]] = []
@@ -625,15 +614,16 @@ class _Climb:
               trial.startup_s, trial.batches)
     return True
 
-  def step_up(self, space: Space, current: LoaderSettings, margin: float) -> LoaderSettings:
-    """Moves to the best untried neighbour while it beats `current` beyond `margin`."""
+  def step_up(self, space: Space, current: LoaderSettings, margin: float) -> None:
+    """Measures the untried neighbours of `current` and moves to the best of
+    all while it beats `current` by more than `margin`."""
     while True:
       untried = [n for n in space.neighbours(current) if n not in self.scores]
       if not untried or not all(self.run(n, "climb") for n in untried):
-        return current
+        return  # all(): each in turn, until one does not fit
       best = self.scores.best()
       if not beats(self.scores.of(best), self.scores.of(current), margin):
-        return current
+        return
       current = best
 
   def confirm_top_two(self) -> list[LoaderSettings]:
@@ -660,18 +650,6 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
   alternately, and the start stays unless beaten (`keep_start`). A trial
   starts only if the time spent plus its `climb_estimate` fits `budget_s` and
   `allowance(best batches/s so far)`; `measure` gets the deadline.
-
-  Example:
-    >>> speed = {(0, 16): 10.0, (0, 8): 9.0, (1, 16): 15.0, (1, 8): 14.0,
-    ...          (2, 16): 12.0, (1, 4): 13.0}
-    >>> def measure(s, deadline):
-    ...   return Trial(s, batches_per_s=speed.get((s.worker_count, s.read_threads), 1.0),
-    ...                batches=10, startup_s=0.0, seconds=0.1)
-    >>> from tunedjax.input_pipeline._settings import search_space
-    >>> space = search_space(LoaderSettings(), maxima={"worker_count": 2},
-    ...                      tune=("workers", "read_threads"))
-    >>> hill_climb(measure, start=LoaderSettings(), space=space, budget_s=60).setting
-    (1, 16)
   """
   climb = _Climb(measure, budget_s, allowance, known, clock, t0=clock())
   climb.scores.add(known)
@@ -681,10 +659,9 @@ def hill_climb(measure: Measure, *, start: LoaderSettings, space: Space, budget_
   if start not in climb.scores and not climb.run(start, "climb"):
     return TuningResult(start, batches_per_s=0.0, start=start, trials=(),
                         seconds=clock() - climb.t0, batches=0, stopped="no budget")
-  climbing = all(s in climb.scores or climb.run(s, "seed") for s in seeds)
-  current = keep_start(climb.scores.best(), start, climb.scores, margin)
-  if climbing:
-    current = climb.step_up(space, current, margin)
+  seeded = all(s in climb.scores or climb.run(s, "seed") for s in seeds)  # until one misses
+  if seeded:  # from the best so far, if it beats the start
+    climb.step_up(space, keep_start(climb.scores.best(), start, climb.scores, margin), margin)
   winner = keep_start(max(climb.confirm_top_two(), key=climb.scores.of), start, climb.scores,
                       margin)
   result = TuningResult(winner, batches_per_s=climb.scores.of(winner), start=start,

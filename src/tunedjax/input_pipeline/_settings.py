@@ -217,7 +217,6 @@ KNOBS: tuple[Knob, ...] = (
          cap=lambda s, batches: batches // max(1, s.worker_count),
          grain=lambda n: {"MultiprocessingOptions": {"per_worker_buffer_size": n}}),
 )
-KNOB_NAMES = tuple(k.name for k in KNOBS)
 TUNE_NAMES = tuple(k.tune_name for k in KNOBS)
 
 

@@ -63,17 +63,11 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
                       tune: Sequence[str] = TUNE_NAMES,
                       clock: Callable[[], float] = time.perf_counter) -> TuningResult:
   """Finds the `LoaderSettings` (worker processes, read threads, per-worker
-  prefetch buffer) that read a pipeline fastest, at most a tenth of the time
-  the `expected_batches` take (see the README's input pipeline section).
-
-  A few batches read here in series come first: where the step is far slower
-  the loader is not the bottleneck (``stopped="consumer-bound"``), and where
-  no trial could pay back over the horizon it reads in series (``stopped="no
-  payback"``). Otherwise read threads are compared in this process, and
-  worker processes tried only where a tenth of what they could save pays for
-  a worker trial. The choice is cached per host and pipeline: the same or a
-  shorter horizon reuses it, a longer one tunes again. Trials are logged at
-  DEBUG on the ``tunedjax.input_pipeline`` logger.
+  prefetch buffer) that read a pipeline fastest, in at most a tenth of the
+  time the `expected_batches` take (the README's input pipeline section says
+  how): no search where the step is the bottleneck (``stopped=
+  "consumer-bound"``) or no trial could pay back (``stopped="no payback"``).
+  The choice is cached per host and pipeline; a longer horizon tunes again.
 
   Args:
     source: a random-access source (grain data source, sequence, arrays).
@@ -81,23 +75,19 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     seed: picks the random subset of the records the tuner reads.
     worker_count, read_threads, prefetch_buffer: the settings to start from
       (None: no workers, grain's 16 threads, 2 batches).
-    max_workers: the most workers to try (None: config, else the CPU count).
-    max_read_threads, max_prefetch_buffer: the most read threads, and
-      batches per worker buffer, to try.
+    max_workers, max_read_threads, max_prefetch_buffer: the most to try of
+      each (`max_workers=None`: the config's, else the CPU count).
     memory_budget: bytes the worker buffers may hold in all (None: a quarter
-      of the memory available now, `_settings.MEMORY_FRACTION`).
-    tuning_steps: batches a trial reads at most, warm-up included (None: config).
+      of the memory available now).
+    tuning_steps: batches a trial reads at most (None: the config's).
     budget_s: seconds the tuning may take.
-    consumer: called on each timed batch, its result waited for (the
-      training step: steps are timed alone and with their batches).
+    consumer: the training step, called on each timed batch (and timed alone).
     consumer_s: seconds per step to simulate without a consumer.
     margin: the relative gain that counts as better than noise.
-    expected_batches: the batches the choice will read, the horizon tuning
-      pays back within (None: `DEFAULT_EXPECTED_BATCHES`).
+    expected_batches: the horizon tuning pays back within (None: 1,000).
     cache: True or None for the default tuning cache, False for none, a
-      `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
-    tune: the knobs to search ("workers", "read_threads", "prefetch_buffer");
-      the others keep their start value.
+      `Cache` or a folder.
+    tune: the knobs to search ("workers", "read_threads", "prefetch_buffer").
     clock: the timer.
 
   Example:
@@ -108,16 +98,11 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
     >>> r.worker_count, r.read_threads in (0, 1)
     (0, True)
   """
-  config = get_config().dataloader
-  max_workers = config.resolved_max_workers if max_workers is None else max_workers
-  tuning_steps = config.tuning_steps if tuning_steps is None else tuning_steps
-  expected_batches = DEFAULT_EXPECTED_BATCHES if expected_batches is None else expected_batches
-  _check(max_workers=max_workers, tuning_steps=tuning_steps, expected_batches=expected_batches,
-         max_read_threads=max_read_threads, max_prefetch_buffer=max_prefetch_buffer,
-         memory_budget=memory_budget)
-  maxima = {"worker_count": max_workers, "read_threads": max_read_threads,
-            "prefetch_buffer": max_prefetch_buffer}
-  start = _start(worker_count, read_threads, prefetch_buffer, maxima=maxima, tune=tune)
+  start, maxima, tuning_steps, expected_batches = _resolve(
+      {"worker_count": worker_count, "read_threads": read_threads,
+       "prefetch_buffer": prefetch_buffer}, max_workers=max_workers, tuning_steps=tuning_steps,
+      expected_batches=expected_batches, max_read_threads=max_read_threads,
+      max_prefetch_buffer=max_prefetch_buffer, memory_budget=memory_budget, tune=tune)
   source, transforms = _dataset.as_source(source), _dataset.check_transforms(transforms)
   space = search_space(start, maxima=maxima, tune=tune)  # checks `tune`
   budget_bytes = _settings.default_memory_budget() if memory_budget is None else memory_budget
@@ -137,22 +122,30 @@ def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any]
       space, batches_in_memory=_settings.batches_in_memory(batch_bytes, budget_bytes))
   if consumer is not None:  # its first call compiles: once, before the clock starts
     _block(consumer(first))
-  pool = _Pool()
-  try:
+  with _Pool() as pool:
     bench = _bench(ds, first, tuning_steps=tuning_steps, consumer=consumer,
                    consumer_s=consumer_s, pool=pool, clock=clock)
     result = _search.search(bench, start=space.fit(start), space=space, budget_s=budget_s,
                             margin=margin, expected_batches=expected_batches,
                             usable=max(1, host_fingerprint()["usable_cpus"]), clock=clock)
-  finally:
-    pool.close_all()
   _store(store, key, result, batch_bytes=batch_bytes, expected_batches=expected_batches)
   return result
 
 
-def _check(*, memory_budget: int | float | None, **counts: int) -> None:
-  """Raises a `ConfigError` naming the first count that is not an int at or
-  above its least value, or a memory budget that is not a positive number."""
+def _resolve(given: Mapping[str, int | None], *, max_workers: int | None,
+             tuning_steps: int | None, expected_batches: int | None, max_read_threads: int,
+             max_prefetch_buffer: int, memory_budget: int | float | None,
+             tune: Sequence[str]) -> tuple[LoaderSettings, dict[str, int], int, int]:
+  """(the start, each knob's maximum, tuning_steps, expected_batches), the
+  config's defaults filled in and a tuned knob started within its maximum;
+  a `ConfigError` names the first option that is out of range."""
+  config = get_config().dataloader
+  counts = {
+      "max_workers": config.resolved_max_workers if max_workers is None else max_workers,
+      "tuning_steps": config.tuning_steps if tuning_steps is None else tuning_steps,
+      "expected_batches": (DEFAULT_EXPECTED_BATCHES if expected_batches is None
+                           else expected_batches),
+      "max_read_threads": max_read_threads, "max_prefetch_buffer": max_prefetch_buffer}
   least = {"max_workers": 0, "tuning_steps": 1, "expected_batches": 1, "max_read_threads": 0,
            "max_prefetch_buffer": 1}
   for name, value in counts.items():
@@ -164,23 +157,17 @@ def _check(*, memory_budget: int | float | None, **counts: int) -> None:
                                     or memory_budget <= 0):
     raise ConfigError(f"tune_worker_count(memory_budget=...) must be a number of bytes > 0 "
                       f"or None, got {memory_budget!r}.")
-
-
-def _start(worker_count: int | None, read_threads: int | None, prefetch_buffer: int | None,
-           *, maxima: Mapping[str, int], tune: Sequence[str]) -> LoaderSettings:
-  """The settings to start from (defaults where None); a tuned knob starts
-  within its maximum."""
-  given = {"worker_count": worker_count, "read_threads": read_threads,
-           "prefetch_buffer": prefetch_buffer}
   try:
     start = LoaderSettings(**{k: v for k, v in given.items() if v is not None})
   except ValueError as err:
     raise ConfigError(f"tune_worker_count: {err}") from None
+  maxima = {"worker_count": counts["max_workers"], "read_threads": max_read_threads,
+            "prefetch_buffer": max_prefetch_buffer}
   for name in TUNE_NAMES:
     k = _settings.knob(name)
     if name in tune and getattr(start, k.name) > maxima[k.name]:
       start = start.replace(**{k.name: max(k.low, maxima[k.name])})
-  return start
+  return start, maxima, counts["tuning_steps"], counts["expected_batches"]
 
 
 def _tuning_dataset(source: Any, *, batch_size: int, transforms: Sequence[Any], shuffle: bool,
@@ -383,7 +370,7 @@ class _Pool:
   of starting new ones. At most `keep` worker settings stay open (the most
   recently measured); closing one (grain joins its processes) runs in a
   background thread, and `close_all` waits for every close, so no worker
-  outlives the tuning.
+  outlives the tuning (``with _Pool() as pool:`` calls it).
   """
 
   def __init__(self, keep: int = 2):
@@ -421,6 +408,12 @@ class _Pool:
     for thread in self._closing:
       thread.join()
     self._closing.clear()
+
+  def __enter__(self) -> _Pool:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close_all()
 
 
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
