@@ -373,12 +373,38 @@ def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, thr
   monkeypatch.setattr(_tuner._processes, "open_iterator",
                       lambda ds, settings: _Waves(clock, threads, 1.0))
   warmup, window = _tuner.trial_sizes(500, S(0, threads))
-  measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
-                                 consumer=None, consumer_s=None, clock=clock)
-  trial = measure(S(0, threads), clock.now + 1e-3)
+  with _tuner._Pool() as pool:
+    measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
+                                   consumer=None, consumer_s=None, clock=clock, pool=pool)
+    trial = measure(S(0, threads), clock.now + 1e-3)
   # threads batches a second: not the burst of a wave that was ready already
   assert trial.batches_per_s == pytest.approx(threads)
   assert trial.batches <= 1 + max(2, threads)  # one wave timed, no drain of the buffer
+
+
+
+class _Iterator:
+
+  def __init__(self):
+    self.closed = False
+
+  def close(self):
+    self.closed = True
+
+
+def test_the_pool_keeps_the_two_latest_worker_settings_warm_and_closes_all(monkeypatch):
+  opened = []
+  monkeypatch.setattr(_tuner._processes, "open_iterator",
+                      lambda ds, settings: opened.append(_Iterator()) or opened[-1])
+  with _tuner._Pool() as pool:
+    for settings in (S(1, 0), S(2, 0), S(0, 4), S(4, 0)):
+      iterator, warm = pool.take(None, settings)
+      assert not warm
+      pool.give_back(settings, iterator)
+    assert pool.take(None, S(2, 0)) == (opened[1], True)  # re-measured on warm workers
+    assert pool.take(None, S(1, 0))[1] is False  # the oldest was closed
+  # all it held closed; the two taken out are the taker's to give back
+  assert [it.closed for it in opened] == [True, False, True, True, False]
 
 
 # --- issue 18, item 1: the first look, the payback rule, the guess, contention ---

@@ -418,10 +418,11 @@ class _Pool:
 
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
                   consumer: Callable[[Any], Any] | None, consumer_s: float | None,
-                  clock: Callable[[], float], pool: _Pool | None = None) -> _search.Measure:
-  """Trials of `ds`: `warmup` batches (a slow consumer: until the deadline),
-  then a window of `window` batches or `max_window_s`, whichever ends first,
-  at the end of a wave (`_wave`); each batch goes to the consumer."""
+                  clock: Callable[[], float], pool: _Pool) -> _search.Measure:
+  """Trials of `ds` on iterators from `pool`: `warmup` batches (a slow
+  consumer: until the deadline), then a window of `window` batches or
+  `max_window_s`, whichever ends first, at the end of a wave (`_wave`);
+  each batch goes to the consumer."""
 
   def consume(batch: Any) -> None:
     if consumer is not None:
@@ -433,8 +434,7 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
 
   def measure(settings: LoaderSettings, deadline: float) -> Trial:
     start = clock()
-    owner = pool if pool is not None else _Pool(keep=0)
-    iterator, warm = owner.take(ds, settings)
+    iterator, warm = pool.take(ds, settings)
     read = 0
     try:
       consume(next(iterator))
@@ -462,9 +462,7 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
     except BaseException:
       _processes.close_quietly(iterator)
       raise
-    owner.give_back(settings, iterator)
-    if pool is None:
-      owner.close_all()
+    pool.give_back(settings, iterator)
     alone = consumer is None and not consumer_s and settings.worker_count == 0
     return Trial(settings, batches_per_s=timed / elapsed, batches=read + timed,
                  startup_s=startup, seconds=clock() - start,
