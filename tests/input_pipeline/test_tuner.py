@@ -3,7 +3,6 @@ the search), its bounds and its cache entry."""
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np

@@ -1,15 +1,10 @@
 """`tune_worker_count`: measures a pipeline's `LoaderSettings`, keeps the choice.
 
-This is the measuring side of the loader's tuner; how settings are chosen is
-`_search`'s. Like PaddlePaddle's DataLoader autotune, it times real batches:
-grain iterators of each setting (`_Pool` keeps worker settings' iterators
-warm between their trials), warm-ups skipped, windows of whole waves of read
-threads, the training step included when given (it competes for the same
-cores), the serial read that is the search's first look. Tuning reads its
-own random subset of the records through a separate pipeline: it never
-advances, or changes, the training stream. The choice is kept, with the
-horizon it was tuned for, in the persistent tuning cache, so that a restart
-measures nothing.
+The measuring side of the loader's tuner (`_search` chooses): like Paddle's
+DataLoader autotune it times real batches, of grain iterators kept warm
+(`_Pool`), with the training step when given (it competes for the cores),
+from a random subset of the records in a pipeline of its own (the training
+stream never moves); the choice goes to the persistent tuning cache.
 """
 
 from __future__ import annotations
@@ -364,13 +359,11 @@ def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
 class _Pool:
   """Iterators of measured worker settings, kept open between their trials.
 
-  grain cannot change a started ``mp_prefetch`` iterator's worker count,
-  read threads or buffer, so each worker setting pays one process start; its
-  re-measurements (the confirm rounds) read on from its warm workers instead
-  of starting new ones. At most `keep` worker settings stay open (the most
-  recently measured); closing one (grain joins its processes) runs in a
-  background thread, and `close_all` waits for every close, so no worker
-  outlives the tuning (``with _Pool() as pool:`` calls it).
+  grain cannot change a started ``mp_prefetch`` iterator's settings, so each
+  worker setting pays one process start, and its re-measurements read on
+  from its warm workers. The `keep` most recent stay open; a close (grain
+  joins the processes) runs in a background thread, and `close_all` (on
+  leaving ``with``) waits for every one, so no worker outlives the tuning.
   """
 
   def __init__(self, keep: int = 2):
