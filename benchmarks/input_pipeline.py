@@ -50,6 +50,7 @@ import _harness
 from tunedjax.input_pipeline import LoaderSettings
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
+from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
 
 BATCH = 16
@@ -138,7 +139,7 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
                                               **tune_kwargs)
     tuned_s[horizon] = time.perf_counter() - t0
   paddle = _tuner.tune_worker_count(source, tune=("workers",), **tune_kwargs)
-  threads = (0, 1, 4, 16) if quick else _tuner.THREAD_LADDER
+  threads = (0, 1, 4, 16) if quick else _settings.THREAD_LADDER
   grid = [LoaderSettings(w, t) for w in range(max_workers + 1) for t in threads]
   t0 = time.perf_counter()
   swept = sweep(ds, grid, window=window)

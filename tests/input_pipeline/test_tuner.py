@@ -1,10 +1,7 @@
-"""The worker/thread tuner: its climb on synthetic speeds with a fake clock,
-its bounds, the cache, and real (small) measurements."""
+"""`tune_worker_count`: its measurements (real and small, or synthetic through
+the search), its bounds and its cache entry."""
 
 from __future__ import annotations
-
-import logging
-import math
 
 import time
 
@@ -13,157 +10,14 @@ import pytest
 
 import tunedjax as tj
 from tunedjax import input_pipeline as ip
-from tunedjax.input_pipeline import _climb
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _tuner
+from tests.input_pipeline.fakes import FakeClock
+from tests.input_pipeline.fakes import buffered_peak
 
 S = ip.LoaderSettings
-
-
-class FakeClock:
-
-  def __init__(self):
-    self.now = 100.0
-
-  def __call__(self):
-    return self.now
-
-
-def _fake_measure(clock, speed, *, startup_per_worker=1.5, body_s=0.5, batches=10,
-                  noise=None):
-  """A measurement on the fake clock; `speed(workers, threads)`, or with
-  `speed.with_buffer`, `speed(workers, threads, buffer)`."""
-  calls = []
-
-  def measure(settings, deadline):
-    calls.append((settings, deadline))
-    startup = startup_per_worker * settings.worker_count
-    start = clock.now
-    # as the real one: the start-up cannot be cut short, the timed window can
-    clock.now = min(start + startup + body_s, max(start + startup, deadline))
-    knobs = ((settings.worker_count, settings.read_threads, settings.prefetch_buffer)
-             if getattr(speed, "with_buffer", False)
-             else (settings.worker_count, settings.read_threads))
-    bps = max(0.1, speed(*knobs)) * (1.0 + (noise(len(calls)) if noise else 0.0))
-    return ip.Trial(settings, batches_per_s=bps, batches=batches, startup_s=startup,
-                    seconds=clock.now - start)
-
-  measure.calls = calls
-  return measure
-
-
-def _peak(w, t):  # best at 2 workers, 1 read thread
-  return 20.0 - 3.0 * (w - 2) ** 2 - (math.log2(t + 1) - 1.0) ** 2
-
-
-def _space(start=S(), *, max_workers=4, tune=("workers", "read_threads"), **kwargs):
-  return _climb.search_space(start, maxima={"worker_count": max_workers, "read_threads": 16,
-                                            "prefetch_buffer": 16}, tune=tune, **kwargs)
-
-
-def _run_climb(measure, clock, *, max_workers=4, tune=("workers", "read_threads"),
-           batches_in_memory=None, **kwargs):
-  kwargs["start"] = S.of(kwargs.get("start", (0, 16)))
-  kwargs.setdefault("budget_s", 1e9)
-  kwargs.setdefault("max_batches", 10**9)
-  space = _space(kwargs["start"], max_workers=max_workers, tune=tune,
-                 batches_in_memory=batches_in_memory)
-  return _climb.hill_climb(measure, space=space, trial_batches=lambda s: 10, clock=clock,
-                           **kwargs)
-
-
-def test_climbs_both_knobs_to_the_best_setting():
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, _peak), clock)
-  grid = [(w, t) for w in range(5) for t in _tuner.THREAD_LADDER]
-  assert result.setting == max(grid, key=lambda s: _peak(*s)) == (2, 1)
-  assert result.stopped == "converged" and result.start == S(0, 16)
-  assert len(result.trials) < len(grid)  # climbed, did not sweep
-
-
-def _plateau(w: int, t: int) -> float:
-  """What 2 cores measured on a decode-heavy pipeline: threads in one process
-  or one worker reach the same rate; only several single-threaded workers win."""
-  if w >= 2:
-    return 60.0 - 2.0 * abs(math.log2(t + 1) - 1.5)
-  return 45.0 if t >= 8 else 20.0 + 2.0 * t
-
-
-def test_seeds_carry_the_climb_across_a_plateau():
-  space = _space(max_workers=2)
-  clock = FakeClock()
-  plain = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
-                            budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
-                            clock=clock)
-  assert _plateau(*plain.setting) == 45.0  # stuck on the plateau
-  clock = FakeClock()
-  seeded = _climb.hill_climb(_fake_measure(clock, _plateau), start=S(), space=space,
-                             budget_s=1e9, max_batches=10**9, trial_batches=lambda s: 10,
-                             clock=clock, seeds=_climb.seed_settings(S(), space, cpus=2))
-  grid = [(w, t) for w in space.values["worker_count"] for t in space.values["read_threads"]]
-  assert seeded.setting == max(grid, key=lambda s: _plateau(*s))
-  assert [t.phase for t in seeded.trials[1:3]] == ["seed", "seed"]
-
-
-def test_workers_only_would_miss_the_best():
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, _peak), clock, tune=("workers",))
-  assert result.setting == (2, 16) and _peak(2, 16) < _peak(2, 1)
-
-
-@pytest.mark.parametrize("budget_s", [0.0, 0.1, 3.0, 7.0, 15.0])
-def test_time_budget_is_respected(budget_s):
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, _peak), clock, budget_s=budget_s)
-  assert result.seconds <= budget_s
-  if budget_s == 0:
-    assert result.trials == () and result.stopped == "no budget"
-    assert result.settings == S(0, 16)
-  else:
-    assert result.stopped == "budget" and result.trials
-
-
-def test_max_workers_and_max_batches_are_respected():
-  clock = FakeClock()
-  measure = _fake_measure(clock, lambda w, t: 10.0 + 5 * w)  # more workers always faster
-  result = _run_climb(measure, clock, max_workers=3, max_batches=75)
-  assert max(t.worker_count for t in result.trials) <= 3
-  assert result.batches <= 75 and len(result.trials) == 7
-  assert result.stopped == "max_batches"
-
-
-def test_a_fast_enough_start_is_not_climbed_from():
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, lambda w, t: 5000.0 - w), clock, fast_enough=1000.0)
-  assert len(result.trials) == 1 and result.stopped == "fast enough"
-  assert result.settings == S(0, 16)
-
-
-def test_start_is_kept_unless_beaten_beyond_the_noise_margin():
-  clock = FakeClock()
-  flat = _fake_measure(clock, lambda w, t: 10.0, noise=lambda i: 0.03 * (i % 3 - 1))
-  result = _run_climb(flat, clock, start=(1, 4))
-  assert result.settings == S(1, 4)
-
-
-def test_top_two_are_remeasured_alternately():
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, _peak), clock, confirm_rounds=2)
-  confirm = [t.settings for t in result.trials if t.phase == "confirm"]
-  assert len(confirm) == 4 and confirm[0] == confirm[3] != confirm[1] == confirm[2]
-  assert result.settings in confirm
-
-
-def test_each_trial_is_logged_at_debug(caplog):
-  clock = FakeClock()
-  with caplog.at_level(logging.DEBUG, logger="tunedjax.input_pipeline"):
-    result = _run_climb(_fake_measure(clock, _peak), clock)
-  trial_lines = [r for r in caplog.records if "tuning trial" in r.getMessage()]
-  assert len(trial_lines) == len(result.trials)
-  assert "best: workers=2 read_threads=1 prefetch_buffer=2" in caplog.text
-  assert "chosen" in result.table()
 
 
 @pytest.fixture
@@ -358,37 +212,6 @@ def test_consumer_seconds_bound_the_measured_rate(cache_dir):
 # --- the per-worker prefetch buffer: searched, bounded by memory, cached ---------
 
 
-def _buffered_peak(w, t, b):
-  """The best at 2 workers, 1 thread, a buffer of 8; each buffer step pays ~10%."""
-  buffer_gain = 3.0 * (3.0 - abs(math.log2(b) - 3.0)) if w else 0.0
-  return _peak(w, t) - 3.0 * (w - 2) ** 2 + buffer_gain
-
-
-_buffered_peak.with_buffer = True
-ALL = ("workers", "read_threads", "prefetch_buffer")
-
-
-def test_the_buffer_is_climbed_with_the_other_knobs():
-  clock = FakeClock()
-  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2))
-  assert result.settings == S(2, 1, 8)
-  assert {t.prefetch_buffer for t in result.trials} > {2, 8}
-  # without workers the buffer does nothing: no trial varies it there
-  assert {t.prefetch_buffer for t in result.trials if t.worker_count == 0} == {2}
-  clock = FakeClock()
-  fixed = _run_climb(_fake_measure(clock, _buffered_peak), clock, start=S(0, 16, 2))
-  assert fixed.settings == S(2, 1, 2) and {t.prefetch_buffer for t in fixed.trials} == {2}
-
-
-def test_the_climb_keeps_the_buffers_within_the_memory_budget():
-  clock = FakeClock()
-  # 12 batches fit: 2 workers may keep 6 each, not 8 (the unbounded best)
-  result = _run_climb(_fake_measure(clock, _buffered_peak), clock, tune=ALL, start=S(0, 16, 2),
-                  batches_in_memory=12)
-  assert all(t.worker_count * t.prefetch_buffer <= 12 for t in result.trials)
-  assert result.settings == S(2, 1, 4)
-
-
 class _FakeMeasure:
   """Stands in for `_tuner._measure_real`: records what the tuner asked for."""
 
@@ -409,7 +232,7 @@ class _FakeMeasure:
 
 @pytest.fixture
 def fake_measure(monkeypatch):
-  fake = _FakeMeasure(_buffered_peak)
+  fake = _FakeMeasure(buffered_peak)
   monkeypatch.setattr(_tuner, "_measure_real", fake)
   return fake
 
@@ -466,7 +289,7 @@ def test_an_entry_from_before_the_buffer_converts_and_a_bad_one_is_a_miss(
   cache = tj.autotune.Cache()
   key = _tuner.cache_key(
       _dataset.as_source(_IMAGES), batch_size=4, transforms=[], shuffle=True,
-      drop_remainder=True, start=S(), tune=ALL, consumer=None, consumer_s=None,
+      drop_remainder=True, start=S(), tune=_settings.TUNE_NAMES, consumer=None, consumer_s=None,
       maxima={"worker_count": 4, "read_threads": 16,
               "prefetch_buffer": _tuner.DEFAULT_MAX_PREFETCH_BUFFER})
   old = {"worker_count": 3, "read_threads": 1, "batches_per_s": 12.5, "seconds": 4.0,
@@ -498,23 +321,6 @@ def test_the_loader_runs_with_the_settings_it_tuned(cache_dir, fake_measure):
   result = loader.tune(cache=False)
   assert result.settings == loader.settings == S(2, 1, 8)
   assert "prefetch_buffer=8" in repr(loader) and "prefetch_buffer" in result.table()
-
-
-def test_the_allowance_shrinks_as_the_climb_finds_faster_settings():
-  """A tuning bounded by a tenth of the batches' time stops sooner once it
-  has found that the batches will be read faster."""
-  speed = lambda w, t: 100.0 if t == 0 else 1.0  # no read threads: 100x faster
-
-  def climb(allowance):
-    clock = FakeClock()
-    return _run_climb(_fake_measure(clock, speed, body_s=0.5), clock, max_workers=0,
-                      start=(0, 16), budget_s=100.0, allowance=allowance)
-  assert climb(None).seconds > 2.0  # five 0.5 s trials and more
-  # 0.1 x 1000 batches: 100 s at 1/s, 1 s at 100/s
-  fast = climb(lambda rate: 0.1 * 1000 / rate)
-  # the first round's three trials (16, 8, 0 threads), then no more: 1.5 s > 1 s
-  assert fast.settings.read_threads == 0 and fast.stopped == "budget"
-  assert len(fast.trials) == 3 and fast.seconds <= 1.5 + 1e-9
 
 
 def _workers_pay(w, t, b):
@@ -565,13 +371,39 @@ def test_an_in_process_window_times_whole_waves_of_read_threads(monkeypatch, thr
   clock = FakeClock()
   monkeypatch.setattr(_tuner._processes, "open_iterator",
                       lambda ds, settings: _Waves(clock, threads, 1.0))
-  warmup, window = _search.trial_sizes(500, S(0, threads))
-  measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
-                                 consumer=None, consumer_s=None, clock=clock)
-  trial = measure(S(0, threads), clock.now + 1e-3)
+  warmup, window = _tuner.trial_sizes(500, S(0, threads))
+  with _tuner._Pool() as pool:
+    measure = _tuner._measure_real(None, warmup=warmup, window=window, max_window_s=1e-3,
+                                   consumer=None, consumer_s=None, clock=clock, pool=pool)
+    trial = measure(S(0, threads), clock.now + 1e-3)
   # threads batches a second: not the burst of a wave that was ready already
   assert trial.batches_per_s == pytest.approx(threads)
   assert trial.batches <= 1 + max(2, threads)  # one wave timed, no drain of the buffer
+
+
+
+class _Iterator:
+
+  def __init__(self):
+    self.closed = False
+
+  def close(self):
+    self.closed = True
+
+
+def test_the_pool_keeps_the_two_latest_worker_settings_warm_and_closes_all(monkeypatch):
+  opened = []
+  monkeypatch.setattr(_tuner._processes, "open_iterator",
+                      lambda ds, settings: opened.append(_Iterator()) or opened[-1])
+  with _tuner._Pool() as pool:
+    for settings in (S(1, 0), S(2, 0), S(0, 4), S(4, 0)):
+      iterator, warm = pool.take(None, settings)
+      assert not warm
+      pool.give_back(settings, iterator)
+    assert pool.take(None, S(2, 0)) == (opened[1], True)  # re-measured on warm workers
+    assert pool.take(None, S(1, 0))[1] is False  # the oldest was closed
+  # all it held closed; the two taken out are the taker's to give back
+  assert [it.closed for it in opened] == [True, False, True, True, False]
 
 
 # --- issue 18, item 1: the first look, the payback rule, the guess, contention ---
@@ -623,48 +455,6 @@ def test_the_climb_from_the_guess_finds_the_best_thread_count(cache_dir, fake_me
   assert result.settings == S(0, 4)
   assert {t.read_threads for t in result.trials} == {0, 1, 2, 4, 8}  # not 16
   assert result.stopped == "converged"
-
-
-def test_interleaved_rounds_see_through_a_host_slowing_down():
-  clock = FakeClock()
-  order = []
-
-  def measure(settings, deadline):  # the host slows by 20% at every trial
-    order.append(settings.read_threads)
-    rate = {0: 10.0, 2: 11.0}[settings.read_threads] * 0.8 ** (len(order) - 1)
-    clock.now += 0.01
-    return ip.Trial(settings, batches_per_s=rate, batches=4, startup_s=0.0, seconds=0.01)
-
-  trials, best, scores = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=2,
-                                        left=lambda: 1.0, estimate=lambda s: 0.01,
-                                        clock=clock)
-  assert order == [0, 2, 2, 0] and [t.read_threads for t in trials] == order  # rotates
-  assert best == S(0, 2) and scores[S(0, 2)] == pytest.approx((0.88 + 1.375) / 2)
-  # a challenger within the margin does not replace the incumbent
-  speeds = {0: 10.0, 2: 10.3}
-  _, best, _ = _climb.compare(
-      lambda s, d: ip.Trial(s, batches_per_s=speeds[s.read_threads], batches=4,
-                            startup_s=0.0, seconds=0.01),
-      [S(0, 0), S(0, 2)], rounds=2, left=lambda: 1.0, estimate=lambda s: 0.01, clock=clock)
-  assert best == S(0, 0)
-
-
-def test_compare_stops_at_a_round_that_does_not_fit():
-  clock = FakeClock()
-
-  def measure(settings, deadline):
-    clock.now += 0.4
-    return ip.Trial(settings, batches_per_s=1.0 + settings.read_threads, batches=4,
-                    startup_s=0.0, seconds=0.4)
-
-  t0 = clock.now
-  trials, best, _ = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=3,
-                                   left=lambda: 1.0 - (clock.now - t0),
-                                   estimate=lambda s: 0.4, clock=clock)
-  assert len(trials) == 2 and best == S(0, 2)  # one whole round, no third trial
-  trials, best, _ = _climb.compare(measure, [S(0, 0), S(0, 2)], rounds=3,
-                                   left=lambda: 0.7, estimate=lambda s: 0.4, clock=clock)
-  assert trials == [] and best is None  # no round fits: no trial, no winner
 
 
 @pytest.mark.parametrize("expected_batches, stops", [(100, True), (10**6, False)])

@@ -23,13 +23,13 @@ Example:
 
 from __future__ import annotations
 
-from tunedjax.input_pipeline._dataset import TransformError as TransformError
+from tunedjax.input_pipeline._errors import TransformError as TransformError
 from tunedjax.input_pipeline._loader import Loader as Loader
 from tunedjax.input_pipeline._settings import LoaderSettings as LoaderSettings
 from tunedjax.input_pipeline._state import LoaderState as LoaderState
 from tunedjax.input_pipeline._state import StateError as StateError
-from tunedjax.input_pipeline._climb import Trial as Trial
-from tunedjax.input_pipeline._climb import TuningResult as TuningResult
+from tunedjax.input_pipeline._result import Trial as Trial
+from tunedjax.input_pipeline._result import TuningResult as TuningResult
 from tunedjax.input_pipeline._tuner import tune_worker_count as tune_worker_count
 
 __all__ = [

@@ -7,12 +7,11 @@ so the batches, and their order, do not depend on how many worker processes
 or read threads later fetch them: a tuner may change those freely.
 
 Each record travels with its index in the source, so that a failing user
-transform can say which record it failed on (`TransformError`).
+transform can say which record it failed on (`_errors.TransformError`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,39 +23,6 @@ from tunedjax.input_pipeline import _worker
 from tunedjax.input_pipeline._worker import ArraySource
 
 
-class TransformError(TunedJaxError):
-  """A user transform raised while processing one record.
-
-  The message names the transform, its position in `transforms`, the record's
-  index in the source, and holds the original traceback (also when the
-  transform ran in a worker process).
-
-  Attributes:
-    record_index: the index of the failing record in the source.
-    transform: a readable name of the transform.
-    original_traceback: the transform's traceback, formatted.
-
-  Example:
-    >>> err = TransformError("boom", 7, "parse", "Traceback ...")
-    >>> err.record_index
-    7
-  """
-
-  def __init__(self, message: str, record_index: int, transform: str,
-               original_traceback: str):
-    super().__init__(message, record_index, transform, original_traceback)
-    self.record_index = record_index
-    self.transform = transform
-    self.original_traceback = original_traceback
-
-  def __str__(self) -> str:
-    return self.args[0]
-
-
-TRANSFORM_FAILED = (
-    "Transform {position} ({name}) failed on record {index} of the source: "
-    "{error}\n\nThe transform's traceback:\n{tb}"
-)
 BAD_TRANSFORM = (
     "Loader(transforms=...) accepts grain.transforms.Map, "
     "grain.transforms.RandomMap or a plain callable of one record; got "
@@ -79,21 +45,6 @@ BAD_SOURCE = (
 def _short(value: Any) -> str:
   shown = repr(value)
   return shown if len(shown) <= 80 else shown[:77] + "..."
-
-
-def name_of(obj: Any) -> str:
-  """A stable, readable name of a transform (no memory addresses).
-
-  Example:
-    >>> name_of(np.sqrt)
-    'numpy.sqrt'
-  """
-  if isinstance(obj, functools.partial):
-    return f"partial({name_of(obj.func)})"
-  target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-  module = getattr(target, "__module__", None) or ""
-  qualname = getattr(target, "__qualname__", type(obj).__name__)
-  return f"{module}.{qualname}" if module else qualname
 
 
 def _check_arrays(arrays: Any) -> ArraySource:
@@ -127,15 +78,6 @@ def as_source(source: Any) -> Any:
 
 def _bad_source(source: Any):
   raise TunedJaxError(BAD_SOURCE.format(value=source, type_name=type(source).__name__))
-
-
-def transform_error(position: int, transform: Any, index: int, error: Exception,
-                    tb: str) -> TransformError:
-  """The `TransformError` of transform `position` failing on record `index`."""
-  name = name_of(transform)
-  message = TRANSFORM_FAILED.format(position=position, name=name, index=index,
-                                    error=f"{type(error).__name__}: {error}", tb=tb)
-  return TransformError(message, index, name, tb)
 
 
 def _is_random(transform: Any) -> bool:

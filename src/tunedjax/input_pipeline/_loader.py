@@ -17,6 +17,7 @@ from tunedjax.input_pipeline import _processes
 from tunedjax.input_pipeline import _settings
 from tunedjax.input_pipeline import _state
 from tunedjax.input_pipeline import _tuner
+from tunedjax.input_pipeline._result import TuningResult
 from tunedjax.input_pipeline._settings import LoaderSettings
 from tunedjax._errors import is_int as _is_int
 from tunedjax._errors import show_value as _show
@@ -155,7 +156,7 @@ class Loader:
         drop_remainder=self._drop_remainder)
     self._position = 0
     self._settings: LoaderSettings | None = None
-    self._tuning: _tuner.TuningResult | None = None
+    self._tuning: TuningResult | None = None
 
   # --- what the loader yields ------------------------------------------------
 
@@ -209,7 +210,7 @@ class Loader:
 
   def tune(self, *, consumer: Callable[[Any], Any] | None = None,
            consumer_s: float | None = None, expected_batches: int | None = None,
-           cache: Any = True) -> _tuner.TuningResult | None:
+           cache: Any = True) -> TuningResult | None:
     """Chooses the settings now (measured, or from the cache).
 
     Runs by itself before the first batch; call it first to measure with the
@@ -275,7 +276,7 @@ class Loader:
     return self.settings.prefetch_buffer
 
   @property
-  def tuning(self) -> _tuner.TuningResult | None:
+  def tuning(self) -> TuningResult | None:
     """What the tuner measured and chose, or None if it has not run."""
     return self._tuning
 

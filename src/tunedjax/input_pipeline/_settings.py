@@ -28,6 +28,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tunedjax._errors import ConfigError
+from tunedjax._errors import did_you_mean
+from tunedjax._errors import format_choices
 from tunedjax._errors import is_int as _is_int
 from tunedjax._errors import show_value as _show
 
@@ -214,7 +217,6 @@ KNOBS: tuple[Knob, ...] = (
          cap=lambda s, batches: batches // max(1, s.worker_count),
          grain=lambda n: {"MultiprocessingOptions": {"per_worker_buffer_size": n}}),
 )
-KNOB_NAMES = tuple(k.name for k in KNOBS)
 TUNE_NAMES = tuple(k.tune_name for k in KNOBS)
 
 
@@ -295,6 +297,38 @@ class Space:
           out.append(n)
     return out
 
+
+
+def search_space(start: LoaderSettings, *, maxima: Mapping[str, int],
+                 tune: Sequence[str] = TUNE_NAMES,
+                 batches_in_memory: int | None = None) -> Space:
+  """The values each knob may take: its ladder up to `maxima`, or, for a knob
+  not in `tune`, its `start` value alone.
+
+  Args:
+    start: the settings the search starts from.
+    maxima: field name -> the most the knob may be (a knob not named: its
+      start value, or its default if higher).
+    tune: the ``tune=`` names of the knobs to search over.
+    batches_in_memory: batches the memory budget holds (None: no bound).
+
+  Example:
+    >>> space = search_space(LoaderSettings(), maxima={"worker_count": 3,
+    ...                      "read_threads": 4}, tune=("workers",))
+    >>> space.values["worker_count"], space.values["read_threads"]
+    ([0, 1, 2, 3], [16])
+  """
+  for name in tune:
+    if name not in TUNE_NAMES:
+      raise ConfigError(f"tune={tuple(tune)!r}: unknown knob {name!r}"
+                        f"{did_you_mean(str(name), TUNE_NAMES)}; valid: "
+                        f"{format_choices(TUNE_NAMES)}.")
+  values = {}
+  for k in KNOBS:
+    here = getattr(start, k.name)
+    most = maxima.get(k.name, max(here, k.default))
+    values[k.name] = k.values(most) if k.tune_name in tune else [here]
+  return Space(values, batches_in_memory=batches_in_memory)
 
 def _step(values: Sequence[int], value: int, direction: int) -> int | None:
   """The next of the sorted `values` from `value` (which may be off them)."""

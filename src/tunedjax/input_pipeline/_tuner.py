@@ -1,20 +1,10 @@
-"""Measures `LoaderSettings` for a pipeline and picks the best.
+"""`tune_worker_count`: measures a pipeline's `LoaderSettings`, keeps the choice.
 
-Like PaddlePaddle's DataLoader autotune, this times real batches; unlike it,
-it searches every knob of `LoaderSettings` (grain's worker processes *and*
-its read threads: tuning workers alone misses the best setting; and the
-batches each worker keeps ready, bounded by the memory they take), pays for
-itself (at most a tenth of the expected batches' time: a cheap first look in
-series, no search where the loader is not the bottleneck or where no trial
-could pay back), starts in this process from a model-based guess compared in
-interleaved rounds, skips each trial's warm-up (worker start, buffers
-filling), can include the training step in the measurement (the step
-competes for the same cores), and keeps the choice, with the horizon it was
-tuned for, in the persistent tuning cache so that a restart measures
-nothing.
-
-Tuning reads its own random subset of the records through a separate
-pipeline: it never advances, or changes, the training stream.
+The measuring side of the loader's tuner (`_search` chooses): like Paddle's
+DataLoader autotune it times real batches, of grain iterators kept warm
+(`_Pool`), with the training step when given (it competes for the cores),
+from a random subset of the records in a pipeline of its own (the training
+stream never moves); the choice goes to the persistent tuning cache.
 """
 
 from __future__ import annotations
@@ -31,22 +21,21 @@ from typing import Any
 
 import numpy as np
 
+from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import ConfigError
-from tunedjax import _tuning
 from tunedjax.input_pipeline import _dataset
+from tunedjax.input_pipeline import _errors
 from tunedjax.input_pipeline import _processes
 from tunedjax.input_pipeline import _search
 from tunedjax.input_pipeline import _settings
-from tunedjax.input_pipeline._climb import NOISE_MARGIN
-from tunedjax.input_pipeline._climb import Measure
-from tunedjax.input_pipeline._climb import Trial
-from tunedjax.input_pipeline._climb import TuningResult
-from tunedjax.input_pipeline._climb import describe
-from tunedjax.input_pipeline._climb import search_space
+from tunedjax.input_pipeline._result import Trial
+from tunedjax.input_pipeline._result import TuningResult
+from tunedjax.input_pipeline._result import describe
+from tunedjax.input_pipeline._search import NOISE_MARGIN
 from tunedjax.input_pipeline._settings import LoaderSettings
-from tunedjax.input_pipeline._settings import THREAD_LADDER as THREAD_LADDER
 from tunedjax.input_pipeline._settings import TUNE_NAMES
+from tunedjax.input_pipeline._settings import search_space
 
 log = logging.getLogger("tunedjax.input_pipeline")
 
@@ -54,6 +43,184 @@ NAMESPACE = "dataloader"
 DEFAULT_READ_THREADS = LoaderSettings().read_threads  # grain's ReadOptions default
 DEFAULT_MAX_PREFETCH_BUFFER = 16
 DEFAULT_EXPECTED_BATCHES = 1000
+
+
+def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
+                      shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
+                      worker_count: int | None = None, read_threads: int | None = None,
+                      prefetch_buffer: int | None = None, max_workers: int | None = None,
+                      max_read_threads: int = DEFAULT_READ_THREADS,
+                      max_prefetch_buffer: int = DEFAULT_MAX_PREFETCH_BUFFER,
+                      memory_budget: int | None = None, tuning_steps: int | None = None,
+                      budget_s: float = 60.0, consumer: Callable[[Any], Any] | None = None,
+                      consumer_s: float | None = None, margin: float = NOISE_MARGIN,
+                      expected_batches: int | None = None, cache: Any = True,
+                      tune: Sequence[str] = TUNE_NAMES,
+                      clock: Callable[[], float] = time.perf_counter) -> TuningResult:
+  """Finds the `LoaderSettings` (worker processes, read threads, per-worker
+  prefetch buffer) that read a pipeline fastest, in at most a tenth of the
+  time the `expected_batches` take (the README's input pipeline section says
+  how): no search where the step is the bottleneck (``stopped=
+  "consumer-bound"``) or no trial could pay back (``stopped="no payback"``).
+  The choice is cached per host and pipeline; a longer horizon tunes again.
+
+  Args:
+    source: a random-access source (grain data source, sequence, arrays).
+    batch_size, transforms, shuffle, drop_remainder: as the loader will use.
+    seed: picks the random subset of the records the tuner reads.
+    worker_count, read_threads, prefetch_buffer: the settings to start from
+      (None: no workers, grain's 16 threads, 2 batches).
+    max_workers, max_read_threads, max_prefetch_buffer: the most to try of
+      each (`max_workers=None`: the config's, else the CPU count).
+    memory_budget: bytes the worker buffers may hold in all (None: a quarter
+      of the memory available now).
+    tuning_steps: batches a trial reads at most (None: the config's).
+    budget_s: seconds the tuning may take.
+    consumer: the training step, called on each timed batch (and timed alone).
+    consumer_s: seconds per step to simulate without a consumer.
+    margin: the relative gain that counts as better than noise.
+    expected_batches: the horizon tuning pays back within (None: 1,000).
+    cache: True or None for the default tuning cache, False for none, a
+      `Cache` or a folder.
+    tune: the knobs to search ("workers", "read_threads", "prefetch_buffer").
+    clock: the timer.
+
+  Example:
+    >>> import tempfile, tunedjax as tj
+    >>> with tj.config_context({"cache": {"dir": tempfile.mkdtemp()}}):
+    ...   r = tune_worker_count(np.arange(64.0), batch_size=4, max_workers=0,
+    ...                         max_read_threads=1, tuning_steps=64, budget_s=5)
+    >>> r.worker_count, r.read_threads in (0, 1)
+    (0, True)
+  """
+  start, maxima, tuning_steps, expected_batches = _resolve(
+      {"worker_count": worker_count, "read_threads": read_threads,
+       "prefetch_buffer": prefetch_buffer}, max_workers=max_workers, tuning_steps=tuning_steps,
+      expected_batches=expected_batches, max_read_threads=max_read_threads,
+      max_prefetch_buffer=max_prefetch_buffer, memory_budget=memory_budget, tune=tune)
+  source, transforms = _dataset.as_source(source), _dataset.check_transforms(transforms)
+  space = search_space(start, maxima=maxima, tune=tune)  # checks `tune`
+  budget_bytes = _settings.default_memory_budget() if memory_budget is None else memory_budget
+  store = _tuning.resolve_cache(cache)
+  key = cache_key(source, batch_size=batch_size, transforms=transforms, shuffle=shuffle,
+                  drop_remainder=drop_remainder, start=start, maxima=maxima, tune=tune,
+                  consumer=consumer, consumer_s=consumer_s)
+  hit = _from_cache(store, key, space, start=start, budget_bytes=budget_bytes,
+                    expected_batches=expected_batches)
+  if hit is not None:
+    return hit
+  ds = _tuning_dataset(source, batch_size=batch_size, transforms=transforms, shuffle=shuffle,
+                       seed=seed, drop_remainder=drop_remainder, tuning_steps=tuning_steps)
+  first = ds[0]
+  batch_bytes = _settings.batch_nbytes(first)
+  space = dataclasses.replace(
+      space, batches_in_memory=_settings.batches_in_memory(batch_bytes, budget_bytes))
+  if consumer is not None:  # its first call compiles: once, before the clock starts
+    _block(consumer(first))
+  with _Pool() as pool:
+    bench = _bench(ds, first, tuning_steps=tuning_steps, consumer=consumer,
+                   consumer_s=consumer_s, pool=pool, clock=clock)
+    result = _search.search(bench, start=space.fit(start), space=space, budget_s=budget_s,
+                            margin=margin, expected_batches=expected_batches,
+                            usable=max(1, host_fingerprint()["usable_cpus"]), clock=clock)
+  _store(store, key, result, batch_bytes=batch_bytes, expected_batches=expected_batches)
+  return result
+
+
+def _resolve(given: Mapping[str, int | None], *, max_workers: int | None,
+             tuning_steps: int | None, expected_batches: int | None, max_read_threads: int,
+             max_prefetch_buffer: int, memory_budget: int | float | None,
+             tune: Sequence[str]) -> tuple[LoaderSettings, dict[str, int], int, int]:
+  """(the start, each knob's maximum, tuning_steps, expected_batches), the
+  config's defaults filled in and a tuned knob started within its maximum;
+  a `ConfigError` names the first option that is out of range."""
+  config = get_config().dataloader
+  counts = {
+      "max_workers": config.resolved_max_workers if max_workers is None else max_workers,
+      "tuning_steps": config.tuning_steps if tuning_steps is None else tuning_steps,
+      "expected_batches": (DEFAULT_EXPECTED_BATCHES if expected_batches is None
+                           else expected_batches),
+      "max_read_threads": max_read_threads, "max_prefetch_buffer": max_prefetch_buffer}
+  least = {"max_workers": 0, "tuning_steps": 1, "expected_batches": 1, "max_read_threads": 0,
+           "max_prefetch_buffer": 1}
+  for name, value in counts.items():
+    if not isinstance(value, int) or isinstance(value, bool) or value < least[name]:
+      raise ConfigError(f"tune_worker_count({name}=...) must be an int >= {least[name]}, "
+                        f"got {value!r}.")
+  if memory_budget is not None and (isinstance(memory_budget, bool)
+                                    or not isinstance(memory_budget, (int, float))
+                                    or memory_budget <= 0):
+    raise ConfigError(f"tune_worker_count(memory_budget=...) must be a number of bytes > 0 "
+                      f"or None, got {memory_budget!r}.")
+  try:
+    start = LoaderSettings(**{k: v for k, v in given.items() if v is not None})
+  except ValueError as err:
+    raise ConfigError(f"tune_worker_count: {err}") from None
+  maxima = {"worker_count": counts["max_workers"], "read_threads": max_read_threads,
+            "prefetch_buffer": max_prefetch_buffer}
+  for name in TUNE_NAMES:
+    k = _settings.knob(name)
+    if name in tune and getattr(start, k.name) > maxima[k.name]:
+      start = start.replace(**{k.name: max(k.low, maxima[k.name])})
+  return start, maxima, counts["tuning_steps"], counts["expected_batches"]
+
+
+def _tuning_dataset(source: Any, *, batch_size: int, transforms: Sequence[Any], shuffle: bool,
+                    seed: int, drop_remainder: bool, tuning_steps: int) -> Any:
+  """The batches tuning reads: a random subset of the records, enough for a
+  trial, in a pipeline of its own (the training stream never moves)."""
+  rng = np.random.default_rng([seed, 0x7E57])
+  subset = rng.choice(len(source), size=min(len(source), (tuning_steps + 1) * batch_size),
+                      replace=False)
+  ds = _dataset.build(source, batch_size=batch_size, transforms=transforms,
+                      shuffle=shuffle, seed=seed, num_epochs=None,
+                      drop_remainder=drop_remainder, indices=np.sort(subset))
+  if len(ds) == 0:
+    raise ConfigError(f"tune_worker_count: {len(source)} records make no batch of "
+                      f"batch_size={batch_size} (drop_remainder={drop_remainder}).")
+  return ds
+
+
+# --- the cache entry ---------------------------------------------------------------
+
+
+def _from_cache(store: Any, key: dict[str, Any], space: _settings.Space, *,
+                start: LoaderSettings, budget_bytes: int | None,
+                expected_batches: int) -> TuningResult | None:
+  """The stored choice, fitted to the memory budget of the moment (it is not
+  part of the key: it moves with the host's free memory); None where there
+  is none, or where it was tuned for a shorter horizon (a longer one may pay
+  for more trials, or workers: tune again, and replace it)."""
+  hit = None if store is None else store.get(NAMESPACE, key)
+  if hit is None:
+    return None
+  if stored_horizon(hit) < expected_batches:
+    log.debug("dataloader tuning: the cached choice was tuned for %d batches, not %d: "
+              "tuning again", stored_horizon(hit), expected_batches)
+    return None
+  batch_bytes = hit.get("batch_bytes")
+  bound = (None if batch_bytes is None
+           else _settings.batches_in_memory(batch_bytes, budget_bytes))
+  chosen = dataclasses.replace(space, batches_in_memory=bound).fit(LoaderSettings.from_dict(hit))
+  log.debug("dataloader tuning: cache hit, %s", describe(chosen))
+  return TuningResult(chosen, batches_per_s=float(hit["batches_per_s"]), start=start,
+                      trials=(), seconds=0.0, batches=0, stopped="cache", from_cache=True)
+
+
+def _store(store: Any, key: dict[str, Any], result: TuningResult, *, batch_bytes: int,
+           expected_batches: int) -> None:
+  """Keeps a search's choice, or the finding that the step, not the loader,
+  is the bottleneck or that no trial could pay back (no trials): either way
+  a restart with this horizon need not measure again."""
+  if store is None or not (result.trials or result.stopped in ("consumer-bound",
+                                                               "no payback")):
+    return
+  store.put(NAMESPACE, key, {
+      **result.settings.to_dict(),
+      "batches_per_s": result.batches_per_s, "seconds": result.seconds,
+      "batch_bytes": batch_bytes, "expected_batches": expected_batches,
+      "trials": [{**t.settings.to_dict(), "batches_per_s": round(t.batches_per_s, 3)}
+                 for t in result.trials]})
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -81,8 +248,8 @@ def pipeline_fingerprint(source: Any, *, batch_size: int, transforms: Sequence[A
     ...                      shuffle=True, drop_remainder=True)["transforms"]
     ['numpy.sqrt']
   """
-  return {"source": _dataset.name_of(source), "num_records": len(source),
-          "batch_size": batch_size, "transforms": [_dataset.name_of(t) for t in transforms],
+  return {"source": _errors.name_of(source), "num_records": len(source),
+          "batch_size": batch_size, "transforms": [_errors.name_of(t) for t in transforms],
           "shuffle": bool(shuffle), "drop_remainder": bool(drop_remainder)}
 
 
@@ -135,20 +302,68 @@ def cache_key(source: Any, *, batch_size: int, transforms: Sequence[Any], shuffl
                                            transforms=transforms, shuffle=shuffle,
                                            drop_remainder=drop_remainder),
           "maxima": dict(maxima), "tune": sorted(tune), "start": start.to_dict(),
-          "consumer": (_dataset.name_of(consumer) if consumer is not None
+          "consumer": (_errors.name_of(consumer) if consumer is not None
                        else (f"sleep {consumer_s:.3g} s" if consumer_s else None))}
+
+
+# --- the measurements ------------------------------------------------------------
+
+
+def _bench(ds: Any, first: Any, *, tuning_steps: int, consumer: Callable[[Any], Any] | None,
+           consumer_s: float | None, pool: _Pool, clock: Callable[[], float]) -> _search.Bench:
+  """The search's measurements of `ds`: trials of grain iterators from
+  `pool` (`trial_sizes` batches each), the consumer timed alone on `first`
+  (or `consumer_s`), and batches read here in series."""
+
+  def trial(window_s: float) -> _search.Measure:
+    def measure(settings: LoaderSettings, deadline: float) -> Trial:
+      warmup, window = trial_sizes(tuning_steps, settings)
+      return _measure_real(ds, warmup=warmup, window=window, max_window_s=window_s,
+                           consumer=consumer, consumer_s=consumer_s, clock=clock,
+                           pool=pool)(settings, deadline)
+    return measure
+
+  def step(calls: int, limit_s: float) -> float | None:
+    if consumer is not None:
+      return _time_consumer(consumer, first, calls=calls, limit_s=limit_s, clock=clock)
+    return float(consumer_s) if consumer_s else None
+
+  def serial(batches: int, limit_s: float) -> tuple[float, float, int]:
+    return _time_serial(ds, batches=batches, limit_s=limit_s, clock=clock)
+
+  return _search.Bench(serial=serial, step=step, trial=trial)
+
+
+def trial_sizes(tuning_steps: int, settings: LoaderSettings) -> tuple[int, int]:
+  """(warm-up, window) batches of one trial of `settings`: `tuning_steps` in all.
+
+  As in Paddle, `tuning_steps` batches are read per trial. The warm-up drains
+  what the prefetch buffers hold once the workers are up (at most half the
+  batches), so that the window times the pipeline, not the buffers. Read
+  threads in this process need none: they start one batch each at once and
+  the next wave only as the reader takes them, so the batches of a wave
+  arrive together, the first of them after the start-up; the window, from
+  the first batch to the end of a later wave (`_wave`), times whole waves.
+
+  Example:
+    >>> trial_sizes(500, LoaderSettings(worker_count=2, read_threads=4))
+    (21, 479)
+    >>> trial_sizes(500, LoaderSettings(worker_count=0, read_threads=16))
+    (1, 499)
+  """
+  buffered = 0 if settings.worker_count == 0 else _processes.buffered_batches(settings)
+  warmup = max(1, min(buffered + 1, tuning_steps // 2))
+  return warmup, max(1, tuning_steps - warmup)
 
 
 class _Pool:
   """Iterators of measured worker settings, kept open between their trials.
 
-  grain cannot change a started ``mp_prefetch`` iterator's worker count,
-  read threads or buffer, so each worker setting pays one process start; its
-  re-measurements (the confirm rounds) read on from its warm workers instead
-  of starting new ones. At most `keep` worker settings stay open (the most
-  recently measured); closing one (grain joins its processes) runs in a
-  background thread, and `close_all` waits for every close, so no worker
-  outlives the tuning.
+  grain cannot change a started ``mp_prefetch`` iterator's settings, so each
+  worker setting pays one process start, and its re-measurements read on
+  from its warm workers. The `keep` most recent stay open; a close (grain
+  joins the processes) runs in a background thread, and `close_all` (on
+  leaving ``with``) waits for every one, so no worker outlives the tuning.
   """
 
   def __init__(self, keep: int = 2):
@@ -187,10 +402,21 @@ class _Pool:
       thread.join()
     self._closing.clear()
 
+  def __enter__(self) -> _Pool:
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close_all()
+
 
 def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
                   consumer: Callable[[Any], Any] | None, consumer_s: float | None,
-                  clock: Callable[[], float], pool: _Pool | None = None) -> Measure:
+                  clock: Callable[[], float], pool: _Pool) -> _search.Measure:
+  """Trials of `ds` on iterators from `pool`: `warmup` batches (a slow
+  consumer: until the deadline), then a window of `window` batches or
+  `max_window_s`, whichever ends first, at the end of a wave (`_wave`);
+  each batch goes to the consumer."""
+
   def consume(batch: Any) -> None:
     if consumer is not None:
       _block(consumer(batch))
@@ -201,8 +427,7 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
 
   def measure(settings: LoaderSettings, deadline: float) -> Trial:
     start = clock()
-    owner = pool if pool is not None else _Pool(keep=0)
-    iterator, warm = owner.take(ds, settings)
+    iterator, warm = pool.take(ds, settings)
     read = 0
     try:
       consume(next(iterator))
@@ -230,9 +455,7 @@ def _measure_real(ds: Any, *, warmup: int, window: int, max_window_s: float,
     except BaseException:
       _processes.close_quietly(iterator)
       raise
-    owner.give_back(settings, iterator)
-    if pool is None:
-      owner.close_all()
+    pool.give_back(settings, iterator)
     alone = consumer is None and not consumer_s and settings.worker_count == 0
     return Trial(settings, batches_per_s=timed / elapsed, batches=read + timed,
                  startup_s=startup, seconds=clock() - start,
@@ -293,218 +516,3 @@ def _time_serial(ds: Any, *, batches: int, limit_s: float,
     if len(walls) >= 2 and clock() - t0 >= limit_s:
       break
   return statistics.median(walls), statistics.median(cpus), len(walls)
-
-
-def tune_worker_count(source: Any, *, batch_size: int, transforms: Sequence[Any] = (),
-                      shuffle: bool = True, seed: int = 0, drop_remainder: bool = True,
-                      worker_count: int | None = None, read_threads: int | None = None,
-                      prefetch_buffer: int | None = None,
-                      max_workers: int | None = None,
-                      max_read_threads: int = DEFAULT_READ_THREADS,
-                      max_prefetch_buffer: int = DEFAULT_MAX_PREFETCH_BUFFER,
-                      memory_budget: int | None = None,
-                      tuning_steps: int | None = None, budget_s: float = 60.0,
-                      consumer: Callable[[Any], Any] | None = None,
-                      consumer_s: float | None = None, margin: float = NOISE_MARGIN,
-                      expected_batches: int | None = None,
-                      cache: Any = True,
-                      tune: Sequence[str] = TUNE_NAMES,
-                      clock: Callable[[], float] = time.perf_counter) -> TuningResult:
-  """Finds the `LoaderSettings` (worker processes, read threads, per-worker
-  prefetch buffer) that read a pipeline fastest.
-
-  Tuning has to pay for itself: it costs at most a tenth (`_search.OVERHEAD`) of the
-  time the `expected_batches` take. It first reads a few batches here in
-  series (`SERIAL_BATCHES`, the median of each): the first look, which sizes
-  the rest and stands for the setting without read threads. Then:
-
-  * With `consumer` (e.g. the compiled training step, timed alone on a ready
-    batch) or `consumer_s` (its duration, slept: a step that runs on an
-    accelerator), when reading in series costs the step at most `margin`, the
-    loader is not the bottleneck (``stopped="consumer-bound"``). The start's
-    read threads or workers may still slow the step (they share its cores
-    and the GIL), so steps with their batches are timed end to end at the
-    start and read in series (`CONTENTION_ROUNDS` interleaved rounds of about
-    `CONTENTION_STEPS` steps, when that fits in a tenth of the horizon's
-    steps), and reading in series is chosen if it beats the start by more
-    than `margin`. The result gives both times (`TuningResult.step_s`,
-    `batch_s`) and the reason.
-  * The payback rule: no setting can save more over the horizon than
-    `expected_batches` x the serial read (with a consumer, which read threads
-    hide behind the step) or, without one, x what spreading its CPU time over
-    the usable cores leaves of it. If a tenth of that does not pay for one
-    round of the first guesses (one trial from a start with workers), it
-    reads in series without a trial (``stopped="no payback"``).
-  * Otherwise it searches, the allowance shrinking to the pace of the fastest
-    setting measured. A start without workers is searched in this process
-    first: a model-based guess (`thread_guess`: no threads, about one per
-    usable core, twice that) compared in `GUESS_ROUNDS` interleaved rounds
-    (`compare`: a host that drifts slows every candidate of a round alike),
-    then the ladder's neighbours of the winner against it (`ROUNDS` rounds),
-    until none wins; rounds stop where the allowance ends.
-    Trial windows are sized for the fastest setting the model allows, and
-    time whole waves of read threads. A start with workers is hill-climbed
-    over threads and buffer at its worker count. Then worker processes (0 to
-    `max_workers`), only if a tenth of what they could save pays for a worker
-    trial: the fastest they could read is this process's CPU time per batch
-    spread over the usable cores, each at the share of a core a thread gets
-    now (on a busy host a worker waits for a core too), and the time that
-    could save over `expected_batches`, a tenth of it, must exceed a trial's
-    cost (a process start per worker) and fit what is left of the allowance.
-    Each worker setting starts its processes once: its re-measurements read
-    on from the same warm workers (`_Pool`).
-
-  The read threads range over 0 to `max_read_threads`, the per-worker buffer
-  over 1 to `max_prefetch_buffer` and at most `memory_budget` // (workers x
-  one batch's bytes). Each trial reads a random subset of the records: a
-  warm-up (the worker buffers; none for read threads, whose windows time
-  whole waves), then a window that ends after `tuning_steps` batches in all
-  or a time slice, whichever comes first; the whole tuning stays within
-  `budget_s`. With a consumer it measures end-to-end steps per second. The
-  choice is stored in the persistent tuning cache under this host and this
-  pipeline, with `expected_batches`: a later call with the same or a shorter
-  horizon reuses it without measuring, a longer one tunes again (it may pay
-  for more trials, or workers) and replaces it. Trials are logged at DEBUG on
-  the ``tunedjax.input_pipeline`` logger.
-
-  Args:
-    source: a random-access source (grain data source, sequence, arrays).
-    batch_size: records per batch.
-    transforms: per-record transforms (grain Map/RandomMap or callables).
-    shuffle: shuffle records (as the loader will).
-    seed: picks the random subset the tuner reads.
-    drop_remainder: as the loader will.
-    worker_count: the setting to start from (None: 0, no workers).
-    read_threads: the read threads to start from (None: grain's 16).
-    prefetch_buffer: the per-worker buffer to start from (None: 2 batches).
-    max_workers: the most workers to try (None: config, else the CPU count).
-    max_read_threads: the most read threads to try.
-    max_prefetch_buffer: the most batches per worker buffer to try.
-    memory_budget: bytes the worker buffers may hold in all (None: a quarter
-      of the memory available now, `MEMORY_FRACTION`); one batch is built to
-      measure its bytes.
-    tuning_steps: batches one trial reads at most, warm-up included (as
-      Paddle's; None: the config's value).
-    budget_s: seconds the tuning may take.
-    consumer: called on each timed batch (its result is waited for).
-    consumer_s: seconds per step to simulate when there is no consumer.
-    margin: relative gain that counts as better than noise.
-    expected_batches: the batches the chosen setting will read (None:
-      `DEFAULT_EXPECTED_BATCHES`, a 1,000-step epoch): the horizon tuning
-      must pay back within (`Trainer.fit` passes the steps of the fit); a
-      cached choice tuned for fewer is measured again.
-    cache: True or None for the default tuning cache, False for none, a
-      `Cache` or a folder (`tunedjax._tuning.resolve_cache`).
-    tune: the knobs to climb over ("workers", "read_threads",
-      "prefetch_buffer"); the others stay at their start value.
-    clock: the timer.
-
-  Returns:
-    A `TuningResult`.
-
-  Example:
-    >>> import tempfile, tunedjax as tj
-    >>> with tj.config_context({"cache": {"dir": tempfile.mkdtemp()}}):
-    ...   r = tune_worker_count(np.arange(64.0), batch_size=4, max_workers=0,
-    ...                         max_read_threads=1, tuning_steps=64, budget_s=5)
-    >>> r.worker_count, r.read_threads in (0, 1)
-    (0, True)
-  """
-  config = get_config().dataloader
-  max_workers = config.resolved_max_workers if max_workers is None else max_workers
-  tuning_steps = config.tuning_steps if tuning_steps is None else tuning_steps
-  expected_batches = (DEFAULT_EXPECTED_BATCHES if expected_batches is None
-                      else expected_batches)
-  for name, value, low in (("max_workers", max_workers, 0), ("tuning_steps", tuning_steps, 1),
-                           ("expected_batches", expected_batches, 1),
-                           ("max_read_threads", max_read_threads, 0),
-                           ("max_prefetch_buffer", max_prefetch_buffer, 1)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-      raise ConfigError(f"tune_worker_count({name}=...) must be an int >= {low}, got {value!r}.")
-  if memory_budget is not None and (isinstance(memory_budget, bool)
-                                    or not isinstance(memory_budget, (int, float))
-                                    or memory_budget <= 0):
-    raise ConfigError(f"tune_worker_count(memory_budget=...) must be a number of bytes > 0 "
-                      f"or None, got {memory_budget!r}.")
-  given = {"worker_count": worker_count, "read_threads": read_threads,
-           "prefetch_buffer": prefetch_buffer}
-  try:
-    start = LoaderSettings(**{k: v for k, v in given.items() if v is not None})
-  except ValueError as err:
-    raise ConfigError(f"tune_worker_count: {err}") from None
-  maxima = {"worker_count": max_workers, "read_threads": max_read_threads,
-            "prefetch_buffer": max_prefetch_buffer}
-  for name in TUNE_NAMES:  # a tuned knob starts within its maximum
-    k = _settings.knob(name)
-    if name in tune and getattr(start, k.name) > maxima[k.name]:
-      start = start.replace(**{k.name: max(k.low, maxima[k.name])})
-  source = _dataset.as_source(source)
-  transforms = _dataset.check_transforms(transforms)
-  space = search_space(start, maxima=maxima, tune=tune)  # checks `tune`
-  budget_bytes = _settings.default_memory_budget() if memory_budget is None else memory_budget
-
-  store = _tuning.resolve_cache(cache)
-  key = cache_key(source, batch_size=batch_size, transforms=transforms, shuffle=shuffle,
-                  drop_remainder=drop_remainder, start=start, maxima=maxima, tune=tune,
-                  consumer=consumer, consumer_s=consumer_s)
-  if store is not None:
-    hit = store.get(NAMESPACE, key)
-    if hit is not None and stored_horizon(hit) < expected_batches:
-      # Tuned for a shorter horizon: a longer one may pay for more trials (or
-      # workers). Tune again; the new choice replaces the stored one.
-      log.debug("dataloader tuning: the cached choice was tuned for %d batches, not %d: "
-                "tuning again", stored_horizon(hit), expected_batches)
-      hit = None
-    if hit is not None:
-      batch_bytes = hit.get("batch_bytes")
-      bound = (None if batch_bytes is None
-               else _settings.batches_in_memory(batch_bytes, budget_bytes))
-      chosen = dataclasses.replace(space, batches_in_memory=bound).fit(
-          LoaderSettings.from_dict(hit))
-      log.debug("dataloader tuning: cache hit, %s", describe(chosen))
-      return TuningResult(chosen, batches_per_s=float(hit["batches_per_s"]), start=start,
-                          trials=(), seconds=0.0, batches=0, stopped="cache",
-                          from_cache=True)
-
-  rng = np.random.default_rng([seed, 0x7E57])
-  subset = rng.choice(len(source), size=min(len(source), (tuning_steps + 1) * batch_size),
-                      replace=False)
-  ds = _dataset.build(source, batch_size=batch_size, transforms=transforms,
-                      shuffle=shuffle, seed=seed, num_epochs=None,
-                      drop_remainder=drop_remainder, indices=np.sort(subset))
-  if len(ds) == 0:
-    raise ConfigError(f"tune_worker_count: {len(source)} records make no batch of "
-                      f"batch_size={batch_size} (drop_remainder={drop_remainder}).")
-  first = ds[0]
-  batch_bytes = _settings.batch_nbytes(first)
-  space = dataclasses.replace(
-      space, batches_in_memory=_settings.batches_in_memory(batch_bytes, budget_bytes))
-  start = space.fit(start)
-  if consumer is not None:
-    # A training step's first call compiles it: once, before the clock starts,
-    # so the budget measures the pipeline and not XLA.
-    _block(consumer(first))
-  pool = _Pool()
-  try:
-    result = _search.search(
-        ds, first, start=start, space=space, tuning_steps=tuning_steps, budget_s=budget_s,
-        consumer=consumer, consumer_s=consumer_s, margin=margin,
-        expected_batches=expected_batches, pool=pool, clock=clock,
-        usable=max(1, host_fingerprint()["usable_cpus"]), measure_real=_measure_real,
-        time_serial=_time_serial, time_consumer=_time_consumer)
-  finally:
-    pool.close_all()
-  # A search's result, or the finding that the step, not the loader, is the
-  # bottleneck or that no trial could pay back (no trials): either way a
-  # restart with this horizon need not measure again.
-  if store is not None and (result.trials or result.stopped in ("consumer-bound",
-                                                                "no payback")):
-    store.put(NAMESPACE, key, {
-        **result.settings.to_dict(),
-        "batches_per_s": result.batches_per_s, "seconds": result.seconds,
-        "batch_bytes": batch_bytes, "expected_batches": expected_batches,
-        "trials": [{**t.settings.to_dict(), "batches_per_s": round(t.batches_per_s, 3)}
-                   for t in result.trials]})
-  return result
-
-

@@ -12,7 +12,8 @@ from the pickle without importing `tunedjax` at all. What a worker still
 imports is grain (which imports jax itself in grain 0.2.x), NumPy, and what
 the user's own transforms and main module need.
 
-Only an error path imports `tunedjax` here (`TransformError`), lazily.
+Only an error path imports `tunedjax` here (`_errors.TransformError`), lazily;
+`_dataset` imports this module, never the other way.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def stack(records: Sequence[Any]) -> Any:
 
 def _fail(position: int, transform: Any, index: int, error: Exception) -> Exception:
   # The error path alone imports tunedjax (in a worker: once, as it fails).
-  from tunedjax.input_pipeline import _dataset  # pylint: disable=g-import-not-at-top
+  from tunedjax.input_pipeline import _errors  # pylint: disable=g-import-not-at-top
   tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-  return _dataset.transform_error(position, transform, index, error, tb)
+  return _errors.transform_error(position, transform, index, error, tb)
 
 
 class Read:
