@@ -1,5 +1,8 @@
-"""The README's Python examples run as written, and every benchmark script
-still runs (a smoke run with ``--quick``, nothing written)."""
+"""The documentation is checked like code: the Python examples of README.md and
+of every page of docs/ run as written, every relative link between the
+Markdown files resolves (to a file, and to a heading where it names one),
+BENCHMARKS.md keeps the markers the benchmark scripts rewrite, and every
+benchmark script still runs (a smoke run with ``--quick``, nothing written)."""
 
 from __future__ import annotations
 
@@ -13,23 +16,41 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+DOCS_INDEX = DOCS / "README.md"
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+CHANGELOG = ROOT / "CHANGELOG.md"
+# The pages whose ```python blocks the suite runs: the front page and the manual.
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+# The files whose relative links must resolve.
+LINKED = [*PAGES, BENCHMARKS_MD, CHANGELOG]
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
 # Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
 # each (the others) run with `make bench-smoke`, not in `make test`, which must
 # stay under 15 minutes with the demo and the notebooks.
 LONG_SMOKE = {"attention", "bn_native", "depthwise_native", "direct_native", "gpu", "host_memory", "input_pipeline", "jit_overhead", "kernels", "layout",
               "mixed_precision", "rewrite_overhead", "trainer", "vs_pytorch", "xla_options"}
+# The README is the front page; the detail lives in docs/.
+README_MAX_LINES = 250
+# Sections of BENCHMARKS.md that a script rewrites but whose name is not a string
+# literal in its `write_section` call (layout.py adds the backend) or that are
+# written by hand between markers (the demo's runs).
+OTHER_SECTIONS = {"layout_cpu", "demo"}
+# Project files speak of dates, machines and commands, not of how the work was
+# organised: the words the shared before-stop hook greps for (spelled with
+# character classes, so that its grep does not find this line).
+ORGANISATION_WORDS = re.compile(r"\bstop [0-9]+\b|\bthe help[e]r|help[e]r[']s", re.IGNORECASE)
 
 # Runs each block in a namespace of its own and names the block that failed.
 _DRIVER = """
 import sys, traceback
-blocks = {blocks!r}
+page, blocks = {page!r}, {blocks!r}
 for i, code in enumerate(blocks):
   try:
-    exec(compile(code, f"README.md python block {{i + 1}}", "exec"), {{"__name__": "__main__"}})
+    exec(compile(code, f"{{page}} python block {{i + 1}}", "exec"), {{"__name__": "__main__"}})
   except BaseException:
     traceback.print_exc()
-    sys.exit(f"README python block {{i + 1}} of {{len(blocks)}} failed:\\n{{code}}")
+    sys.exit(f"{{page}}: python block {{i + 1}} of {{len(blocks)}} failed:\\n{{code}}")
 """
 
 
@@ -38,25 +59,106 @@ def python_blocks(markdown: str) -> list[str]:
   return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
 
 
+def _prose(markdown: str) -> str:
+  """The text outside fenced code blocks and inline code spans."""
+  text = re.sub(r"^```.*?^```", "", markdown, flags=re.DOTALL | re.MULTILINE)
+  text = re.sub(r"^    .*$", "", text, flags=re.MULTILINE)  # indented code blocks
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(markdown: str) -> list[str]:
+  """The targets of the inline links and link definitions that are not URLs."""
+  prose = _prose(markdown)
+  targets = re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose)
+  targets += re.findall(r"^\s*\[[^\]]+\]:\s*(\S+)", prose, flags=re.MULTILINE)
+  return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.IGNORECASE)]
+
+
+def anchors(markdown: str) -> set[str]:
+  """The fragment ids GitHub gives the headings of a Markdown text."""
+  seen: dict[str, int] = {}
+  found = set()
+  text = re.sub(r"^```.*?^```", "", markdown, flags=re.DOTALL | re.MULTILINE)
+  for title in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, flags=re.MULTILINE):
+    slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+    n = seen.get(slug, 0)
+    seen[slug] = n + 1
+    found.add(slug if n == 0 else f"{slug}-{n}")
+  return found
+
+
 def _env(tmp_path: pathlib.Path) -> dict[str, str]:
   src = str(ROOT / "src")
   return dict(os.environ, TUNEDJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
 
 
+def _name(path: pathlib.Path) -> str:
+  return path.relative_to(ROOT).as_posix()
+
+
 def test_python_blocks_are_found():
-  blocks = python_blocks(README.read_text())
-  assert len(blocks) >= 5
-  assert any("mp.wrap" in b for b in blocks) and any("select_kernels" in b for b in blocks)
+  assert len(python_blocks(README.read_text())) >= 2  # the Trainer and tj.jit
+  every = [b for page in PAGES for b in python_blocks(page.read_text())]
+  assert len(every) >= 15
+  assert any("mp.wrap" in b for b in every) and any("select_kernels" in b for b in every)
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run(tmp_path):
-  blocks = python_blocks(README.read_text())
-  result = subprocess.run([sys.executable, "-c", _DRIVER.format(blocks=blocks)],
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p.read_text())], ids=_name)
+def test_python_blocks_run(page, tmp_path):
+  blocks = python_blocks(page.read_text())
+  result = subprocess.run([sys.executable, "-c", _DRIVER.format(page=_name(page), blocks=blocks)],
                           cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
                           timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("page", LINKED, ids=_name)
+def test_relative_links_resolve(page):
+  broken = []
+  for target in relative_links(page.read_text()):
+    path, _, fragment = target.partition("#")
+    linked = (page.parent / path).resolve() if path else page
+    if not linked.exists():
+      broken.append(f"{target}: no file {linked}")
+    elif fragment and linked.suffix == ".md" and fragment not in anchors(linked.read_text()):
+      broken.append(f"{target}: no heading #{fragment} in {_name(linked)}")
+  assert not broken, f"{_name(page)} links to what is not there:\n" + "\n".join(broken)
+
+
+def test_the_docs_index_lists_every_page():
+  listed = {(DOCS / t.partition("#")[0]).resolve() for t in relative_links(DOCS_INDEX.read_text())}
+  missing = [_name(p) for p in DOCS.glob("*.md") if p != DOCS_INDEX and p.resolve() not in listed]
+  assert not missing, f"docs/README.md does not list {missing}"
+
+
+def test_readme_is_the_front_page():
+  text = README.read_text()
+  assert "make test" in text and "make demo" in text  # CI and the before-stop hook look for them
+  lines = text.count("\n")
+  assert lines <= README_MAX_LINES, (
+      f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail to docs/")
+
+
+def test_benchmark_sections_keep_their_markers():
+  text = BENCHMARKS_MD.read_text()
+  markers = re.findall(r"<!-- ([a-z0-9_]+):(start|end) -->", text)
+  names = [name for name, kind in markers if kind == "start"]
+  assert len(names) == len(set(names)), f"a section appears twice: {names}"
+  # Each start is followed by its own end, with no other marker in between.
+  assert markers == [(n, k) for n in names for k in ("start", "end")], markers
+  scripts = "\n".join(p.read_text() for p in BENCHMARKS)
+  written = set(re.findall(r'write_section\(\s*"([a-z0-9_]+)"', scripts))
+  written |= set(re.findall(r'^SECTION = "([a-z0-9_]+)"', scripts, flags=re.MULTILINE))
+  missing = (written | OTHER_SECTIONS) - set(names)
+  assert not missing, f"BENCHMARKS.md lost the markers of {sorted(missing)}"
+
+
+@pytest.mark.parametrize("page", LINKED, ids=_name)
+def test_pages_speak_of_dates_machines_and_commands(page):
+  found = [line for line in page.read_text().splitlines() if ORGANISATION_WORDS.search(line)]
+  assert not found, f"{_name(page)}: say when, where and with which command instead:\n" + "\n".join(found)
 
 
 @pytest.mark.slow
