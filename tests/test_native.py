@@ -141,6 +141,7 @@ def test_no_compiler_is_one_warning_naming_cxx(sources, monkeypatch):
 def test_a_failed_build_warns_with_the_compiler_error_and_leaves_no_file(sources, tmp_path):
   needs_compiler()
   (sources / "broken.cc").write_text("this is not C++;\n")
+  _native.register_source(sources / "broken.cc")
   with pytest.warns(UserWarning, match=r"broken\.cc are unavailable.*failed"):
     assert _native.library("broken") is None
   assert [f.name for f in built(tmp_path)] == ["tiny.so"]  # built beside it; nothing of broken

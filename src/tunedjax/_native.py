@@ -72,6 +72,8 @@ TARGET_PREFIX = "tunedjax_"
 _OFF = ("0", "off", "false", "no")
 _LOCK = threading.RLock()
 _SOURCES: dict[str, pathlib.Path] = {}
+# Its own lock: build threads read sources while `library` holds `_LOCK`.
+_SOURCES_LOCK = threading.Lock()
 _LIBRARIES: dict[str, ctypes.CDLL | None] = {}
 _REGISTERED: set[str] = set()
 _WARNED: set[str] = set()
@@ -133,7 +135,7 @@ def register_source(path: os.PathLike | str) -> str:
     'depthwise'
   """
   path = pathlib.Path(path)
-  with _LOCK:
+  with _SOURCES_LOCK:
     known = _SOURCES.setdefault(path.stem, path)
   if known != path:
     raise ValueError(f"native source {path.stem!r} is already registered as {known}; "
@@ -143,7 +145,7 @@ def register_source(path: os.PathLike | str) -> str:
 
 def source_path(source: str) -> pathlib.Path | None:
   """The registered file of stem `source`, or None."""
-  with _LOCK:
+  with _SOURCES_LOCK:
     return _SOURCES.get(source)
 
 
@@ -363,7 +365,7 @@ def is_suspended() -> bool:
 
 def sources() -> list[str]:
   """The registered native sources' stems (the op families imported so far name theirs)."""
-  with _LOCK:
+  with _SOURCES_LOCK:
     return sorted(_SOURCES)
 
 
