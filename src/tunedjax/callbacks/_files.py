@@ -76,15 +76,16 @@ class _Table:
 class CSVLogger(Callback):
   """Writes the figures of each step and each epoch as CSV, with Python's `csv`.
 
-  Two files in `directory`: ``steps.csv`` (one row per step, every
+  Three files in `directory`: ``steps.csv`` (one row per step, every
   `every_n_steps`: ``step``, ``loss``, the metrics, ``learning_rate`` when
   known, ``skipped``, ``skipped_steps``, ``step_time`` in seconds,
   ``samples_per_s``) and ``epochs.csv`` (one row per epoch: ``epoch``, the
   global ``step`` it ended at, then the epoch's summary of `History.epochs`,
   ``eval_*`` included when `fit` evaluates at epoch ends). A file's columns
   are those of its first row; a key that appears only later is left out with
-  a warning (`JSONLinesLogger` keeps every key). Evaluations made every
-  ``eval_every`` steps go to ``evals.csv``. Only process 0 of a
+  a warning (`JSONLinesLogger` keeps every key). Every evaluation
+  (`History.evals`: at epoch ends, or every ``eval_every`` steps) goes to
+  ``evals.csv`` with the step it was made at. Only process 0 of a
   multi-process job writes.
 
   Args:

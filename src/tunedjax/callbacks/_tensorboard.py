@@ -53,6 +53,8 @@ def _path_name(path: tuple[Any, ...]) -> str:
         break
     else:
       parts.append(str(key))
+  if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+    parts.pop()  # an nnx Variable's `.value`: the parameter is named by its module's path
   return "/".join(parts)
 
 
@@ -77,7 +79,8 @@ class TensorBoard(Callback):
   Per epoch, under ``epoch/``: the epoch's summary (``History.epochs``: the
   means, ``eval_*`` when `fit` evaluates at epoch ends, ``seconds``,
   ``steps_per_s``, ``samples_per_s``, ``learning_rate``), at the epoch
-  number. Each evaluation (``eval_every``), under ``eval/``, at its step.
+  number. Each evaluation (`History.evals`: at epoch ends, or every
+  ``eval_every`` steps), under ``eval/``, at its step.
   At the end of each `fit`: ``history.tuning`` (what each tuner chose) as
   text under ``tuning``, when it changed; with `histograms`, each parameter's
   histogram under ``params/`` at each epoch's end.
