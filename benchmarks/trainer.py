@@ -27,8 +27,15 @@ baseline timed twice):
    where dispatching a step costs more than computing it: 8 steps in one
    compiled `lax.scan` per dispatch. The hand-written loop of table 1 on the
    same MLP is shown for reference. Target: at least 1.5x faster per step.
+3. Logging: `Trainer.fit` with the `tunedjax.callbacks.TensorBoard` callback
+   writing every step (and a `CSVLogger`, for reference) against the same
+   `fit` without callbacks, on the CNN of table 1 at batch 16, 16x16 (a step
+   of about 2 ms). Each timed run is one `fit` of N steps, so the callback's
+   per-`fit` costs (opening and closing its event file) are charged to them.
+   Target (the callbacks issue): the TensorBoard callback within 3%.
 
-Run: `.venv/bin/python benchmarks/trainer.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/trainer.py [--quick] [--write] [--rounds N]
+[--only logging]` (``--only logging``: table 3 alone, printed, never written).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +56,7 @@ import optax
 from flax import nnx
 
 import _harness
+from tunedjax.callbacks import CSVLogger, TensorBoard
 from tunedjax.trainer import Trainer
 
 HAND = "hand-written jit loop (loss read one step late)"
@@ -55,6 +64,9 @@ HAND_SYNC = "hand-written, float(loss) each step"
 HAND_NONE = "hand-written, loss never read (lower bound)"
 HAND_HOST = "hand-written, NumPy batch to the step (no device_put)"
 TRAINER = "Trainer.fit (autotune=False)"
+PLAIN = "Trainer.fit, no callbacks"
+BOARD = "Trainer.fit + TensorBoard (every step)"
+CSV = "Trainer.fit + CSVLogger (every step)"
 
 
 # --- models and data ------------------------------------------------------------------
@@ -165,11 +177,12 @@ class HandLoop:
     jax.block_until_ready((self.params, self.rest, self.opt_state))
 
 
-def trainer_run(trainer: Trainer, batches: Sequence[Any]) -> Callable[[], Any]:
+def trainer_run(trainer: Trainer, batches: Sequence[Any],
+                callbacks: Sequence[Any] = ()) -> Callable[[], Any]:
   """`len(batches)` more steps of `trainer` (fit counts steps globally)."""
 
   def run():
-    trainer.fit(batches, steps=trainer.step + len(batches))
+    trainer.fit(batches, steps=trainer.step + len(batches), callbacks=list(callbacks))
     jax.block_until_ready(trainer.state)
 
   return run
@@ -267,6 +280,52 @@ def steps_per_execution(rounds: int, steps: int, k: int = 8,
       "one_vs_hand": _ratio_to(t, one, HAND)}
 
 
+def logging_overhead(rounds: int, steps: int, batch: int, image: int
+                     ) -> tuple[str, dict[str, float]]:
+  """Table 3: `fit` with the TensorBoard (and CSV) callback against `fit` alone."""
+  batches = image_batches(steps, batch, image)
+  with tempfile.TemporaryDirectory(prefix="tunedjax-bench-logs-") as logs:
+    variants = {
+        PLAIN: trainer_run(make_trainer(CNN(), cnn_loss), batches),
+        BOARD: trainer_run(make_trainer(CNN(), cnn_loss), batches,
+                           [TensorBoard(os.path.join(logs, "tb"))]),
+        CSV: trainer_run(make_trainer(CNN(), cnn_loss), batches,
+                         [CSVLogger(os.path.join(logs, "csv"))]),
+    }
+    for fn in variants.values():  # compiles
+      fn()
+    t = _harness.interleaved(variants, baseline=PLAIN, rounds=rounds, warmup=1)
+  return _harness.ratio_table(t, notes=_per_step_notes(t, steps)), {
+      "ratio": t.ratio(BOARD), "csv": t.ratio(CSV), "control": t.ratio(_harness.CONTROL),
+      "spread": t.spread(BOARD), "plain_ms": t.median(PLAIN) / steps * 1e3,
+      "extra_us": (t.median(BOARD) - t.median(PLAIN)) / steps * 1e6}
+
+
+def logging_lines(table: str, s: dict[str, float], rounds: int, steps: int, batch: int,
+                  image: int) -> list[str]:
+  """Table 3's section: what was timed, the table, the target."""
+  lo, hi = s["spread"]
+  return [
+      f"### Logging: the TensorBoard callback ({steps} steps per timed run)",
+      "",
+      f"The CNN of the first table at batch {batch}, {image}x{image}x3 "
+      f"({s['plain_ms']:.2f} ms per step without callbacks), Adam; "
+      f"`fit(batches, steps=trainer.step + {steps}, callbacks=[...])` with "
+      f"`tunedjax.callbacks.TensorBoard` writing its per-step figures at every step "
+      f"(loss, learning rate, step time, throughput, skips: one event per step) and at each "
+      f"`fit`'s end, against the same `fit` without callbacks; `CSVLogger` (every step) for "
+      f"reference. {rounds} interleaved rounds; each timed run opens and closes the event "
+      f"file once.",
+      "",
+      table,
+      "",
+      f"Target: the TensorBoard callback within 3% of a ~2 ms step: "
+      f"{'met' if s['ratio'] <= 1.03 else '**NOT met**'} (ratio {s['ratio']:.3f}, "
+      f"{s['extra_us']:+.0f} us per step; per-round range {lo:.2f}-{hi:.2f}; CSVLogger "
+      f"{s['csv']:.3f}; A/A {s['control']:.3f}).",
+  ]
+
+
 def reading(cnn: dict[int, dict[str, float]], p: dict[str, float], k: int,
             load_before: float, load_after: float) -> str:
   """The "Reading" paragraph, from the figures of this run."""
@@ -304,8 +363,18 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--batch", type=int, default=32, help="CNN batch size")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--only", choices=("all", "logging"), default="all",
+                      help="'logging': the logging table alone (printed, not written)")
   args = parser.parse_args(argv)
+  if args.only != "all" and args.write:
+    parser.error("--write needs every table: drop --only")
   rounds = args.rounds or (2 if args.quick else 17)
+  log_steps = 8 if args.quick else 100
+  if args.only == "logging":
+    table3, s3 = logging_overhead(rounds, log_steps, 16, 16)
+    print(f"{_harness.machine_line()}\n")
+    print("\n".join(logging_lines(table3, s3, rounds, log_steps, 16, 16)))
+    return 0
   # (image size, steps per timed run): a short step (a few ms) and a longer one.
   cnn_sizes = [(16, 8)] if args.quick else [(16, 100), (32, 30)]
   mlp_steps = 32 if args.quick else 400
@@ -323,6 +392,8 @@ def main(argv=None) -> int:
     cnn_stats[image] = s
   table2, p = steps_per_execution(rounds, mlp_steps, k)
   print(table2, file=sys.stderr)
+  table3, s3 = logging_overhead(rounds, log_steps, 16, 16)
+  print(table3, file=sys.stderr)
 
   target_lines = []
   for image, s in cnn_stats.items():
@@ -374,6 +445,8 @@ def main(argv=None) -> int:
       f"{'met' if met_sunk else '**NOT met**'} ({p['speedup']:.2f}x: {p['sunk_us']:.0f} us "
       f"against {p['one_us']:.0f} us per step; per-round range of the ratio "
       f"{p['spread'][0]:.2f}-{p['spread'][1]:.2f}; A/A {p['control']:.3f}).",
+      "",
+      *logging_lines(table3, s3, rounds, log_steps, 16, 16),
       "",
       reading(cnn_stats, p, k, load_before, os.getloadavg()[0]),
   ]

@@ -45,6 +45,7 @@ def test_tensorboard_event_files_hold_the_history(tmp_path):
   trainer = _trainer()
   board = TensorBoard(tmp_path / "run", histograms=True)
   history = trainer.fit(data, batch_size=16, epochs=3, eval_data=data, callbacks=[board])
+  board.close()
   acc = _read_events(tmp_path / "run")
   f32 = lambda values: np.asarray(values, np.float32).tolist()  # noqa: E731  # simple_value
   assert _scalars(acc, "train/loss") == dict(zip(history.steps, f32(history.losses)))
@@ -68,8 +69,12 @@ def test_tensorboard_event_files_hold_the_history(tmp_path):
 def test_tensorboard_every_n_steps_and_evaluations_every_n_steps(tmp_path):
   data = m.regression_data(n=64)
   board = TensorBoard(tmp_path, every_n_steps=3)
-  history = _trainer().fit(data, batch_size=16, epochs=2, eval_data=data, eval_every=4,
-                           callbacks=[board])
+  trainer = _trainer()
+  trainer.fit(data, batch_size=16, epochs=1, eval_data=data, eval_every=4, callbacks=[board])
+  history = trainer.fit(data, batch_size=16, epochs=2, eval_data=data, eval_every=4,
+                        callbacks=[board])  # the same event file, continued
+  board.close()
+  assert len(list(tmp_path.iterdir())) == 1
   acc = _read_events(tmp_path)
   assert sorted(_scalars(acc, "train/loss")) == [0, 3, 6]
   assert _scalars(acc, "eval/loss") == {e["step"]: np.float32(e["loss"]) for e in history.evals}

@@ -85,8 +85,13 @@ class TensorBoard(Callback):
   text under ``tuning``, when it changed; with `histograms`, each parameter's
   histogram under ``params/`` at each epoch's end.
 
-  Only process 0 of a multi-process job writes. Needs the ``tensorboard``
-  extra (``pip install 'tunedjax[tensorboard]'``: tensorboardX and crc32c).
+  tensorboardX's writer thread writes the events to disk and flushes the
+  file every `flush_secs` and at the end of each `fit` (the events of the
+  last moments may still be queued then); the event file stays open from
+  one `fit` to the next until `close` (or the process's exit) writes out
+  everything and closes it. Only process 0 of a multi-process job writes.
+  Needs the ``tensorboard`` extra (``pip install 'tunedjax[tensorboard]'``:
+  tensorboardX, and crc32c for native checksums).
 
   Args:
     log_dir: the run's folder (created if missing); point ``tensorboard
@@ -107,8 +112,9 @@ class TensorBoard(Callback):
     ...                      progress=False)
     >>> board = tj.callbacks.TensorBoard(tempfile.mkdtemp())
     >>> _ = trainer.fit(x, batch_size=16, epochs=2, callbacks=[board])
-    >>> any(name.startswith("events.out.tfevents") for name in os.listdir(board.log_dir))
-    True
+    >>> board.close()  # everything on disk now (else within flush_secs)
+    >>> [name.startswith("events.out.tfevents") for name in os.listdir(board.log_dir)]
+    [True]
   """
 
   def __init__(self, log_dir: str | os.PathLike[str], *, every_n_steps: int = 1,
@@ -162,10 +168,11 @@ class TensorBoard(Callback):
       step = history.steps[-1] + 1 if history.steps else 0
       self._writer.add_summary(self._tbx.summary.text("tuning", text), step)
       self._tuning_written = text
-    self.close()
+    self._writer.flush()
 
   def close(self) -> None:
-    """Flushes and closes the event file (the next `fit` opens a new one)."""
+    """Writes out what is queued and closes the event file (a later `fit` opens a
+    new one in `log_dir`); also done when the process exits."""
     if self._writer is not None:
       self._writer.close()
       self._writer = None
