@@ -357,7 +357,37 @@ def reading(cnn: dict[int, dict[str, float]], p: dict[str, float], k: int,
       f"the hand-written loop).")
 
 
-def main(argv=None) -> int:
+def cnn_tables_and_stats(rounds: int, sizes: Sequence[tuple[int, int]], batch: int
+                         ) -> tuple[list[str], dict[int, dict[str, float]]]:
+  """Table 1 at each (image size, steps per timed run): its markdown and figures."""
+  tables, stats = [], {}
+  for image, steps in sizes:
+    table, s = trainer_vs_hand(rounds, steps, batch, image)
+    title = (f"**CNN, batch {batch}, {image}x{image}x3: {s['hand_ms']:.1f} ms per "
+             f"step, {steps} steps per timed run**")
+    print(title, table, sep="\n", file=sys.stderr)
+    tables.append(f"{title}\n\n{table}")
+    stats[image] = s
+  return tables, stats
+
+
+def cnn_target_lines(stats: dict[int, dict[str, float]]) -> list[str]:
+  """Table 1's target, one line per image size."""
+  lines = []
+  for image, s in stats.items():
+    lo, hi = s["spread"]
+    lines.append(
+        f"- {image}x{image} ({s['hand_ms']:.1f} ms per step): "
+        f"{'met' if s['ratio'] <= 1.03 else '**NOT met**'} (ratio {s['ratio']:.3f}, "
+        f"{s['trainer_ms']:.2f} ms against {s['hand_ms']:.2f} ms per step, "
+        f"{s['extra_us']:+.0f} us; per-round range {lo:.2f}-{hi:.2f}; A/A "
+        f"{s['control']:.3f}). Against the synchronous loop {s['vs_sync']:.3f}, against the "
+        f"lower bound {s['vs_none']:.3f}, against the hand-written loop without `device_put` "
+        f"{s['vs_host']:.3f}.")
+  return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="few steps, 2 rounds (smoke run)")
   parser.add_argument("--rounds", type=int, default=None)
@@ -368,6 +398,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.only != "all" and args.write:
     parser.error("--write needs every table: drop --only")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
   rounds = args.rounds or (2 if args.quick else 17)
   log_steps = 8 if args.quick else 100
   if args.only == "logging":
@@ -382,30 +417,13 @@ def main(argv=None) -> int:
   load_before = os.getloadavg()[0]
   devices = jax.device_count()
 
-  cnn_tables, cnn_stats = [], {}
-  for image, steps in cnn_sizes:
-    table, s = trainer_vs_hand(rounds, steps, args.batch, image)
-    title = (f"**CNN, batch {args.batch}, {image}x{image}x3: {s['hand_ms']:.1f} ms per "
-             f"step, {steps} steps per timed run**")
-    print(title, table, sep="\n", file=sys.stderr)
-    cnn_tables.append(f"{title}\n\n{table}")
-    cnn_stats[image] = s
+  cnn_tables, cnn_stats = cnn_tables_and_stats(rounds, cnn_sizes, args.batch)
   table2, p = steps_per_execution(rounds, mlp_steps, k)
   print(table2, file=sys.stderr)
   table3, s3 = logging_overhead(rounds, log_steps, 16, 16)
   print(table3, file=sys.stderr)
 
-  target_lines = []
-  for image, s in cnn_stats.items():
-    lo, hi = s["spread"]
-    target_lines.append(
-        f"- {image}x{image} ({s['hand_ms']:.1f} ms per step): "
-        f"{'met' if s['ratio'] <= 1.03 else '**NOT met**'} (ratio {s['ratio']:.3f}, "
-        f"{s['trainer_ms']:.2f} ms against {s['hand_ms']:.2f} ms per step, "
-        f"{s['extra_us']:+.0f} us; per-round range {lo:.2f}-{hi:.2f}; A/A "
-        f"{s['control']:.3f}). Against the synchronous loop {s['vs_sync']:.3f}, against the "
-        f"lower bound {s['vs_none']:.3f}, against the hand-written loop without `device_put` "
-        f"{s['vs_host']:.3f}.")
+  target_lines = cnn_target_lines(cnn_stats)
   met_sunk = p["speedup"] >= 1.5
   lines = [
       "## `tunedjax.Trainer`: per-step overhead and `steps_per_execution`",

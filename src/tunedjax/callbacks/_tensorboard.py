@@ -119,7 +119,8 @@ class TensorBoard(Callback):
 
   def __init__(self, log_dir: str | os.PathLike[str], *, every_n_steps: int = 1,
                histograms: bool = False, flush_secs: float = 10.0):
-    self._tbx, self._summary = _tensorboardx()  # at once: the missing extra is named here, not mid-fit
+    # At once: a missing extra is named here, not in the middle of `fit`.
+    self._tbx, self._summary = _tensorboardx()
     if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
       raise TrainerError(f"TensorBoard log_dir must be a folder path (str or os.PathLike), "
                          f"got {log_dir!r}.")
