@@ -392,7 +392,8 @@ class Trainer:
       eval_data: data for `evaluate` at each epoch's end, or every
         `eval_every` steps.
       eval_every: evaluate every this many steps instead.
-      callbacks: `Callback` objects.
+      callbacks: `Callback` objects (logging, early stopping and best
+        checkpoints are ready-made in `tunedjax.callbacks`).
       resume: first restore the latest checkpoint of `checkpoint_dir`, if
         there is one: state, data position, history and step.
 
