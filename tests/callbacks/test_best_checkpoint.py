@@ -1,14 +1,13 @@
-"""BestCheckpoint and Checkpointer(best_metric=...): the best N kept by orbax besides the
-latest; the best restored into a fresh model equals the weights of its epoch."""
+"""BestCheckpoint: the best N epochs kept by orbax, the trainer's latest kept as before; the
+best restored into a fresh model equals the weights of its epoch."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests.callbacks import support as s
 from tunedjax.callbacks import BestCheckpoint
-from tunedjax.trainer import Checkpointer, TrainerError
+from tunedjax.trainer import TrainerError
 
 
 def test_the_best_epochs_are_kept_and_the_best_restores_into_a_fresh_model(tmp_path):
@@ -54,23 +53,3 @@ def test_best_checkpoint_needs_its_own_folder_and_checks_its_options(tmp_path):
     BestCheckpoint(tmp_path / "b", keep=0)
   with pytest.raises(TrainerError, match="mode must be 'min' or 'max'"):
     BestCheckpoint(tmp_path / "b", mode="best")
-
-
-def test_checkpointer_keeps_the_best_n_besides_the_latest_n_and_restores_the_latest(tmp_path):
-  values = {1: 5.0, 2: 1.0, 3: 3.0, 4: 0.5, 5: 4.0, 6: 2.0}
-  with Checkpointer(tmp_path, max_to_keep=1, best_metric="eval_loss", keep_best=2) as ckpt:
-    for step, value in values.items():
-      ckpt.save(step, {"w": np.full(2, step, np.float32)}, metrics={"eval_loss": value})
-    ckpt.save(7, {"w": np.full(2, 7, np.float32)})  # no metrics: kept as the latest only
-    ckpt.wait()
-    assert ckpt.all_steps() == [2, 4, 7] and ckpt.best_step() == 4
-    state, _ = ckpt.restore()
-    assert state["w"].tolist() == [7.0, 7.0]
-    with pytest.raises(ValueError, match=r"no 'eval_loss' \(the best_metric\); it has \['acc'\]"):
-      ckpt.save(8, {"w": np.zeros(2)}, metrics={"acc": 1.0})
-  with Checkpointer(tmp_path, max_to_keep=1, best_metric="eval_loss", keep_best=2) as ckpt:
-    assert ckpt.best_step() == 4  # orbax read the metrics back from the folder
-  with pytest.raises(ValueError, match=r"best_mode must be 'min' or 'max', got 'low'"):
-    Checkpointer(tmp_path, best_metric="eval_loss", best_mode="low")
-  with pytest.raises(ValueError, match="max_to_keep .* must be an int >= 1"):
-    Checkpointer(tmp_path, max_to_keep=0)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunedjax._errors import is_int, show_value
+from tunedjax.callbacks import _rows
 from tunedjax.callbacks._monitor import Monitor
 from tunedjax.trainer._callbacks import Callback
 from tunedjax.trainer._checkpoint import Checkpointer
@@ -55,9 +56,7 @@ class BestCheckpoint(Callback):
 
   def __init__(self, directory: str | os.PathLike[str], *, monitor: str = "eval_loss",
                mode: str = "min", keep: int = 1):
-    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-      raise TrainerError(f"BestCheckpoint directory must be a folder path (str or "
-                         f"os.PathLike), got {directory!r}.")
+    directory = _rows.check_path("BestCheckpoint directory", directory)
     self.directory = pathlib.Path(directory).expanduser().absolute()
     self.monitor = Monitor(monitor, mode=mode, owner="BestCheckpoint")
     if not is_int(keep) or keep < 1:

@@ -15,12 +15,6 @@ from tunedjax.trainer._callbacks import Callback
 from tunedjax.trainer._model import TrainerError
 
 
-def _folder(what: str, value: Any) -> str:
-  if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-    raise TrainerError(f"{what} must be a path (str or os.PathLike), got {value!r}.")
-  return os.fspath(value)
-
-
 def _check_bool(what: str, value: Any) -> bool:
   if not isinstance(value, bool):
     raise TrainerError(f"{what} must be True or False, got {value!r}.")
@@ -112,7 +106,7 @@ class CSVLogger(Callback):
 
   def __init__(self, directory: str | os.PathLike[str], *, every_n_steps: int = 1,
                append: bool = False):
-    self.directory = _folder("CSVLogger directory", directory)
+    self.directory = _rows.check_path("CSVLogger directory", directory)
     self.every_n_steps = _rows.check_every("CSVLogger every_n_steps", every_n_steps)
     append = _check_bool("CSVLogger append", append)
     self._tables = {name: _Table(os.path.join(self.directory, f"{name}.csv"), append)
@@ -198,7 +192,7 @@ class JSONLinesLogger(Callback):
 
   def __init__(self, path: str | os.PathLike[str], *, every_n_steps: int = 1,
                append: bool = False):
-    self.path = _folder("JSONLinesLogger path", path)
+    self.path = _rows.check_path("JSONLinesLogger path", path)
     self.every_n_steps = _rows.check_every("JSONLinesLogger every_n_steps", every_n_steps)
     self._append = _check_bool("JSONLinesLogger append", append)
     self._file: TextIO | None = None

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,11 +37,11 @@ class Monitor:
     if not isinstance(name, str) or not name:
       raise TrainerError(f"{owner} monitor must be the name of a logged quantity (e.g. "
                          f"'eval_loss', 'loss'), got {show_value(name)}.")
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
       raise TrainerError(f"{owner} mode must be {format_choices(MODES)}, got "
                          f"{show_value(mode)}.")
-    if (not isinstance(min_delta, (int, float)) or isinstance(min_delta, bool)
-        or not min_delta >= 0 or not math.isfinite(min_delta)):
+    if (not isinstance(min_delta, numbers.Real) or isinstance(min_delta, bool)
+        or not 0 <= min_delta < math.inf):
       raise TrainerError(f"{owner} min_delta must be a finite number >= 0, got "
                          f"{show_value(min_delta)}.")
     self.name, self.mode, self.min_delta, self.owner = name, mode, float(min_delta), owner

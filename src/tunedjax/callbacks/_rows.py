@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,14 @@ from tunedjax.trainer._model import TrainerError
 def is_writer() -> bool:
   """Whether this process writes logs: process 0 of a `jax.distributed` job."""
   return jax.process_index() == 0
+
+
+def check_path(what: str, value: Any) -> str:
+  """A file or folder path option as a str, or a TrainerError naming it."""
+  if (not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)).strip()
+      or "\x00" in str(os.fspath(value))):
+    raise TrainerError(f"{what} must be a path (str or os.PathLike), got {value!r}.")
+  return str(os.fspath(value))
 
 
 def check_every(name: str, value: Any) -> int:

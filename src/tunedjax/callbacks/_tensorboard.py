@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -121,17 +123,15 @@ class TensorBoard(Callback):
                histograms: bool = False, flush_secs: float = 10.0):
     # At once: a missing extra is named here, not in the middle of `fit`.
     self._tbx, self._summary = _tensorboardx()
-    if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-      raise TrainerError(f"TensorBoard log_dir must be a folder path (str or os.PathLike), "
-                         f"got {log_dir!r}.")
-    self.log_dir = os.fspath(log_dir)
+    self.log_dir = _rows.check_path("TensorBoard log_dir", log_dir)
     self.every_n_steps = _rows.check_every("TensorBoard every_n_steps", every_n_steps)
     if not isinstance(histograms, bool):
       raise TrainerError(f"TensorBoard histograms must be True or False, got {histograms!r}.")
     self.histograms = histograms
-    if not isinstance(flush_secs, (int, float)) or isinstance(flush_secs, bool) or (
-        flush_secs <= 0):
-      raise TrainerError(f"TensorBoard flush_secs must be a number > 0, got {flush_secs!r}.")
+    if (not isinstance(flush_secs, numbers.Real) or isinstance(flush_secs, bool)
+        or not 0 < flush_secs < math.inf):
+      raise TrainerError(f"TensorBoard flush_secs must be a number of seconds > 0, got "
+                         f"{flush_secs!r}.")
     self.flush_secs = float(flush_secs)
     self._writer: Any = None
     self._evals = _rows.EvalReader()

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -422,8 +423,11 @@ class _Best:
   keep: int
 
   def fn(self, metrics: Mapping[str, float]) -> float:
-    """orbax's `best_fn`: the number steps are ranked by."""
-    return float(metrics[self.metric])
+    """orbax's `best_fn`: the number steps are ranked by (a nan ranks last)."""
+    value = float(metrics[self.metric])
+    if math.isnan(value):
+      return math.inf if self.mode == "min" else -math.inf
+    return value
 
 
 def _best_options(metric: Any, mode: Any, keep: Any) -> _Best | None:
@@ -432,7 +436,7 @@ def _best_options(metric: Any, mode: Any, keep: Any) -> _Best | None:
   if not isinstance(metric, str) or not metric:
     raise ValueError(f"Checkpointer best_metric must be None or a metric name (str), "
                      f"got {metric!r}.")
-  if mode not in BEST_MODES:
+  if not isinstance(mode, str) or mode not in BEST_MODES:
     raise ValueError(f"Checkpointer best_mode must be {format_choices(BEST_MODES)}, "
                      f"got {mode!r}.")
   if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
