@@ -45,8 +45,7 @@ def test_tensorboard_event_files_hold_the_history(tmp_path):
   trainer = _trainer()
   board = TensorBoard(tmp_path / "run", histograms=True)
   history = trainer.fit(data, batch_size=16, epochs=3, eval_data=data, callbacks=[board])
-  board.close()
-  acc = _read_events(tmp_path / "run")
+  acc = _read_events(tmp_path / "run")  # flushed at the end of fit: no close needed
   f32 = lambda values: np.asarray(values, np.float32).tolist()  # noqa: E731  # simple_value
   assert _scalars(acc, "train/loss") == dict(zip(history.steps, f32(history.losses)))
   assert list(_scalars(acc, "train/mae").values()) == f32([x["mae"] for x in history.metrics])
@@ -64,6 +63,7 @@ def test_tensorboard_event_files_hold_the_history(tmp_path):
   assert {"params/fc1/kernel", "params/fc2/bias"} <= set(acc.Tags()["histograms"])
   histogram = acc.Histograms("params/fc1/kernel")
   assert [h.step for h in histogram] == [0, 1, 2] and histogram[0].histogram_value.num == 8 * 32
+  board.close()
 
 
 def test_tensorboard_every_n_steps_and_evaluations_every_n_steps(tmp_path):

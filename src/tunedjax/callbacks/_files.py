@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 from tunedjax.callbacks import _rows
-from tunedjax.trainer._callbacks import Callback
 from tunedjax.trainer._model import TrainerError
 
 
@@ -19,6 +18,9 @@ def _check_bool(what: str, value: Any) -> bool:
   if not isinstance(value, bool):
     raise TrainerError(f"{what} must be True or False, got {value!r}.")
   return value
+
+
+_FLUSH_SECS = 10.0  # rows are written and flushed at least this often
 
 
 class _Table:
@@ -61,26 +63,32 @@ class _Table:
                     stacklevel=4)
     self.writer.writerow(row)
 
+  def flush(self) -> None:
+    if self.file is not None:
+      self.file.flush()
+
   def close(self) -> None:
     if self.file is not None:
       self.file.close()
       self.file, self.writer = None, None
 
 
-class CSVLogger(Callback):
-  """Writes the figures of each step and each epoch as CSV, with Python's `csv`.
+class CSVLogger(_rows.Logger):
+  """Writes the figures of each step, epoch and evaluation as CSV, with Python's `csv`.
 
   Three files in `directory`: ``steps.csv`` (one row per step, every
   `every_n_steps`: ``step``, ``loss``, the metrics, ``learning_rate`` when
   known, ``skipped``, ``skipped_steps``, ``step_time`` in seconds,
-  ``samples_per_s``) and ``epochs.csv`` (one row per epoch: ``epoch``, the
+  ``samples_per_s``), ``epochs.csv`` (one row per epoch: ``epoch``, the
   global ``step`` it ended at, then the epoch's summary of `History.epochs`,
-  ``eval_*`` included when `fit` evaluates at epoch ends). A file's columns
-  are those of its first row; a key that appears only later is left out with
-  a warning (`JSONLinesLogger` keeps every key). Every evaluation
-  (`History.evals`: at epoch ends, or every ``eval_every`` steps) goes to
-  ``evals.csv`` with the step it was made at. Only process 0 of a
-  multi-process job writes.
+  ``eval_*`` included when `fit` evaluates at epoch ends) and ``evals.csv``
+  (every evaluation of `History.evals`, at epoch ends or every
+  ``eval_every`` steps, with the step it was made at). A file's columns are
+  those of its first row; a key that appears only later is left out with a
+  warning (`JSONLinesLogger` keeps every key). Rows are written in batches
+  (at each epoch's end, every 1000 steps, every 10 s and at the end of
+  `fit`, when the files are flushed). Only process 0 of a multi-process job
+  writes.
 
   Args:
     directory: the folder of the three files (created if missing).
@@ -107,44 +115,32 @@ class CSVLogger(Callback):
   def __init__(self, directory: str | os.PathLike[str], *, every_n_steps: int = 1,
                append: bool = False):
     self.directory = _rows.check_path("CSVLogger directory", directory)
-    self.every_n_steps = _rows.check_every("CSVLogger every_n_steps", every_n_steps)
     append = _check_bool("CSVLogger append", append)
+    super().__init__(every_n_steps, _FLUSH_SECS, "CSVLogger")
     self._tables = {name: _Table(os.path.join(self.directory, f"{name}.csv"), append)
                     for name in ("steps", "epochs", "evals")}
-    self._evals = _rows.EvalReader()
-    self._active = False
 
-  def on_fit_start(self, trainer: Any) -> None:
-    self._evals.start(trainer)
-    self._active = _rows.is_writer()
-    if self._active:
-      os.makedirs(self.directory, exist_ok=True)
-      for table in self._tables.values():
-        table.open()
+  def open(self, trainer: Any) -> None:
+    os.makedirs(self.directory, exist_ok=True)
+    for table in self._tables.values():
+      table.open()
 
-  def on_step_end(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
-    if not self._active:
-      return
-    if step % self.every_n_steps == 0:
-      self._tables["steps"].write(_rows.step_row(trainer, step, logs))
-    self._write_evals(trainer)
+  def write_steps(self, rows: list[dict[str, Any]], wall_times: list[float]) -> None:
+    for row in rows:
+      self._tables["steps"].write(row)
 
-  def on_epoch_end(self, trainer: Any, epoch: int, logs: Mapping[str, Any]) -> None:
-    if self._active:
-      self._tables["epochs"].write(_rows.epoch_row(trainer, logs))
-      self._tables["epochs"].file.flush()
-      self._tables["steps"].file.flush()
+  def write_eval(self, result: dict[str, Any]) -> None:
+    self._tables["evals"].write({"step": result.pop("step"), **result})
 
-  def on_fit_end(self, trainer: Any, history: Any) -> None:
-    if self._active:
-      self._write_evals(trainer)
-      for table in self._tables.values():
+  def write_epoch(self, row: dict[str, Any]) -> None:
+    self._tables["epochs"].write(row)
+
+  def finish(self, *, closing: bool) -> None:
+    for table in self._tables.values():
+      if closing:
         table.close()
-      self._active = False
-
-  def _write_evals(self, trainer: Any) -> None:
-    for result in self._evals.new(trainer):
-      self._tables["evals"].write({"step": result.pop("step"), **result})
+      else:
+        table.flush()
 
 
 def _json_value(value: Any) -> Any:
@@ -158,16 +154,19 @@ def _json_value(value: Any) -> Any:
   return value
 
 
-class JSONLinesLogger(Callback):
+
+class JSONLinesLogger(_rows.Logger):
   """Writes one JSON object per line for each step, epoch, evaluation and tuning.
 
   Each line has ``"kind"``: ``"step"`` (every `every_n_steps`; the keys of
-  `CSVLogger`'s ``steps.csv``), ``"epoch"`` (``epochs.csv``'s), ``"eval"``
+  `CSVLogger`'s ``steps.csv``, and ``"time"``: when the step was reported,
+  in seconds since the epoch), ``"epoch"`` (``epochs.csv``'s), ``"eval"``
   (the results of an evaluation and its ``step``) or ``"tuning"``
   (``history.tuning`` under ``"tuning"``, at the end of a `fit` that changed
   it). Every key is kept, however late it appears; nan and inf are written
-  as ``null`` (strict JSON, which every reader takes). Only process 0 of a
-  multi-process job writes.
+  as ``null`` (strict JSON, which every reader takes). Lines are written in
+  batches, as `CSVLogger`'s rows. Only process 0 of a multi-process job
+  writes.
 
   Args:
     path: the file (its folder is created if missing).
@@ -193,48 +192,43 @@ class JSONLinesLogger(Callback):
   def __init__(self, path: str | os.PathLike[str], *, every_n_steps: int = 1,
                append: bool = False):
     self.path = _rows.check_path("JSONLinesLogger path", path)
-    self.every_n_steps = _rows.check_every("JSONLinesLogger every_n_steps", every_n_steps)
     self._append = _check_bool("JSONLinesLogger append", append)
+    super().__init__(every_n_steps, _FLUSH_SECS, "JSONLinesLogger")
     self._file: TextIO | None = None
-    self._evals = _rows.EvalReader()
     self._tuning_written: str | None = None
 
-  def on_fit_start(self, trainer: Any) -> None:
-    self._evals.start(trainer)
-    if _rows.is_writer():
-      folder = os.path.dirname(os.path.abspath(self.path))
-      os.makedirs(folder, exist_ok=True)
-      self._file = open(self.path, "a" if self._append else "w", encoding="utf-8")
-      self._append = True
+  def open(self, trainer: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    self._file = open(self.path, "a" if self._append else "w", encoding="utf-8")
+    self._append = True
 
   def _write(self, kind: str, row: Mapping[str, Any]) -> None:
     record = {"kind": kind, **{k: _json_value(v) for k, v in row.items()}}
     self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
 
-  def on_step_end(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
-    if self._file is None:
-      return
-    if step % self.every_n_steps == 0:
-      self._write("step", _rows.step_row(trainer, step, logs))
-    self._write_evals(trainer)
+  def write_steps(self, rows: list[dict[str, Any]], wall_times: list[float]) -> None:
+    for row, wall_time in zip(rows, wall_times):
+      self._write("step", {**row, "time": wall_time})
 
-  def on_epoch_end(self, trainer: Any, epoch: int, logs: Mapping[str, Any]) -> None:
-    if self._file is not None:
-      self._write("epoch", _rows.epoch_row(trainer, logs))
-      self._file.flush()
+  def write_eval(self, result: dict[str, Any]) -> None:
+    self._write("eval", result)
+
+  def write_epoch(self, row: dict[str, Any]) -> None:
+    self._write("epoch", row)
 
   def on_fit_end(self, trainer: Any, history: Any) -> None:
-    if self._file is None:
-      return
-    self._write_evals(trainer)
-    line = json.dumps({"kind": "tuning", "tuning": _json_value(history.tuning)},
-                      allow_nan=False, default=str)
-    if history.tuning and line != self._tuning_written:
-      self._file.write(line + "\n")
-      self._tuning_written = line
-    self._file.close()
-    self._file = None
+    if self._active:
+      self.drain(trainer)
+      line = json.dumps({"kind": "tuning", "tuning": _json_value(history.tuning)},
+                        allow_nan=False, default=str)
+      if history.tuning and line != self._tuning_written:
+        self._file.write(line + "\n")
+        self._tuning_written = line
+    super().on_fit_end(trainer, history)
 
-  def _write_evals(self, trainer: Any) -> None:
-    for result in self._evals.new(trainer):
-      self._write("eval", result)
+  def finish(self, *, closing: bool) -> None:
+    if closing:
+      self._file.close()
+      self._file = None
+    else:
+      self._file.flush()
