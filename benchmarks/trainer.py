@@ -27,8 +27,16 @@ baseline timed twice):
    where dispatching a step costs more than computing it: 8 steps in one
    compiled `lax.scan` per dispatch. The hand-written loop of table 1 on the
    same MLP is shown for reference. Target: at least 1.5x faster per step.
+3. Logging: `Trainer.fit` with the `tunedjax.callbacks.TensorBoard` callback
+   writing every step (and a `CSVLogger`, for reference) against the same
+   `fit` without callbacks, on the CNN of table 1 at batch 48, 16x16 (a step
+   of about 2 ms on 2 quiet cores). Each timed run is one `fit` of N steps,
+   so the callback's per-`fit` cost (flushing its event file at the end) is
+   charged to them. Target (the callbacks issue): the TensorBoard callback
+   within 3%.
 
-Run: `.venv/bin/python benchmarks/trainer.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/trainer.py [--quick] [--write] [--rounds N]
+[--only logging]` (``--only logging``: table 3 alone, printed, never written).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +57,7 @@ import optax
 from flax import nnx
 
 import _harness
+from tunedjax.callbacks import CSVLogger, TensorBoard
 from tunedjax.trainer import Trainer
 
 HAND = "hand-written jit loop (loss read one step late)"
@@ -55,6 +65,10 @@ HAND_SYNC = "hand-written, float(loss) each step"
 HAND_NONE = "hand-written, loss never read (lower bound)"
 HAND_HOST = "hand-written, NumPy batch to the step (no device_put)"
 TRAINER = "Trainer.fit (autotune=False)"
+PLAIN = "Trainer.fit, no callbacks"
+LOG_BATCH, LOG_IMAGE = 48, 16  # the logging table's CNN step: about 2 ms
+BOARD = "Trainer.fit + TensorBoard (every step)"
+CSV = "Trainer.fit + CSVLogger (every step)"
 
 
 # --- models and data ------------------------------------------------------------------
@@ -165,11 +179,12 @@ class HandLoop:
     jax.block_until_ready((self.params, self.rest, self.opt_state))
 
 
-def trainer_run(trainer: Trainer, batches: Sequence[Any]) -> Callable[[], Any]:
+def trainer_run(trainer: Trainer, batches: Sequence[Any],
+                callbacks: Sequence[Any] = ()) -> Callable[[], Any]:
   """`len(batches)` more steps of `trainer` (fit counts steps globally)."""
 
   def run():
-    trainer.fit(batches, steps=trainer.step + len(batches))
+    trainer.fit(batches, steps=trainer.step + len(batches), callbacks=list(callbacks))
     jax.block_until_ready(trainer.state)
 
   return run
@@ -267,6 +282,62 @@ def steps_per_execution(rounds: int, steps: int, k: int = 8,
       "one_vs_hand": _ratio_to(t, one, HAND)}
 
 
+def logging_overhead(rounds: int, steps: int, batch: int, image: int
+                     ) -> tuple[str, dict[str, float]]:
+  """Table 3: `fit` with the TensorBoard (and CSV) callback against `fit` alone."""
+  batches = image_batches(steps, batch, image)
+  # One trainer for every variant: they differ by the callbacks given to `fit` only.
+  trainer = make_trainer(CNN(), cnn_loss)
+  with tempfile.TemporaryDirectory(prefix="tunedjax-bench-logs-") as logs:
+    variants = {
+        PLAIN: trainer_run(trainer, batches),
+        BOARD: trainer_run(trainer, batches, [TensorBoard(os.path.join(logs, "tb"))]),
+        CSV: trainer_run(trainer, batches, [CSVLogger(os.path.join(logs, "csv"))]),
+    }
+    for fn in variants.values():  # compiles
+      fn()
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    variants = {name: _host_cpu(fn, cpu[name]) for name, fn in variants.items()}
+    t = _harness.interleaved(variants, baseline=PLAIN, rounds=rounds, warmup=1)
+  # The warm-up round left out (the baseline ran twice a round: itself and the A/A control).
+  cpu = {name: v[-rounds * (2 if name == PLAIN else 1):] for name, v in cpu.items()}
+  host_us = {name: statistics.median(v) / steps * 1e6 for name, v in cpu.items()}
+  return _harness.ratio_table(t, notes=_per_step_notes(t, steps, cpu)), {
+      "ratio": t.ratio(BOARD), "csv": t.ratio(CSV), "control": t.ratio(_harness.CONTROL),
+      "spread": t.spread(BOARD), "plain_ms": t.median(PLAIN) / steps * 1e3,
+      "extra_us": (t.median(BOARD) - t.median(PLAIN)) / steps * 1e6,
+      "host_extra_us": host_us[BOARD] - host_us[PLAIN], "host_us": host_us[PLAIN]}
+
+
+def logging_lines(table: str, s: dict[str, float], rounds: int, steps: int, batch: int,
+                  image: int) -> list[str]:
+  """Table 3's section: what was timed, the table, the target."""
+  lo, hi = s["spread"]
+  return [
+      f"### Logging: the TensorBoard callback ({steps} steps per timed run)",
+      "",
+      f"The CNN of the first table at batch {batch}, {image}x{image}x3 "
+      f"({s['plain_ms']:.2f} ms per step without callbacks), Adam; "
+      f"`fit(batches, steps=trainer.step + {steps}, callbacks=[...])` on one trainer with "
+      f"`tunedjax.callbacks.TensorBoard` writing its per-step figures at every step "
+      f"(loss, learning rate, step time, throughput, skips: one event per step, written in "
+      f"batches at epoch ends, every 1000 steps or 10 s, and at the end of `fit`), against the "
+      f"same `fit` without callbacks; `CSVLogger` (every step) for "
+      f"reference. {rounds} interleaved rounds; one event file for all of them (the callback "
+      f"keeps it open from one `fit` to the next and flushes it at each `fit`'s end).",
+      "",
+      table,
+      "",
+      f"Target: the TensorBoard callback within 3% of a ~2 ms step: "
+      f"{'met' if s['ratio'] <= 1.03 else '**NOT met**'} (ratio {s['ratio']:.3f}, "
+      f"{s['extra_us']:+.0f} us per step; per-round range {lo:.2f}-{hi:.2f}; CSVLogger "
+      f"{s['csv']:.3f}; A/A {s['control']:.3f}). The host thread's CPU time, which moves "
+      f"less with the machine's load: {s['host_extra_us']:+.0f} us per step with the "
+      f"callback ({s['host_us']:.0f} us without), "
+      f"{s['host_extra_us'] / (s['plain_ms'] * 1e3) * 100:+.1f}% of the step.",
+  ]
+
+
 def reading(cnn: dict[int, dict[str, float]], p: dict[str, float], k: int,
             load_before: float, load_after: float) -> str:
   """The "Reading" paragraph, from the figures of this run."""
@@ -298,36 +369,26 @@ def reading(cnn: dict[int, dict[str, float]], p: dict[str, float], k: int,
       f"the hand-written loop).")
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="few steps, 2 rounds (smoke run)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--batch", type=int, default=32, help="CNN batch size")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 17)
-  # (image size, steps per timed run): a short step (a few ms) and a longer one.
-  cnn_sizes = [(16, 8)] if args.quick else [(16, 100), (32, 30)]
-  mlp_steps = 32 if args.quick else 400
-  k = 8
-  load_before = os.getloadavg()[0]
-  devices = jax.device_count()
-
-  cnn_tables, cnn_stats = [], {}
-  for image, steps in cnn_sizes:
-    table, s = trainer_vs_hand(rounds, steps, args.batch, image)
-    title = (f"**CNN, batch {args.batch}, {image}x{image}x3: {s['hand_ms']:.1f} ms per "
+def cnn_tables_and_stats(rounds: int, sizes: Sequence[tuple[int, int]], batch: int
+                         ) -> tuple[list[str], dict[int, dict[str, float]]]:
+  """Table 1 at each (image size, steps per timed run): its markdown and figures."""
+  tables, stats = [], {}
+  for image, steps in sizes:
+    table, s = trainer_vs_hand(rounds, steps, batch, image)
+    title = (f"**CNN, batch {batch}, {image}x{image}x3: {s['hand_ms']:.1f} ms per "
              f"step, {steps} steps per timed run**")
     print(title, table, sep="\n", file=sys.stderr)
-    cnn_tables.append(f"{title}\n\n{table}")
-    cnn_stats[image] = s
-  table2, p = steps_per_execution(rounds, mlp_steps, k)
-  print(table2, file=sys.stderr)
+    tables.append(f"{title}\n\n{table}")
+    stats[image] = s
+  return tables, stats
 
-  target_lines = []
-  for image, s in cnn_stats.items():
+
+def cnn_target_lines(stats: dict[int, dict[str, float]]) -> list[str]:
+  """Table 1's target, one line per image size."""
+  lines = []
+  for image, s in stats.items():
     lo, hi = s["spread"]
-    target_lines.append(
+    lines.append(
         f"- {image}x{image} ({s['hand_ms']:.1f} ms per step): "
         f"{'met' if s['ratio'] <= 1.03 else '**NOT met**'} (ratio {s['ratio']:.3f}, "
         f"{s['trainer_ms']:.2f} ms against {s['hand_ms']:.2f} ms per step, "
@@ -335,6 +396,46 @@ def main(argv=None) -> int:
         f"{s['control']:.3f}). Against the synchronous loop {s['vs_sync']:.3f}, against the "
         f"lower bound {s['vs_none']:.3f}, against the hand-written loop without `device_put` "
         f"{s['vs_host']:.3f}.")
+  return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="few steps, 2 rounds (smoke run)")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--batch", type=int, default=32, help="CNN batch size")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--only", choices=("all", "logging"), default="all",
+                      help="'logging': the logging table alone (printed, not written)")
+  args = parser.parse_args(argv)
+  if args.only != "all" and args.write:
+    parser.error("--write needs every table: drop --only")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  rounds = args.rounds or (2 if args.quick else 17)
+  log_steps = 8 if args.quick else 100
+  if args.only == "logging":
+    table3, s3 = logging_overhead(rounds, log_steps, LOG_BATCH, LOG_IMAGE)
+    print(f"{_harness.machine_line()} Load average {os.getloadavg()[0]:.1f} after.\n")
+    print("\n".join(logging_lines(table3, s3, rounds, log_steps, LOG_BATCH, LOG_IMAGE)))
+    return 0
+  # (image size, steps per timed run): a short step (a few ms) and a longer one.
+  cnn_sizes = [(16, 8)] if args.quick else [(16, 100), (32, 30)]
+  mlp_steps = 32 if args.quick else 400
+  k = 8
+  load_before = os.getloadavg()[0]
+  devices = jax.device_count()
+
+  cnn_tables, cnn_stats = cnn_tables_and_stats(rounds, cnn_sizes, args.batch)
+  table2, p = steps_per_execution(rounds, mlp_steps, k)
+  print(table2, file=sys.stderr)
+  table3, s3 = logging_overhead(rounds, log_steps, LOG_BATCH, LOG_IMAGE)
+  print(table3, file=sys.stderr)
+
+  target_lines = cnn_target_lines(cnn_stats)
   met_sunk = p["speedup"] >= 1.5
   lines = [
       "## `tunedjax.Trainer`: per-step overhead and `steps_per_execution`",
@@ -374,6 +475,8 @@ def main(argv=None) -> int:
       f"{'met' if met_sunk else '**NOT met**'} ({p['speedup']:.2f}x: {p['sunk_us']:.0f} us "
       f"against {p['one_us']:.0f} us per step; per-round range of the ratio "
       f"{p['spread'][0]:.2f}-{p['spread'][1]:.2f}; A/A {p['control']:.3f}).",
+      "",
+      *logging_lines(table3, s3, rounds, log_steps, LOG_BATCH, LOG_IMAGE),
       "",
       reading(cnn_stats, p, k, load_before, os.getloadavg()[0]),
   ]

@@ -352,7 +352,8 @@ def test_loader_huge_read_threads_does_not_hang():
 
 TRAINER_ARGS = ("metrics", "precision", "autotune", "checkpoint_dir", "checkpoint_every",
                 "max_checkpoints", "mesh", "data_axis", "steps_per_execution", "seed",
-                "progress", "rng_streams", "allreduce_dtype", "optimizer", "loss_fn")
+                "progress", "rng_streams", "allreduce_dtype", "optimizer", "loss_fn",
+                "schedule")
 
 
 @settings(max_examples=3 * EXAMPLES)

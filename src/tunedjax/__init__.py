@@ -26,6 +26,7 @@ _host_memory.configure()
 # orbax take seconds. `name: (module, attribute or None for the module)`.
 _LAZY = {
     "autotune": ("tunedjax.autotune", None),
+    "callbacks": ("tunedjax.callbacks", None),
     "input_pipeline": ("tunedjax.input_pipeline", None),
     "layout": ("tunedjax.layout", None),
     "mixed_precision": ("tunedjax.mixed_precision", None),
@@ -77,6 +78,7 @@ def __dir__() -> list[str]:
 # For type checkers and IDEs, which do not run `__getattr__`.
 if _typing.TYPE_CHECKING:
   from tunedjax import autotune as autotune
+  from tunedjax import callbacks as callbacks
   from tunedjax import input_pipeline as input_pipeline
   from tunedjax import layout as layout
   from tunedjax import mixed_precision as mixed_precision
@@ -126,6 +128,7 @@ __all__ = [
     "__version__",
     "attention",
     "autotune",
+    "callbacks",
     "config_context",
     "get_config",
     "host_memory_status",

@@ -322,3 +322,24 @@ def test_a_step_killed_mid_write_is_never_restored(tmp_path):
       assert _bits(restored["w"]) == _bits(_child_state(2, 1000)["w"])
   assert not [p for p in directory.iterdir() if "tmp" in p.name]
   assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+def test_checkpointer_keeps_the_best_n_besides_the_latest_n_and_restores_the_latest(tmp_path):
+  values = {1: 5.0, 2: 1.0, 3: 3.0, 4: 0.5, 5: 4.0, 6: 2.0}
+  with Checkpointer(tmp_path, max_to_keep=1, best_metric="eval_loss", keep_best=2) as ckpt:
+    for step, value in values.items():
+      ckpt.save(step, {"w": np.full(2, step, np.float32)}, metrics={"eval_loss": value})
+    ckpt.save(7, {"w": np.full(2, 7, np.float32)})  # no metrics: kept as the latest only
+    ckpt.save(8, {"w": np.full(2, 8, np.float32)}, metrics={"eval_loss": float("nan")})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4, 8] and ckpt.best_step() == 4  # nan ranks last
+    state, _ = ckpt.restore()
+    assert state["w"].tolist() == [8.0, 8.0]
+    with pytest.raises(ValueError, match=r"no 'eval_loss' \(the best_metric\); it has \['acc'\]"):
+      ckpt.save(9, {"w": np.zeros(2)}, metrics={"acc": 1.0})
+  with Checkpointer(tmp_path, max_to_keep=1, best_metric="eval_loss", keep_best=2) as ckpt:
+    assert ckpt.best_step() == 4  # orbax read the metrics back from the folder
+  with pytest.raises(ValueError, match=r"best_mode must be 'min' or 'max', got 'low'"):
+    Checkpointer(tmp_path, best_metric="eval_loss", best_mode="low")
+  with pytest.raises(ValueError, match="max_to_keep .* must be an int >= 1"):
+    Checkpointer(tmp_path, max_to_keep=0)

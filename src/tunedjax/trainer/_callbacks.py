@@ -20,14 +20,17 @@ class Callback:
 
   Steps are reported once their loss is known, which is one step after they
   were dispatched: ``trainer.state`` may already be a step further. Set
-  ``trainer.stop_training = True`` to end `fit` after the step in flight.
+  ``trainer.stop_training = True`` to end `fit` after the step in flight (at
+  an epoch's end: before the next epoch's first step). Ready-made callbacks
+  are in `tunedjax.callbacks`.
   """
 
   def on_fit_start(self, trainer: Any) -> None:
     """Before the first step of a `fit` call (after any resume)."""
 
   def on_step_end(self, trainer: Any, step: int, logs: Mapping[str, Any]) -> None:
-    """After global step `step`; `logs` has ``loss``, the metrics, ``skipped``."""
+    """After global step `step`; `logs` has ``loss``, the metrics, ``skipped``, and
+    ``learning_rate`` when it is known (docs/callbacks.md)."""
 
   def on_epoch_end(self, trainer: Any, epoch: int, logs: Mapping[str, Any]) -> None:
     """After an epoch; `logs` is the epoch's summary in `History.epochs`."""

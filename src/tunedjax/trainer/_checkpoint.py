@@ -20,7 +20,11 @@ What orbax does, and this module relies on rather than re-implements:
 * **Async saves.** `save` returns once the arrays are copied off the devices;
   the files are written in a background thread. `wait` blocks until they are,
   a new `save` first waits for the one in flight, and `restore` waits too.
-* **Pruning.** Only the newest `max_to_keep` steps are kept.
+* **Pruning.** Only the newest `max_to_keep` steps are kept, and with
+  `best_metric` also the `keep_best` best by that metric (orbax's `best_fn`
+  and `best_mode` options, with a `LatestN` and a `BestN` preservation policy;
+  orbax stores each step's metrics in the step's folder, so a new Checkpointer
+  on the folder knows them).
 * **Many processes.** Under `jax.distributed` every process must call `save`
   and `restore` (with the same step); orbax coordinates the writers.
 
@@ -47,7 +51,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -56,6 +62,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from tunedjax._errors import format_choices
 
 FORMAT = "tunedjax-checkpoint"
 FORMAT_VERSION = 1
@@ -68,6 +76,7 @@ _ITEMS = (_STATE, _METADATA, _INFO)
 # What orbax's StandardSave stores; anything else with `__array__` becomes a
 # numpy array first, as orbax itself does.
 _ARRAY_TYPES = (int, float, np.ndarray, jax.Array)
+BEST_MODES = ("min", "max")
 
 
 def _is_key(x: Any) -> bool:
@@ -118,6 +127,13 @@ class Checkpointer:
       deleted after each save); None keeps all of them.
     save_interval_steps: `save` writes only steps that are a multiple of this
       (default 1: every step it is asked to); `force=True` overrides it.
+    best_metric: also keep the `keep_best` steps that are best by this entry
+      of the `metrics` given to `save` (steps saved without it are kept by
+      `max_to_keep` only); `max_to_keep` may then be 0 (keep only the best).
+      `latest_step` and `restore()` still mean the newest step.
+    best_mode: "min" (the default) or "max": which values of `best_metric`
+      are best.
+    keep_best: how many of the best steps to keep (>= 1).
 
   Attributes:
     directory: the absolute checkpoint folder.
@@ -141,12 +157,15 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike[str], *,
-               max_to_keep: int | None = 3, save_interval_steps: int = 1):
+               max_to_keep: int | None = 3, save_interval_steps: int = 1,
+               best_metric: str | None = None, best_mode: str = "min", keep_best: int = 1):
+    least = 0 if best_metric is not None else 1
     if max_to_keep is not None and (
         isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
-        or max_to_keep < 1):
+        or max_to_keep < least):
       raise ValueError("Checkpointer max_to_keep (the Trainer's max_checkpoints) must be "
-                       f"a positive int or None (keep every step), got {max_to_keep!r}.")
+                       f"an int >= {least} or None (keep every step), got {max_to_keep!r}.")
+    self._best = _best_options(best_metric, best_mode, keep_best)
     if (isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int)
         or save_interval_steps < 1):
       raise ValueError("Checkpointer save_interval_steps must be a positive int, "
@@ -169,17 +188,21 @@ class Checkpointer:
             # Saves where a multi-host job's preemption notice says to.
             policies.PreemptionCheckpointingPolicy(),
         ]),
-        preservation_policy=policies.LatestN(n=max_to_keep),
+        preservation_policy=_preservation(max_to_keep, self._best),
         create=True,
         enable_async_checkpointing=True,
+        **({} if self._best is None else {"best_fn": self._best.fn,
+                                          "best_mode": self._best.mode}),
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=_ITEMS)
     self._closed = False
 
   def __repr__(self) -> str:
+    best = ("" if self._best is None else f", best_metric={self._best.metric!r}, "
+            f"best_mode={self._best.mode!r}, keep_best={self._best.keep}")
     return (f"Checkpointer({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
-            f"save_interval_steps={self.save_interval_steps})")
+            f"save_interval_steps={self.save_interval_steps}{best})")
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -195,7 +218,7 @@ class Checkpointer:
   # -- saving ----------------------------------------------------------------
 
   def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None,
-           *, force: bool = False) -> bool:
+           *, force: bool = False, metrics: Mapping[str, float] | None = None) -> bool:
     """Saves `state` and `metadata` as checkpoint `step`, in the background.
 
     The arrays are copied off the devices before this returns, so the caller
@@ -217,6 +240,8 @@ class Checkpointer:
         turns tuples into lists and dict keys into strings.
       force: save even where `save_interval_steps` says not to (the final
         step of a run, a preemption).
+      metrics: ``{name: number}`` ranked by `best_metric` (stored by orbax
+        with the step; ignored without `best_metric`).
 
     Returns:
       Whether a checkpoint was (started to be) written.
@@ -262,7 +287,21 @@ class Checkpointer:
         _INFO: ocp.args.JsonSave(info),
     })
     # The decision is made above; `force` here only skips orbax's second look.
-    return bool(self._manager.save(step, args=args, force=True))
+    return bool(self._manager.save(step, args=args, force=True,
+                                   metrics=self._check_metrics(metrics)))
+
+  def _check_metrics(self, metrics: Mapping[str, float] | None) -> dict[str, float] | None:
+    if self._best is None or metrics is None:
+      return None
+    try:
+      values = {str(k): float(v) for k, v in metrics.items()}
+    except (AttributeError, TypeError, ValueError):
+      raise TypeError(f"Checkpointer.save: metrics must be a dict of numbers, got "
+                      f"{metrics!r}.") from None
+    if self._best.metric not in values:
+      raise ValueError(f"Checkpointer.save: metrics has no {self._best.metric!r} (the "
+                       f"best_metric); it has {sorted(values)}.")
+    return values
 
   def wait(self) -> None:
     """Blocks until the save in flight (if any) is complete on disk."""
@@ -284,6 +323,14 @@ class Checkpointer:
     """The newest step (see `all_steps`), or None if there is none."""
     steps = self.all_steps()
     return steps[-1] if steps else None
+
+  def best_step(self) -> int | None:
+    """The step with the best `best_metric` (orbax's `best_step`), or None if no
+    step was saved with metrics; without `best_metric`, `latest_step`."""
+    self._check_open("best_step")
+    if self._best is None:
+      return self.latest_step()
+    return self._manager.best_step()
 
   def restore(self, step: int | None = None, *,
               target: Any = None) -> tuple[Any, dict[str, Any]]:
@@ -365,6 +412,48 @@ class Checkpointer:
     if not self._closed:
       self._closed = True
       self._manager.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Best:
+  """What `Checkpointer(best_metric=...)` keeps: the `keep` best by `metric`."""
+
+  metric: str
+  mode: str
+  keep: int
+
+  def fn(self, metrics: Mapping[str, float]) -> float:
+    """orbax's `best_fn`: the number steps are ranked by (a nan ranks last)."""
+    value = float(metrics[self.metric])
+    if math.isnan(value):
+      return math.inf if self.mode == "min" else -math.inf
+    return value
+
+
+def _best_options(metric: Any, mode: Any, keep: Any) -> _Best | None:
+  if metric is None:
+    return None
+  if not isinstance(metric, str) or not metric:
+    raise ValueError(f"Checkpointer best_metric must be None or a metric name (str), "
+                     f"got {metric!r}.")
+  if not isinstance(mode, str) or mode not in BEST_MODES:
+    raise ValueError(f"Checkpointer best_mode must be {format_choices(BEST_MODES)}, "
+                     f"got {mode!r}.")
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    raise ValueError(f"Checkpointer keep_best must be an int >= 1, got {keep!r}.")
+  return _Best(metric, mode, keep)
+
+
+def _preservation(max_to_keep: int | None, best: _Best | None) -> Any:
+  """orbax's preservation policy: the newest `max_to_keep`, and the best."""
+  policies = ocp.checkpoint_managers
+  latest = policies.LatestN(n=max_to_keep)
+  if best is None:
+    return latest
+  # orbax sorts ascending, best last; `reverse` puts the smallest last for "min".
+  ranked = policies.BestN(get_metric_fn=best.fn, reverse=best.mode == "min", n=best.keep,
+                          keep_checkpoints_without_metrics=False)
+  return policies.AnyPreservationPolicy([latest, ranked])
 
 
 def _abstract_leaf(leaf: Any) -> Any:

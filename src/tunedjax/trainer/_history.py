@@ -14,9 +14,9 @@ from typing import Any
 FORMAT_VERSION = 1
 
 # Per-step lists: one entry per recorded step, all of the same length.
-_PER_STEP = ("losses", "step_times", "steps", "samples", "metrics")
-_FIELDS = ("losses", "step_times", "steps", "samples", "metrics", "skipped", "epochs",
-           "evals", "tuning")
+_PER_STEP = ("losses", "step_times", "steps", "samples", "metrics", "learning_rates")
+_FIELDS = ("losses", "step_times", "steps", "samples", "metrics", "learning_rates", "skipped",
+           "epochs", "evals", "tuning")
 _PLOT_HINT = "History.plot() needs matplotlib: pip install 'tunedjax[plot]'"
 
 
@@ -70,6 +70,8 @@ class History:
     steps: the global step index of each entry in `losses`.
     samples: batch size of each step.
     metrics: per-step extra metrics of the loss function (may be empty dicts).
+    learning_rates: the learning rate each step's update used, nan where it is
+      not known (see the Trainer's `schedule` option and docs/callbacks.md).
     skipped: global step indices whose update was skipped (non-finite
       gradients under loss scaling).
     epochs: one summary dict per finished epoch (see `end_epoch`).
@@ -99,6 +101,7 @@ class History:
   evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
   tuning: dict[str, Any] = dataclasses.field(default_factory=dict)
   samples: list[int] = dataclasses.field(default_factory=list)
+  learning_rates: list[float] = dataclasses.field(default_factory=list)
   # Index into the per-step lists where the epoch in progress began.
   _epoch_start: int = dataclasses.field(default=0, init=False, repr=False)
 
@@ -111,7 +114,7 @@ class History:
 
   def record_step(self, step: int, loss: float, seconds: float, *, samples: int,
                   metrics: Mapping[str, float] | None = None,
-                  skipped: bool = False) -> None:
+                  skipped: bool = False, learning_rate: float | None = None) -> None:
     """Appends one training step.
 
     Args:
@@ -121,6 +124,7 @@ class History:
       samples: the step's batch size.
       metrics: the loss function's extra metrics for this step.
       skipped: True when the update was skipped (non-finite gradients).
+      learning_rate: the learning rate of the step's update (None: unknown).
 
     Raises:
       ValueError: `step` does not follow the last recorded step, or
@@ -138,6 +142,7 @@ class History:
     self.step_times.append(float(seconds))
     self.samples.append(int(samples))
     self.metrics.append(_floats(metrics))
+    self.learning_rates.append(math.nan if learning_rate is None else float(learning_rate))
     if skipped:
       self.skipped.append(step)
 
@@ -149,7 +154,8 @@ class History:
     finite losses; nan if none was finite), each metric's mean (finite values
     only; a metric named like one of the other keys is left out),
     ``"seconds"``, ``"steps_per_s"`` and ``"samples_per_s"`` (nan when
-    `seconds` is 0), then `extra` (e.g. the trainer's ``"eval_loss"``).
+    `seconds` is 0), ``"learning_rate"`` (the epoch's last step's, when
+    known), then `extra` (e.g. the trainer's ``"eval_loss"``).
 
     Args:
       epoch: the epoch's number.
@@ -174,6 +180,9 @@ class History:
       if name not in summary and name not in timing:
         summary[name] = _finite_mean(values)
     summary.update(timing)
+    last_rate = self.learning_rates[-1] if len(self.learning_rates) > lo else math.nan
+    if not math.isnan(last_rate):
+      summary.setdefault("learning_rate", last_rate)
     summary.update(_floats(extra))
     self.epochs.append(summary)
     self._epoch_start = len(self.losses)
@@ -316,6 +325,9 @@ class History:
     if unknown:
       raise ValueError(f"History.from_dict: unknown keys {unknown}; expected some of "
                        f"{list(_FIELDS)}.")
+    d = dict(d)
+    if "learning_rates" not in d:  # written before learning rates were recorded
+      d["learning_rates"] = [math.nan] * len(d.get("losses", ()))
     lengths = {name: len(d.get(name, ())) for name in _PER_STEP}
     if len(set(lengths.values())) > 1:
       raise ValueError(f"History.from_dict: the per-step lists must have one entry per "
@@ -323,6 +335,7 @@ class History:
     h = cls(**{name: copy.deepcopy(d[name]) for name in _FIELDS if name in d})
     h.losses = [float(v) for v in h.losses]
     h.step_times = [float(v) for v in h.step_times]
+    h.learning_rates = [float(v) for v in h.learning_rates]
     h.metrics = [dict(m) for m in h.metrics]
     h._epoch_start = int(d.get("epoch_start", len(h.losses)))
     return h

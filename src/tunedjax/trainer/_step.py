@@ -50,7 +50,9 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]
 
 
 def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformation, *,
-                    skip_nonfinite: bool, allreduce: AllReduce | None = None) -> StepFn:
+                    skip_nonfinite: bool, allreduce: AllReduce | None = None,
+                    learning_rate: Callable[[Any, Any, jax.Array], jax.Array] | None = None
+                    ) -> StepFn:
   """One training step: loss, scaled gradients, optimizer update.
 
   Args:
@@ -64,9 +66,12 @@ def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformati
       (`mixed_precision.allreduce_gradients`); the loss, metrics and the
       model's floating state (BatchNorm statistics) are averaged over devices.
       None: XLA partitions the step and reduces gradients in their own dtype.
+    learning_rate: ``fn(opt_state before, opt_state after, step)``, the
+      learning rate of the update (`_learning_rate.reader`); None: not output.
 
   Returns:
-    ``step(state, batch) -> (new state, {"loss", "finite", <metrics>})``.
+    ``step(state, batch) -> (new state, {"loss", "finite", <metrics>})``, plus
+    ``"learning_rate"`` with `learning_rate`.
   """
 
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -88,7 +93,10 @@ def make_train_step(adapter: ModelAdapter, optimizer: optax.GradientTransformati
       rest = mp.select_tree(finite, rest, state.rest)
     new = state.replace(params=params, rest=rest, opt_state=opt_state,
                         loss_scale=state.loss_scale.adjust(finite), step=state.step + 1)
-    return new, {"loss": loss, "finite": finite, **metrics}
+    out = {"loss": loss, "finite": finite, **metrics}
+    if learning_rate is not None:
+      out["learning_rate"] = learning_rate(state.opt_state, opt_state, state.step)
+    return new, out
 
   return step
 

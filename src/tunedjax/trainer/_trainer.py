@@ -29,6 +29,7 @@ from tunedjax._errors import format_choices
 from tunedjax._jit import jit as tj_jit
 from tunedjax.ops.batch_norm._flax import route_batch_norm
 from tunedjax._policy import canonical_dtype
+from tunedjax.trainer import _learning_rate
 from tunedjax.trainer import _relayout
 from tunedjax.trainer import _step
 from tunedjax.trainer._callbacks import Callback, CallbackList
@@ -86,6 +87,33 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 _PROGRESS_MODES = ("auto", "bar", "log", "off")
+
+
+def _check_metrics(metrics: Any) -> dict[str, Callable[..., Any]]:
+  """`metrics` as a dict of names to functions, or a TrainerError saying what is wrong."""
+  if metrics is not None and not isinstance(metrics, Mapping):
+    raise TrainerError(f"metrics must be None or a dict {{name: fn(model, batch) -> "
+                       f"scalar}}, got {_show(metrics)}.")
+  metrics = dict(metrics or {})
+  names = [k for k in metrics if not isinstance(k, str)]
+  if names:
+    raise TrainerError(f"metrics must map names (str) to functions fn(model, batch); "
+                       f"these keys are not str: {names}.")
+  bad = [k for k, f in metrics.items() if not callable(f)]
+  if bad:
+    raise TrainerError(f"metrics must map names to functions fn(model, batch); these are "
+                       f"not callable: {bad}.")
+  return metrics
+
+
+def _check_progress(progress: Any) -> str:
+  """The `Progress` mode of the Trainer's `progress` option."""
+  if isinstance(progress, (bool, np.bool_)):
+    return "auto" if progress else "off"
+  if isinstance(progress, str) and progress in _PROGRESS_MODES:
+    return str(progress)
+  raise TrainerError(f"progress must be True, False, {format_choices(_PROGRESS_MODES)}, "
+                     f"got {_show(progress)}.")
 
 
 class Trainer:
@@ -148,6 +176,12 @@ class Trainer:
       averaged over devices). None (default): XLA partitions the whole step and
       reduces gradients in their own dtype. The tunedjax passes (layout,
       kernels, autocast) do not reach into the `shard_map` body.
+    schedule: for the logs only (it changes nothing in training): the
+      learning-rate schedule given to the optax optimizer (a function of the
+      update count, or a number), so that each step's learning rate appears in
+      the callbacks' logs and `History.learning_rates`. Not needed for an
+      `optax.inject_hyperparams` optimizer, whose state holds the value; see
+      docs/callbacks.md for the rule and its limits.
 
   Example:
     >>> import numpy as np, optax
@@ -172,35 +206,19 @@ class Trainer:
                max_checkpoints: int = 3, mesh: jax.sharding.Mesh | None = None,
                data_axis: str | None = None, steps_per_execution: int = 1, seed: int = 0,
                progress: bool | str = True, example_batch: Any = None,
-               rng_streams: Sequence[str] = ("dropout",), allreduce_dtype: Any = None):
+               rng_streams: Sequence[str] = ("dropout",), allreduce_dtype: Any = None,
+               schedule: Any = None):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TrainerError(f"optimizer must be an optax GradientTransformation (e.g. "
                          f"optax.adam(1e-3)), got {optimizer!r}.")
-    if metrics is not None and not isinstance(metrics, Mapping):
-      raise TrainerError(f"metrics must be None or a dict {{name: fn(model, batch) -> "
-                         f"scalar}}, got {_show(metrics)}.")
-    self.metrics = dict(metrics or {})
-    names = [k for k in self.metrics if not isinstance(k, str)]
-    if names:
-      raise TrainerError(f"metrics must map names (str) to functions fn(model, batch); "
-                         f"these keys are not str: {names}.")
-    bad = [k for k, f in self.metrics.items() if not callable(f)]
-    if bad:
-      raise TrainerError(f"metrics must map names to functions fn(model, batch); these are "
-                         f"not callable: {bad}.")
+    self.metrics = _check_metrics(metrics)
     self.steps_per_execution = _check_positive("steps_per_execution", steps_per_execution)
     self.checkpoint_every = _check_positive("checkpoint_every", checkpoint_every, optional=True)
     # The seed also shuffles arrays given to `fit` (a Loader's seed: 32 bits).
     if not _is_int(seed) or not 0 <= seed < 2**32:
       raise TrainerError(f"seed must be an int from 0 to 2**32 - 1, got {_show(seed)}.")
     self.seed = int(seed)
-    if isinstance(progress, (bool, np.bool_)):
-      self._progress_mode = "auto" if progress else "off"
-    elif isinstance(progress, str) and progress in _PROGRESS_MODES:
-      self._progress_mode = str(progress)
-    else:
-      raise TrainerError(f"progress must be True, False, {format_choices(_PROGRESS_MODES)}, "
-                         f"got {_show(progress)}.")
+    self._progress_mode = _check_progress(progress)
     self.policy = None if precision is None else mp.get_policy(precision)
     self.config = _resolve_config(autotune, self.policy)
     with config_context(self.config):
@@ -231,8 +249,10 @@ class Trainer:
 
     self._out_names: list[str] = []  # what each step's output vector holds
     allreduce = self._allreduce(allreduce_dtype)
+    rate = _learning_rate.reader(state.opt_state, schedule)  # None: not known
     step = _step.packed(_step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips,
-                                              allreduce=allreduce), self._out_names)
+                                              allreduce=allreduce, learning_rate=rate),
+                        self._out_names)
     step = route_batch_norm()(step)  # Flax BatchNorm -> the batch_norm family, when tuning
     # This trainer's kernel-tuning phase, step counter and statistics.
     self.session = _tuning.TuningSession(f"Trainer-{id(self):x}")
@@ -246,6 +266,7 @@ class Trainer:
                          if checkpoint_dir is not None else None)
     self.history = History()
     self.stop_training = False
+    self._stream: BatchStream | None = None  # the data of the `fit` in progress
 
   # --- the pieces -------------------------------------------------------------
 
@@ -371,7 +392,8 @@ class Trainer:
       eval_data: data for `evaluate` at each epoch's end, or every
         `eval_every` steps.
       eval_every: evaluate every this many steps instead.
-      callbacks: `Callback` objects.
+      callbacks: `Callback` objects (logging, early stopping and best
+        checkpoints are ready-made in `tunedjax.callbacks`).
       resume: first restore the latest checkpoint of `checkpoint_dir`, if
         there is one: state, data position, history and step.
 
@@ -383,13 +405,15 @@ class Trainer:
     epochs = _check_positive("epochs", epochs, optional=True)
     steps = _check_positive("steps", steps, optional=True)
     eval_every = _check_positive("eval_every", eval_every, optional=True)
+    callbacks = CallbackList(callbacks)
     stream = BatchStream(train_data, batch_size=batch_size, seed=self.seed)
     try:
       if resume:
         self._resume(stream)
-      return self._fit(stream, epochs, steps, eval_data, eval_every, batch_size,
-                       CallbackList(callbacks))
+      self._stream = stream
+      return self._fit(stream, epochs, steps, eval_data, eval_every, batch_size, callbacks)
     finally:
+      self._stream = None
       stream.close()
 
   def _fit(self, stream: BatchStream, epochs: int | None, steps: int | None, eval_data: Any,
@@ -548,11 +572,33 @@ class Trainer:
     if self.checkpointer is None:
       raise TrainerError("This Trainer has no checkpoint_dir: pass checkpoint_dir= to "
                          "Trainer(...) to save checkpoints.")
+    return self._save_to(self.checkpointer, stream, force=force)
+
+  def _save_to(self, checkpointer: Checkpointer, stream: BatchStream | None = None, *,
+               force: bool = False, metrics: Mapping[str, float] | None = None) -> bool:
+    """Saves what `save` saves into `checkpointer`, with orbax `metrics` for its
+    best-checkpoint policy (`Checkpointer(best_metric=...)`)."""
+    if stream is None:
+      stream = self._stream  # during `fit`: its data position
     metadata = {"history": self.history.to_dict(),
                 "data": stream.get_state() if stream is not None else None,
                 "trainer": {"steps_per_execution": self.steps_per_execution,
                             "seed": self.seed, "kind": self.adapter.kind}}
-    return self.checkpointer.save(self.step, self._logical_state(), metadata, force=force)
+    return checkpointer.save(self.step, self._logical_state(), metadata, force=force,
+                             metrics=metrics)
+
+  def _weights_copy(self) -> tuple[Any, Any]:
+    """A copy of the model's weights as stored (params, other state), on their devices.
+
+    The steps donate the state's buffers, so a copy, not a reference, keeps them.
+    """
+    return jax.tree_util.tree_map(jnp.copy, (self.state.params, self.state.rest))
+
+  def _set_weights(self, weights: tuple[Any, Any]) -> None:
+    """Puts back weights that `_weights_copy` took (the optimizer state stays)."""
+    params, rest = jax.tree_util.tree_map(jnp.copy, weights)
+    self.state = self.state.replace(params=params, rest=rest)
+    self._sync_model()
 
   def restore(self, checkpoint_dir: Any = None, *, step: int | None = None) -> dict[str, Any]:
     """Restores the state and history of a checkpoint (the latest by default).
@@ -645,14 +691,16 @@ class _Loop:
         break
       for epoch, run in itertools.groupby(group, key=lambda eb: eb[0]):
         if self.current_epoch is not None and epoch != self.current_epoch:
-          self._read_pending()
-          self._end_epoch(self.current_epoch)
+          self._end_epoch()
+          if t.stop_training:  # stopped at the epoch's end: the batches read on are not run
+            break
         self.current_epoch = epoch
         step = self._dispatch([b for _, b in run], step)
+      if self.current_epoch is not None and self.stream.epoch > self.current_epoch:
+        self._end_epoch()  # known to be complete: ended before reading the next batch
     self._read_pending()
-    if self.current_epoch is not None and (self.past_last_epoch or
-                                           self.stream.epoch > self.current_epoch):
-      self._end_epoch(self.current_epoch)
+    if self.current_epoch is not None and self.past_last_epoch:
+      self._end_epoch()
 
   def _dispatch(self, batches: list[Any], step: int) -> int:
     """Runs `batches` from global step `step`; returns the next step."""
@@ -699,6 +747,7 @@ class _Loop:
     for (step, size), row in zip(info, rows):
       value = dict(zip(names, row.tolist()))
       loss, finite = value.pop("loss"), bool(value.pop("finite"))
+      rate = value.pop("learning_rate", None)
       metrics = value
       if not finite and not t._skips:
         raise TrainerError(
@@ -707,8 +756,11 @@ class _Loop:
             "learning rate, check the data, or train with precision='mixed_float16' "
             "(dynamic loss scaling skips such steps).")
       t.history.record_step(step, loss, share, samples=size, metrics=metrics,
-                            skipped=not finite)
-      self.callbacks.on_step_end(t, step, {"loss": loss, **metrics, "skipped": not finite})
+                            skipped=not finite, learning_rate=rate)
+      logs = {"loss": loss, **metrics, "skipped": not finite}
+      if rate is not None:
+        logs["learning_rate"] = rate
+      self.callbacks.on_step_end(t, step, logs)
     # Figures that cost host time are functions: computed only when shown.
     self.bar.update(info[-1][0] + 1, loss=t.history.losses[-1],
                     samples_per_s=lambda: t.history.throughput(last=50),
@@ -722,7 +774,10 @@ class _Loop:
                                                           for k, v in results.items()))
     return results
 
-  def _end_epoch(self, epoch: int) -> None:
+  def _end_epoch(self) -> None:
+    """Ends `current_epoch` (after reading its pending steps)."""
+    self._read_pending()
+    epoch, self.current_epoch = self.current_epoch, None
     extra = {}
     if self.eval_data is not None and not self.eval_every:
       extra = {f"eval_{k}": v for k, v in self._evaluate(self.t.step).items()}
