@@ -16,18 +16,18 @@ Example:
 
 import importlib as _importlib
 
-FAMILIES = ("conv", "batch_norm", "attention")
+_FAMILIES = ("attention", "batch_norm", "conv")
 
 
 def __getattr__(name: str):
-  if name in FAMILIES:
+  if name in _FAMILIES:
     return _importlib.import_module(f"{__name__}.{name}")
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}; its families: "
-                       f"{', '.join(FAMILIES)}")
+                       f"{', '.join(_FAMILIES)}")
 
 
 def __dir__():
-  return sorted([*globals(), *FAMILIES])
+  return sorted([*globals(), *_FAMILIES])
 
 
 __all__ = ["attention", "batch_norm", "conv"]

@@ -11,7 +11,7 @@ CPU: dense windows up to 7x7 and their weight gradients) and
 
 Example:
   >>> from tunedjax import autotune
-  >>> family = _registry.op_family("conv")
+  >>> family = autotune.op_family("conv")
   >>> family.default, family.primitive
   ('xla', 'conv_general_dilated')
 """
