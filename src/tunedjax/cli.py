@@ -43,6 +43,10 @@ from tunedjax._tuning import describe_problem
 from tunedjax._tuning import device_fingerprint
 from tunedjax._tuning import import_file
 
+# The op families register their validators (and their native sources, which
+# `tunedjax info` lists) when their packages load, on the first lookup.
+_autotune.op_families()
+
 # Distributions whose versions a bug report needs; "not installed" if absent.
 PACKAGES = (
     "jax", "jaxlib", "flax", "optax", "grain", "orbax-checkpoint", "numpy",
