@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -183,49 +184,91 @@ def _reduce_to(x: Any, shape: tuple[int, ...]) -> Any:
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _blocked_attention(block: int, spec: AttentionSpec):
-  """The custom-VJP attention ``f(q, k, v, bias, mask)`` over key blocks of `block`.
+def _with_vjp(forward: Callable[..., tuple[jax.Array, Any]],
+              backward: Callable[[tuple[Any, ...], jax.Array], tuple[Any, ...]]):
+  """``f(*operands) = forward(*operands)[0]`` with `backward` as its custom VJP.
 
-  The forward keeps a running maximum, sum and weighted sum per query (the
-  online softmax) while a `lax.scan` walks the key blocks; the backward walks
-  them again, recomputing each block's probabilities from the saved
-  row maxima and sums. Neither holds more than one ``[q_len, block]`` block of scores
-  per head.
+  `forward` returns the output and the statistics the backward needs; the
+  residuals are ``(*operands, out, stats)``, and `backward` maps them and the
+  output's cotangent to one cotangent per operand.
   """
-  kv_len, n_blocks = spec.kv_len, -(-spec.kv_len // block)
-  dt = logits_dtype(spec.dtype)
-  scale = jnp.asarray(spec.scale, dt)
-  # Which of bias and mask vary along the keys (split into blocks) or not (closed over).
-  bias_split = spec.has_bias and spec.bias_shape[3] != 1
-  mask_split = spec.has_mask and spec.mask_shape[3] != 1
 
-  def split(q, k, v, bias, mask):
+  @jax.custom_vjp
+  def attend(*operands):
+    return forward(*operands)[0]
+
+  def attend_fwd(*operands):
+    out, stats = forward(*operands)
+    return out, (*operands, out, stats)
+
+  attend.defvjp(attend_fwd, backward)
+  return attend
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocked:
+  """The stages of online-softmax attention over key blocks (`_blocked_attention`).
+
+  Attributes:
+    block: keys per block.
+    spec: the attention.
+    n_blocks: key blocks, the last zero-padded.
+    dt: the logits' dtype (`logits_dtype`).
+    scale: the logits' scale, in `dt`.
+    bias_split: whether the bias varies along the keys (split into blocks) or
+      not (closed over); likewise `mask_split` for the mask.
+    mask_split: see `bias_split`.
+  """
+
+  block: int
+  spec: AttentionSpec
+  n_blocks: int
+  dt: Any
+  scale: jax.Array
+  bias_split: bool
+  mask_split: bool
+
+  @classmethod
+  def of(cls, block: int, spec: AttentionSpec) -> _Blocked:
+    """The constants for key blocks of `block` in `spec`."""
+    dt = logits_dtype(spec.dtype)
+    return cls(block=block, spec=spec, n_blocks=-(-spec.kv_len // block), dt=dt,
+               scale=jnp.asarray(spec.scale, dt),
+               bias_split=spec.has_bias and spec.bias_shape[3] != 1,
+               mask_split=spec.has_mask and spec.mask_shape[3] != 1)
+
+  def split(self, q, k, v, bias, mask):
+    """Grouped queries ``[b, t, K, G, h]`` and the scan's inputs, one key block a step."""
+    block, n_blocks, spec = self.block, self.n_blocks, self.spec
     b, t, _, h = q.shape
     qg = q.reshape(b, t, spec.kv_heads, spec.groups, h)
     xs = {"k": _key_blocks(k, 1, block, n_blocks), "v": _key_blocks(v, 1, block, n_blocks),
           "start": jnp.arange(n_blocks) * block}
-    if bias_split:
+    if self.bias_split:
       xs["bias"] = _key_blocks(bias, 3, block, n_blocks)
-    if mask_split:
+    if self.mask_split:
       xs["mask"] = _key_blocks(mask, 3, block, n_blocks, False)
     return qg, xs
 
-  def scores(qg, x, bias, mask):
+  def scores(self, qg, x, bias, mask):
     """One key block's logits ``[b, K, G, t, block]`` (masked, padded keys -inf) and keep."""
+    block, spec = self.block, self.spec
     causal = causal_mask(0, qg.shape[1], x["start"], block) if spec.causal else None
     s, keep = masked_logits(qg, x["k"], x.get("bias", bias), x.get("mask", mask), causal,
-                            spec, dt)
-    valid = x["start"] + jnp.arange(block) < kv_len
+                            spec, self.dt)
+    valid = x["start"] + jnp.arange(block) < spec.kv_len
     s = jnp.where(valid, s, -jnp.inf)
     return s, keep
 
-  def forward(q, k, v, bias, mask):
-    qg, xs = split(q, k, v, bias, mask)
+  def forward(self, q, k, v, bias, mask):
+    """The output and the row statistics ``(m, l)``: the online softmax over the blocks."""
+    dt = self.dt
+    qg, xs = self.split(q, k, v, bias, mask)
     b, t, kh, g, h = qg.shape
 
     def step(carry, x):
       m, l, acc = carry
-      s, _ = scores(qg, x, bias, mask)
+      s, _ = self.scores(qg, x, bias, mask)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       alpha = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
@@ -242,18 +285,14 @@ def _blocked_attention(block: int, spec: AttentionSpec):
     # absorbs log(l) in float32.
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape).astype(q.dtype), (m, l)
 
-  @jax.custom_vjp
-  def attend(q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask)[0]
-
-  def attend_fwd(q, k, v, bias, mask):
-    out, stats = forward(q, k, v, bias, mask)
-    return out, (q, k, v, bias, mask, out, stats)
-
-  def attend_bwd(res, dout):
+  def backward(self, res, dout):
+    """The operands' cotangents: the blocks walked again, each one's probabilities
+    recomputed from the saved row maxima and sums (the mask's cotangent None)."""
+    block, dt, scale, bias_split, kv_len = (self.block, self.dt, self.scale, self.bias_split,
+                                            self.spec.kv_len)
     q, k, v, bias, mask, out, (m, l) = res
     inv_l = 1 / l
-    qg, xs = split(q, k, v, bias, mask)
+    qg, xs = self.split(q, k, v, bias, mask)
     b, t, kh, g, h = qg.shape
     as_groups = lambda x: jnp.transpose(x.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4))
     do = as_groups(dout).astype(dt)
@@ -263,7 +302,7 @@ def _blocked_attention(block: int, spec: AttentionSpec):
 
     def step(carry, x):
       dq, dbias_acc = carry
-      s, keep = scores(qg, x, bias, mask)
+      s, keep = self.scores(qg, x, bias, mask)
       p = jnp.exp(s - m[..., None]) * inv_l[..., None]
       dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(dt), do)
       dp = jnp.einsum("bkgth,bskh->bkgts", do, x["v"], preferred_element_type=dt)
@@ -292,8 +331,18 @@ def _blocked_attention(block: int, spec: AttentionSpec):
                else dbias_acc.astype(bias.dtype))
     return dq.reshape(q.shape).astype(q.dtype), dk, dv, dbias, None
 
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend
+
+def _blocked_attention(block: int, spec: AttentionSpec):
+  """The custom-VJP attention ``f(q, k, v, bias, mask)`` over key blocks of `block`.
+
+  The forward keeps a running maximum, sum and weighted sum per query (the
+  online softmax) while a `lax.scan` walks the key blocks; the backward walks
+  them again, recomputing each block's probabilities from the saved
+  row maxima and sums. Neither holds more than one ``[q_len, block]`` block of scores
+  per head. The stages are `_Blocked`'s methods.
+  """
+  stages = _Blocked.of(block, spec)
+  return _with_vjp(stages.forward, stages.backward)
 
 
 def blocked(block: int) -> Callable[..., jax.Array]:
@@ -397,35 +446,46 @@ def _causal_schedule(q_blocks: int, k_blocks: int) -> dict[str, np.ndarray]:
   return out
 
 
-def _causal_blocks(block: int, spec: AttentionSpec):
-  """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
+@dataclasses.dataclass(frozen=True)
+class _CausalBlocks:
+  """The stages of causal attention that skips the masked key blocks (`_causal_blocks`).
 
-  Queries and keys are cut into blocks of `block`; query block ``i`` attends key
-  blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
-  keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
-  gradients zero). The block pairs, in diagonal order, are cut into groups of
-  as many pairs as there are query blocks (`_causal_schedule`), and a
-  `lax.scan` walks the groups: each step gathers its pairs' query and key
-  blocks and computes their scores in one batched `einsum` (``[q_len, block]``
-  per head, what a step of `blocked` holds), masking only the pairs on the
-  diagonal and the padded keys. The forward merges the step's online-softmax
-  statistics (row maximum, sum, weighted values) into the running ones, one
-  lane of distinct rows at a time; the backward walks the groups again,
-  recomputing the probabilities from the saved row maxima and sums, and
-  scatter-adds the gradients of the blocks. About half the score blocks of
-  `blocked` are computed.
+  Attributes:
+    block: queries and keys per block.
+    spec: the attention.
+    kv_used: the keys attended (none past the last query).
+    nq: query blocks, the last zero-padded.
+    nk: key blocks of the `kv_used` keys, the last zero-padded.
+    dt: the logits' dtype (`logits_dtype`).
+    scale: the logits' scale, in `dt`.
+    schedule: the groups of block pairs, one a scan step (`_causal_schedule`).
+    inside: ``[block, block]``: the causal mask of a block pair on the diagonal.
   """
-  q_len = spec.q_len
-  kv_used = min(spec.kv_len, q_len)  # keys past the last query are never attended
-  nq, nk = -(-q_len // block), -(-kv_used // block)
-  dt = logits_dtype(spec.dtype)
-  scale = jnp.asarray(spec.scale, dt)
-  kh, g = spec.kv_heads, spec.groups
-  schedule = _causal_schedule(nq, nk)
-  inside = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
 
-  def split(q, k, v):
+  block: int
+  spec: AttentionSpec
+  kv_used: int
+  nq: int
+  nk: int
+  dt: Any
+  scale: jax.Array
+  schedule: dict[str, np.ndarray]
+  inside: jax.Array
+
+  @classmethod
+  def of(cls, block: int, spec: AttentionSpec) -> _CausalBlocks:
+    """The constants for blocks of `block` in `spec`."""
+    kv_used = min(spec.kv_len, spec.q_len)  # keys past the last query are never attended
+    nq, nk = -(-spec.q_len // block), -(-kv_used // block)
+    dt = logits_dtype(spec.dtype)
+    return cls(block=block, spec=spec, kv_used=kv_used, nq=nq, nk=nk, dt=dt,
+               scale=jnp.asarray(spec.scale, dt), schedule=_causal_schedule(nq, nk),
+               inside=jnp.arange(block)[:, None] >= jnp.arange(block)[None, :])
+
+  def split(self, q, k, v):
     """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""
+    block, nq, nk, kv_used = self.block, self.nq, self.nk, self.kv_used
+    kh, g = self.spec.kv_heads, self.spec.groups
     b, _, _, h = q.shape
     qb = _pad_axis(q, 1, nq * block).reshape(b, nq, block, kh, g, h)
     kb, vb = (_pad_axis(x[:, :kv_used], 1, nk * block).reshape(b, nk, block, kh, h)
@@ -433,16 +493,20 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     return (jnp.transpose(qb, (0, 3, 4, 1, 2, 5)), jnp.transpose(kb, (0, 3, 1, 2, 4)),
             jnp.transpose(vb, (0, 3, 1, 2, 4)))
 
-  def scores(qg, kg, x):
+  def scores(self, qg, kg, x):
     """A group's logits ``[b, K, G, P, B, B]``: masked (causal, padded keys) -inf."""
-    s = jnp.einsum("bkgith,bkish->bkgits", qg, kg, preferred_element_type=dt) * scale
-    key = x["k"][:, None, None] * block + jnp.arange(block)
-    keep = (key < kv_used) & ~x["pad"][:, None, None]
-    keep = keep & (~x["diagonal"][:, None, None] | inside)
+    s = jnp.einsum("bkgith,bkish->bkgits", qg, kg, preferred_element_type=self.dt) * self.scale
+    key = x["k"][:, None, None] * self.block + jnp.arange(self.block)
+    keep = (key < self.kv_used) & ~x["pad"][:, None, None]
+    keep = keep & (~x["diagonal"][:, None, None] | self.inside)
     return jnp.where(keep, s, -jnp.inf)
 
-  def forward(q, k, v):
-    qb, kb, vb = split(q, k, v)
+  def forward(self, q, k, v):
+    """The output and the row statistics ``(m, l)``: each group's online-softmax
+    statistics merged into the running ones, one lane of distinct rows at a time."""
+    block, nq, dt, q_len = self.block, self.nq, self.dt, self.spec.q_len
+    kh, g = self.spec.kv_heads, self.spec.groups
+    qb, kb, vb = self.split(q, k, v)
     b, _, _, _, _, h = qb.shape
     stats = (b, kh, g, nq + 1, block)  # a scratch row last
 
@@ -450,7 +514,7 @@ def _causal_blocks(block: int, spec: AttentionSpec):
       m, l, acc = carry
       qg, kg, vg = jnp.take(qb, x["q"], axis=3), jnp.take(kb, x["k"], axis=2), jnp.take(
           vb, x["k"], axis=2)
-      s = scores(qg, kg, x)
+      s = self.scores(qg, kg, x)
       m_g = jnp.max(s, axis=-1)
       p = jnp.exp(s - jnp.where(jnp.isfinite(m_g), m_g, 0)[..., None])
       l_g = jnp.sum(p, axis=-1)
@@ -469,24 +533,20 @@ def _causal_blocks(block: int, spec: AttentionSpec):
       return (m, l, acc), None
 
     init = (jnp.full(stats, -jnp.inf, dt), jnp.zeros(stats, dt), jnp.zeros(stats + (h,), dt))
-    (m, l, acc), _ = jax.lax.scan(step, init, schedule)
+    (m, l, acc), _ = jax.lax.scan(step, init, self.schedule)
     m, l, acc = m[:, :, :, :nq], l[:, :, :, :nq], acc[:, :, :, :nq]
     out = acc / l[..., None]  # [b, K, G, nq, B, h]
     out = jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
     return out[:, :q_len].astype(q.dtype), (m, l)
 
-  @jax.custom_vjp
-  def attend(q, k, v):
-    return forward(q, k, v)[0]
-
-  def attend_fwd(q, k, v):
-    out, stats = forward(q, k, v)
-    return out, (q, k, v, out, stats)
-
-  def attend_bwd(res, dout):
+  def backward(self, res, dout):
+    """The cotangents of q, k, v: the groups walked again, the probabilities recomputed
+    from the saved row maxima and sums, the blocks' gradients scatter-added."""
+    block, nq, nk, dt, scale = self.block, self.nq, self.nk, self.dt, self.scale
+    kh, g, q_len, kv_used = self.spec.kv_heads, self.spec.groups, self.spec.q_len, self.kv_used
     q, k, v, out, (m, l) = res
     b, _, _, h = q.shape
-    qb, kb, vb = split(q, k, v)
+    qb, kb, vb = self.split(q, k, v)
     as_blocks = lambda x: jnp.transpose(
         _pad_axis(x, 1, nq * block).reshape(b, nq, block, kh, g, h), (0, 3, 4, 1, 2, 5))
     do = as_blocks(dout).astype(dt)
@@ -497,7 +557,7 @@ def _causal_blocks(block: int, spec: AttentionSpec):
       dq, dk, dv = carry
       rows = lambda t: jnp.take(t, x["q"], axis=3)
       qg, kg, vg = rows(qb), jnp.take(kb, x["k"], axis=2), jnp.take(vb, x["k"], axis=2)
-      s = scores(qg, kg, x)
+      s = self.scores(qg, kg, x)
       p = jnp.exp(s - rows(m)[..., None]) * rows(inv_l)[..., None]
       do_g = rows(do)
       dv_g = jnp.einsum("bkgits,bkgith->bkish", p.astype(dt), do_g)
@@ -511,15 +571,34 @@ def _causal_blocks(block: int, spec: AttentionSpec):
     scratch = lambda x, axis: jnp.zeros(x.shape[:axis] + (x.shape[axis] + 1,)
                                         + x.shape[axis + 1:], dt)
     (dq, dk, dv), _ = jax.lax.scan(step, (scratch(qb, 3), scratch(kb, 2), scratch(vb, 2)),
-                                   schedule)
+                                   self.schedule)
     dq = jnp.transpose(dq[:, :, :, :nq], (0, 3, 4, 1, 2, 5)).reshape(b, nq * block, kh * g, h)
     unkey = lambda x, like: _pad_axis(
         jnp.transpose(x[:, :, :nk], (0, 2, 3, 1, 4)).reshape(b, nk * block, kh, h)[:, :kv_used],
-        1, spec.kv_len).astype(like.dtype)
+        1, self.spec.kv_len).astype(like.dtype)
     return dq[:, :q_len].astype(q.dtype), unkey(dk, k), unkey(dv, v)
 
-  attend.defvjp(attend_fwd, attend_bwd)
-  return attend
+
+def _causal_blocks(block: int, spec: AttentionSpec):
+  """The custom-VJP causal attention ``f(q, k, v)`` that skips the masked key blocks.
+
+  Queries and keys are cut into blocks of `block`; query block ``i`` attends key
+  blocks ``0..i`` only (JAX's causal mask is top-left aligned: query ``i`` sees
+  keys ``j <= i``, so keys from ``q_len`` on are never seen and are dropped, their
+  gradients zero). The block pairs, in diagonal order, are cut into groups of
+  as many pairs as there are query blocks (`_causal_schedule`), and a
+  `lax.scan` walks the groups: each step gathers its pairs' query and key
+  blocks and computes their scores in one batched `einsum` (``[q_len, block]``
+  per head, what a step of `blocked` holds), masking only the pairs on the
+  diagonal and the padded keys. The forward merges the step's online-softmax
+  statistics (row maximum, sum, weighted values) into the running ones, one
+  lane of distinct rows at a time; the backward walks the groups again,
+  recomputing the probabilities from the saved row maxima and sums, and
+  scatter-adds the gradients of the blocks. About half the score blocks of
+  `blocked` are computed. The stages are `_CausalBlocks`'s methods.
+  """
+  stages = _CausalBlocks.of(block, spec)
+  return _with_vjp(stages.forward, stages.backward)
 
 
 def blocked_causal(block: int) -> Callable[..., jax.Array]:
