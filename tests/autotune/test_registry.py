@@ -162,3 +162,44 @@ def test_source_hash_follows_the_source(tmp_path, monkeypatch):
     assert reg.source_hash(mod.kern) != before
   finally:
     sys.modules.pop("tj_kernel_mod", None)
+
+
+
+def test_op_family_packages_are_found_through_entry_points(monkeypatch):
+  """A family package named by a `tunedjax.op_families` entry point is imported on the
+  first lookup, once; one that fails to import is left out with a warning naming it."""
+  import importlib.metadata
+  import warnings
+
+  from tunedjax.autotune import _registry
+
+  loaded = []
+
+  def register_on_import():
+    loaded.append("tj_plugin")
+    _registry.register_op_family(_registry.OpFamily(
+        name="tj_plugin", spec_type=tuple, key=lambda spec, bucket: {"n": len(spec)},
+        operands=lambda spec, rng: ()), replace=True)
+
+  class Entry:  # what importlib.metadata gives: a name, a value and load()
+    def __init__(self, name, value, load):
+      self.name, self.value, self.load = name, value, load
+
+  broken = importlib.metadata.EntryPoint("broken", "tj_no_such_module_xyz", "g")
+  entries = [Entry("broken", broken.value, broken.load),
+             Entry("tj_plugin", "tj_plugin_package", register_on_import)]
+  monkeypatch.setattr(_registry.importlib.metadata, "entry_points",
+                      lambda group: entries if group == _registry.ENTRY_POINT_GROUP else [])
+  monkeypatch.setattr(_registry, "_PLUGINS", {"loading": False, "done": False})
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      names = [f.name for f in _registry.op_families()]
+    assert "tj_plugin" in names and loaded == ["tj_plugin"]
+    assert any("'tj_no_such_module_xyz'" in str(w.message) and "left out" in str(w.message)
+               for w in caught)
+    _registry.op_families()
+    assert loaded == ["tj_plugin"]  # once per process
+  finally:
+    if "tj_plugin" in [f.name for f in _registry.op_families()]:
+      _registry.unregister_op_family("tj_plugin")
