@@ -4,7 +4,9 @@
 // stage) and an XLA_FFI_Api of its own with the calls the handlers make:
 // errors, and the intra-op thread pool, whose tasks run on threads started
 // here and joined before the call returns. Only c_api.h is needed, so the
-// harness builds in about a second against the installed jaxlib's headers.
+// harness builds in about a second against the installed jaxlib's headers;
+// it names no type or field that changed between jaxlib 0.10 and 0.12 (the
+// context's type, the error-message call, which only a failed Schedule needs).
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -33,15 +35,14 @@ XLA_FFI_Error* ErrorCreate(XLA_FFI_Error_Create_Args* args) {
   return new XLA_FFI_Error{args->message ? args->message : ""};
 }
 
-void ErrorGetMessage(XLA_FFI_Error_GetMessage_Args* args) {
-  args->message = args->error->message.c_str();
-}
-
 void ErrorDestroy(XLA_FFI_Error_Destroy_Args* args) { delete args->error; }
 
 XLA_FFI_Error* Schedule(XLA_FFI_ThreadPool_Schedule_Args* args) {
   Pool* pool = reinterpret_cast<Pool*>(args->ctx);
-  if (pool->threads == 0) return new XLA_FFI_Error{"no thread pool"};
+  if (pool->threads == 0) {  // no pool: the caller runs it (handlers do not ask)
+    args->task(args->data);
+    return nullptr;
+  }
   std::lock_guard<std::mutex> lock(pool->mu);
   pool->started.emplace_back(args->task, args->data);
   return nullptr;
@@ -59,7 +60,6 @@ XLA_FFI_Api MakeApi() {
   api.api_version = {XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR,
                      XLA_FFI_API_MINOR};
   api.XLA_FFI_Error_Create = ErrorCreate;
-  api.XLA_FFI_Error_GetMessage = ErrorGetMessage;
   api.XLA_FFI_Error_Destroy = ErrorDestroy;
   api.XLA_FFI_ThreadPool_Schedule = Schedule;
   api.XLA_FFI_ThreadPool_NumThreads = NumThreads;
@@ -81,8 +81,8 @@ std::vector<XLA_FFI_Buffer> Buffers(int64_t count, const int32_t* dtypes,
 
 }  // namespace
 
-// Runs handler(call frame) with `threads` pool threads (0: no pool, every
-// task runs on the caller). Attributes are int64 scalars, their names sorted.
+// Runs handler(call frame) with `threads` pool threads (0: a pool of none,
+// whose tasks would run on the caller). Attributes are int64 scalars, their names sorted.
 // Returns 0, or 1 with the handler's error message copied into `message`.
 extern "C" int tj_harness_call(void* handler, int64_t threads, int64_t nargs,
                                const int32_t* arg_dtypes, void* const* arg_data,
@@ -119,7 +119,7 @@ extern "C" int tj_harness_call(void* handler, int64_t threads, int64_t nargs,
   std::memset(&frame, 0, sizeof(frame));
   frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
   frame.api = &api;
-  frame.ctx = reinterpret_cast<XLA_FFI_ExecutionContext*>(&pool);
+  frame.ctx = reinterpret_cast<decltype(frame.ctx)>(&pool);
   frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
   frame.args = {XLA_FFI_Args_STRUCT_SIZE, nullptr, nargs, arg_types.data(),
                 arg_ptrs.data()};
