@@ -168,10 +168,12 @@ def test_depthwise_conv_every_tile_remainder(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_depthwise_wgrad_every_tile_remainder(dtype):
-  """1 to CB + 1 channels (blocks of 64 / 32) with 1, 3 and 17 images (16 image chunks)."""
+  """1 to CB + 1 channels (blocks of 64 / 32) with 1, 3 and 17 images (16 image chunks);
+  channel parts (up to 16, uneven) where the images are few."""
   cb = 64 if dtype == np.float32 else 32
   rng = np.random.default_rng(2)
-  for c, n in itertools.product(range(1, cb + 2), (1, 3, 17)):
+  shapes = itertools.product([*range(1, cb + 2), 5 * cb + 7, 16 * cb + 1], (1, 3, 17))
+  for c, n in shapes:
     geo, out_hw = conv_geometry(5, 6, 5, 4, pad=((1, 1), (1, 0)))  # 3x4 taps
     check_conv("depthwise_wgrad", normal(rng, (n, 5, 6, c), dtype),
                normal(rng, (n, 5, 4, c), dtype), geo, out_hw, threads=n % 4)
@@ -226,7 +228,8 @@ def test_pointwise_matmul_every_tile_remainder(dtype):
     check_pointwise("matmul", normal(rng, (r, 3), dtype), normal(rng, (3, o), dtype),
                     threads=o % 3)
   widths = (1, lanes, lanes + 1, 2 * lanes + 1, 4 * lanes + 1, 6 * lanes)
-  for r, o, i in itertools.product((63, 64, 65, 255, 256, 257, 600), widths, (1, 5)):
+  for r, o, i in itertools.product((63, 64, 65, 255, 256, 257, 600, 64 * 256 + 300), widths,
+                                   (1, 5)):
     check_pointwise("matmul", normal(rng, (r, i), dtype), normal(rng, (i, o), dtype))
   for r, i, o in ((4, 0, 3), (0, 3, 4), (3, 2, 0)):  # empty: zeros, or nothing to write
     check_pointwise("matmul", normal(rng, (r, i), dtype), normal(rng, (i, o), dtype))
@@ -264,6 +267,23 @@ def test_pointwise_wgrad_partials_bounded_by_size(dtype):
   """Wide enough (I*O > 2^22/64) that the chunk count is capped by the partials' size."""
   rng = np.random.default_rng(9)
   check_pointwise("wgrad", normal(rng, (4096, 300), dtype), normal(rng, (4096, 300), dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_an_empty_batch(dtype):
+  """No images: the convolutions write nothing, the weight gradients zeros."""
+  rng = np.random.default_rng(16)
+  geo, out_hw = conv_geometry(4, 5, 3, 3, pad=((1, 1), (1, 1)))
+  check_conv("depthwise_conv", normal(rng, (0, 4, 5, 3), dtype), normal(rng, (3, 3, 3), dtype),
+             geo, out_hw)
+  check_conv("direct_conv", normal(rng, (0, 4, 5, 3), dtype), normal(rng, (3, 3, 3, 2), dtype),
+             geo, out_hw)
+  geo, out_hw = conv_geometry(4, 5, 4, 5, pad=((1, 1), (1, 1)))
+  assert check_conv("depthwise_wgrad", normal(rng, (0, 4, 5, 3), dtype),
+                    normal(rng, (0, 4, 5, 3), dtype), geo, out_hw).tolist() == np.zeros(
+                        (3, 3, 3)).tolist()
+  check_conv("direct_wgrad", normal(rng, (0, 4, 5, 3), dtype), normal(rng, (0, 4, 5, 2), dtype),
+             geo, out_hw)
 
 
 # ------------------------------------------------------------------ geometry --
