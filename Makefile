@@ -33,7 +33,7 @@ test-py312: $(STAMP312)
 	@$(PY312) -c "import sys, jax, jaxlib, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax', flax.__version__)"
 	$(PY312) -m pytest
 
-# The native C++ kernels' tests (tests/test_native*.py, tests/autotune/test_*native*.py)
+# The native C++ kernels' tests (tests/test_native_*.py, tests/autotune/test_*native*.py)
 # with every source built under AddressSanitizer and UndefinedBehaviorSanitizer:
 # TUNEDJAX_NATIVE_SANITIZE=1 builds them with -fsanitize=address,undefined into
 # "<digest>-sanitize" folders apart from the normal libraries. .ci/native-sanitize
