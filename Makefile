@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tunedjax-installed
 
-.PHONY: test test-py312 demo notebooks bench bench-smoke device-wheels clean-venv
+.PHONY: test test-py312 test-native-sanitize demo notebooks bench bench-smoke device-wheels \
+  clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,20 @@ $(STAMP312): pyproject.toml
 test-py312: $(STAMP312)
 	@$(PY312) -c "import sys, jax, jaxlib, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax', flax.__version__)"
 	$(PY312) -m pytest
+
+# The native C++ kernels' tests (tests/test_native_*.py, tests/autotune/test_*native*.py)
+# with every source built under AddressSanitizer and UndefinedBehaviorSanitizer:
+# TUNEDJAX_NATIVE_SANITIZE=1 builds them with -fsanitize=address,undefined into
+# "<digest>-sanitize" folders apart from the normal libraries. .ci/native-sanitize
+# gives Python what it needs to load them (LD_PRELOAD of the ASan runtime and
+# libstdc++, ASAN_OPTIONS=detect_leaks=0; the script says why), checks that every
+# source built instrumented, and fails on a failed test or any sanitizer report
+# (reports and logs in build/native-sanitize/). CI runs it after the two
+# environments. TUNEDJAX_NATIVE_CXX=clang++ checks clang's build instead (Debian:
+# apt-get install -y clang); extra arguments go to pytest: make
+# test-native-sanitize ARGS="-k edges".
+test-native-sanitize: $(STAMP)
+	.ci/native-sanitize $(PY) $(ARGS)
 
 # The same training twice, default and with set_config(None), side by side
 # (under 3 minutes on 2 cores). Run it again: the second run tunes nothing.

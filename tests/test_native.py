@@ -129,6 +129,7 @@ def test_turned_off_by_the_environment(sources, monkeypatch):
 
 
 def test_no_compiler_is_one_warning_naming_cxx(sources, monkeypatch):
+  monkeypatch.delenv(_native.NATIVE_CXX_ENV_VAR, raising=False)
   monkeypatch.setenv("CXX", "/nonexistent/c++")
   with pytest.warns(UserWarning, match=r"no C\+\+ compiler found.*nonexistent.*\$CXX"):
     assert _native.library("tiny") is None

@@ -1,14 +1,23 @@
 """Native CPU kernels: C++ XLA FFI handlers, built on first use and cached per machine.
 
-tunedjax ships a few kernels as C++ sources that XLA calls through its FFI, for work XLA:CPU compiles poorly (a depthwise
-convolution's weight gradient, batch norm's statistics). They are built the
-first time a kernel needs them, with the host's C++ compiler (``$CXX``, else
-``c++``, ``g++`` or ``clang++``) and ``-O3 -march=native``, into the cache
-folder (``<cache dir>/native/<digest>/``). The digest covers the sources, the
-XLA FFI headers of the installed jaxlib, the compiler's version and flags and
-the host CPU, so a shared cache folder serves every machine of a cluster
-with a library of its own; a later process loads the library in
-milliseconds. ``$TUNEDJAX_NATIVE_DIR`` puts the libraries elsewhere.
+tunedjax ships a few kernels as C++ sources that XLA calls through its FFI,
+for work XLA:CPU compiles poorly (a depthwise convolution's weight gradient, batch norm's statistics). They are built the
+first time a kernel needs them, with the host's C++ compiler
+(``$TUNEDJAX_NATIVE_CXX``, else ``$CXX``, else ``c++``, ``g++`` or
+``clang++``) and ``-O3 -march=native``, into the cache folder
+(``<cache dir>/native/<digest>/``). The digest covers the sources, the XLA
+FFI headers of the installed jaxlib, the compiler's version and flags and the
+host CPU, so a shared cache folder serves every machine of a cluster with a
+library of its own; a later process loads the library in milliseconds.
+``$TUNEDJAX_NATIVE_DIR`` puts the libraries elsewhere.
+
+``TUNEDJAX_NATIVE_SANITIZE=1`` builds every source with AddressSanitizer and
+UndefinedBehaviorSanitizer (`SANITIZE_FLAGS`) into folders of their own
+(``<digest>-sanitize``), never mixed with the normal libraries. A process
+can load those only with the sanitizer runtime preloaded (``LD_PRELOAD``);
+without it the kernels are unavailable, with a warning that says so.
+``make test-native-sanitize`` sets up that environment and runs the native
+kernels' tests under it.
 
 Native kernels are optional. With no compiler, a failed build or
 ``TUNEDJAX_NATIVE=0``, `ffi_target` returns None (the build failure warned
@@ -62,14 +71,24 @@ DIR_ENV_VAR = "TUNEDJAX_NATIVE_DIR"
 tuning caches: the test suite's subprocesses, notebooks with private caches)."""
 
 CXX_ENV_VAR = "CXX"
+NATIVE_CXX_ENV_VAR = "TUNEDJAX_NATIVE_CXX"
+"""The compiler for the native kernels alone (a path or a name on PATH); before ``$CXX``."""
+
+SANITIZE_ENV_VAR = "TUNEDJAX_NATIVE_SANITIZE"
+"""Set to ``1`` (or ``on``, ``true``, ``yes``) to build with `SANITIZE_FLAGS` (tests)."""
+
 COMPILERS = ("c++", "g++", "clang++")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Wextra")
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                  "-fno-omit-frame-pointer", "-g1")
+"""Added to `FLAGS` in sanitize mode: out-of-bounds accesses and undefined behaviour abort."""
 BUILD_TIMEOUT_S = 300.0
 HEADER_DIR = pathlib.Path(__file__).parent / "csrc"
 """The headers every native source may include (``#include "tj_parallel.h"``)."""
 TARGET_PREFIX = "tunedjax_"
 
 _OFF = ("0", "off", "false", "no")
+_ON = ("1", "on", "true", "yes")
 _LOCK = threading.RLock()
 _SOURCES: dict[str, pathlib.Path] = {}
 # Its own lock: build threads read sources while `library` holds `_LOCK`.
@@ -97,9 +116,23 @@ def disabled() -> bool:
   return os.environ.get(ENV_VAR, "").strip().lower() in _OFF
 
 
+def sanitize() -> bool:
+  """True when ``$TUNEDJAX_NATIVE_SANITIZE`` asks for sanitizer builds."""
+  return os.environ.get(SANITIZE_ENV_VAR, "").strip().lower() in _ON
+
+
+def flags() -> tuple[str, ...]:
+  """The compiler flags of this process's builds: `FLAGS`, plus `SANITIZE_FLAGS` if `sanitize`."""
+  return FLAGS + SANITIZE_FLAGS if sanitize() else FLAGS
+
+
 def find_compiler() -> Compiler | None:
-  """``$CXX`` if set (even when it is not there: then None), else the first of `COMPILERS` found."""
-  chosen = os.environ.get(CXX_ENV_VAR)
+  """The compiler that builds the native libraries, or None.
+
+  ``$TUNEDJAX_NATIVE_CXX``, else ``$CXX``, if set (even when it is not
+  there: then None); else the first of `COMPILERS` found on PATH.
+  """
+  chosen = os.environ.get(NATIVE_CXX_ENV_VAR) or os.environ.get(CXX_ENV_VAR)
   candidates = (chosen,) if chosen else COMPILERS
   for name in candidates:
     path = shutil.which(name)
@@ -171,10 +204,10 @@ def build_digest(source: str, compiler: Compiler) -> str:
   if ffi_header.exists():
     h.update(ffi_header.read_bytes())
   cpu = host_cpu()
-  for part in (compiler.version, " ".join(FLAGS), jaxlib.__version__, platform.machine(),
+  for part in (compiler.version, " ".join(flags()), jaxlib.__version__, platform.machine(),
                cpu.model or "", ",".join(cpu.features)):
     h.update(b"\0" + part.encode())
-  return h.hexdigest()[:16]
+  return h.hexdigest()[:16] + ("-sanitize" if sanitize() else "")
 
 
 def build_root() -> pathlib.Path:
@@ -201,7 +234,8 @@ def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
   """Compiles `source`'s ``.cc`` into `target`, atomically (a temporary name, then a rename)."""
   fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source}-", suffix=".so")
   os.close(fd)
-  command = [compiler.path, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADER_DIR}",
+  # XLA's headers as system headers: -Wall -Wextra then speak of tunedjax's code only.
+  command = [compiler.path, *flags(), "-isystem", jax.ffi.include_dir(), f"-I{HEADER_DIR}",
              str(source_path(source)), "-o", tmp]
   try:
     done = subprocess.run(command, capture_output=True, text=True, check=False,
@@ -216,6 +250,56 @@ def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
       os.unlink(tmp)
 
 
+def _print_file_name(compiler: Compiler, name: str) -> str | None:
+  """The compiler's full path of library `name` (``-print-file-name``), or None if it has none."""
+  try:
+    out = subprocess.run([compiler.path, f"-print-file-name={name}"], capture_output=True,
+                         text=True, timeout=30, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+def sanitizer_preload(compiler: Compiler | None = None) -> list[str] | None:
+  """What ``LD_PRELOAD`` must hold for a Python process to load sanitize-mode libraries.
+
+  The compiler's AddressSanitizer runtime (GCC's ``libasan.so``, clang's
+  ``libclang_rt.asan-<arch>.so``, which carries UBSan's handlers too), and
+  ``libstdc++.so``: Python does not link libstdc++, so without it the
+  runtime's ``__cxa_throw`` interceptor finds no function to forward to and
+  aborts the first time jaxlib throws a C++ exception ("CHECK failed:
+  asan_interceptors.cpp ... real___cxa_throw").
+
+  Args:
+    compiler: the compiler the libraries are built with; `find_compiler`'s if None.
+
+  Returns:
+    The libraries' full paths, or None when the compiler has no ASan runtime.
+  """
+  compiler = compiler or find_compiler()
+  if compiler is None:
+    return None
+  runtime = (f"libclang_rt.asan-{platform.machine()}.so" if "clang" in compiler.version
+             else "libasan.so")
+  paths = [_print_file_name(compiler, runtime), _print_file_name(compiler, "libstdc++.so")]
+  return None if paths[0] is None else [p for p in paths if p]
+
+
+def _sanitizer_runtime_loaded() -> bool:
+  """Whether AddressSanitizer's runtime is in the process (preloaded: ``LD_PRELOAD``)."""
+  return hasattr(ctypes.pythonapi, "__asan_init")  # the process's global symbols
+
+
+def _check_sanitizer_runtime() -> None:
+  """In sanitize mode, raises unless the runtime is loaded (loading without it aborts)."""
+  if sanitize() and not _sanitizer_runtime_loaded():
+    raise NativeBuildError(
+        f"${SANITIZE_ENV_VAR}={os.environ.get(SANITIZE_ENV_VAR)} builds with AddressSanitizer, "
+        "whose runtime must be loaded first: run with LD_PRELOAD=\"$(python -c 'from tunedjax "
+        "import _native; print(*_native.sanitizer_preload())')\" (`make "
+        "test-native-sanitize` does), or unset it")
+
+
 def _load(source: str) -> ctypes.CDLL:
   """Builds (unless cached) and loads the library of `source`."""
   path = source_path(source)
@@ -223,8 +307,11 @@ def _load(source: str) -> ctypes.CDLL:
     raise NativeBuildError(f"no native source {source!r}; available: {sources()}")
   compiler = find_compiler()
   if compiler is None:
-    wanted = os.environ.get(CXX_ENV_VAR) or " / ".join(COMPILERS)
-    raise NativeBuildError(f"no C++ compiler found (looked for {wanted}; set ${CXX_ENV_VAR})")
+    wanted = (os.environ.get(NATIVE_CXX_ENV_VAR) or os.environ.get(CXX_ENV_VAR)
+              or " / ".join(COMPILERS))
+    raise NativeBuildError(f"no C++ compiler found (looked for {wanted}; set "
+                           f"${NATIVE_CXX_ENV_VAR} or ${CXX_ENV_VAR})")
+  _check_sanitizer_runtime()
   target = _build_folder(build_digest(source, compiler)) / f"{source}.so"
   if not target.exists():
     _compile(source, compiler, target)
@@ -254,7 +341,7 @@ def _build_missing(requested: str) -> dict[str, Exception]:
   raised only when that source is requested.
   """
   compiler = find_compiler()
-  if compiler is None:
+  if compiler is None or (sanitize() and not _sanitizer_runtime_loaded()):
     return {}  # `_load` says so
   jobs = {}
   for name in sources():

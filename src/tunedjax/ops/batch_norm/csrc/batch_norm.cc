@@ -145,7 +145,7 @@ ffi::Error BatchNormGradSums(ffi::ThreadPool pool, ffi::Buffer<DT> x,
   using T = ffi::NativeType<DT>;
   auto xd = x.dimensions(), gd = dy.dimensions();
   if (xd.size() != 2 || gd.size() != 2 || gd[0] != xd[0] || gd[1] != xd[1] ||
-      mean.element_count() != xd[1] || xd[0] < 1) {
+      static_cast<int64_t>(mean.element_count()) != xd[1] || xd[0] < 1) {
     return ffi::Error::InvalidArgument(
         "batch_norm_grad_sums: expected x, dy (R >= 1, C) and mean (C)");
   }

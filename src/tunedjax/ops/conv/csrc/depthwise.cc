@@ -35,7 +35,11 @@
 //   Images are split over a fixed number of chunks (by shape, never by
 //   thread count) and the chunks' double sums are added in chunk order, so
 //   the result is bitwise the same from run to run.
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=fast")
+#endif
 
 #include <algorithm>
 #include <cstdint>
