@@ -41,13 +41,15 @@ OTHER_SECTIONS = {"layout_cpu", "demo"}
 # character classes, so that its grep does not find this line).
 ORGANISATION_WORDS = re.compile(r"\bstop [0-9]+\b|\bthe help[e]r|help[e]r[']s", re.IGNORECASE)
 
-# Runs each block in a namespace of its own and names the block that failed.
+# Runs a page's blocks in order in one namespace, as a reader would (a later
+# block may use what an earlier one made), and names the block that failed.
 _DRIVER = """
 import sys, traceback
 page, blocks = {page!r}, {blocks!r}
+namespace = {{"__name__": "__main__"}}
 for i, code in enumerate(blocks):
   try:
-    exec(compile(code, f"{{page}} python block {{i + 1}}", "exec"), {{"__name__": "__main__"}})
+    exec(compile(code, f"{{page}} python block {{i + 1}}", "exec"), namespace)
   except BaseException:
     traceback.print_exc()
     sys.exit(f"{{page}}: python block {{i + 1}} of {{len(blocks)}} failed:\\n{{code}}")
