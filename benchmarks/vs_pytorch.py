@@ -849,7 +849,7 @@ def main(argv=None) -> int:
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
   parser.add_argument("--no-prime", action="store_true",
                       help="time each variant's step right after the previous variant's "
-                           "(before stop 25: charges a JAX step for PyTorch's spinning threads)")
+                           "(the timing used before 2026-11-24: charges a JAX step for PyTorch's spinning threads)")
   parser.add_argument("--profile-steps", type=int, default=None)
   parser.add_argument("--bf16", action="store_true",
                       help="also time tunedjax with the mixed-precision policy (bf16 compute)")
