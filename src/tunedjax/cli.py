@@ -31,7 +31,7 @@ from tunedjax import _native
 # Each tuner registers its cache-entry validator when imported; `import
 # tunedjax` alone imports nothing (its names are lazy), so `cache import`
 # names them here.
-from tunedjax import autotune as _autotune  # noqa: F401
+from tunedjax import autotune as _autotune
 from tunedjax import input_pipeline as _input_pipeline  # noqa: F401
 from tunedjax import layout as _layout  # noqa: F401
 from tunedjax._errors import TunedJaxError
