@@ -256,6 +256,19 @@ def thread_neighbours(settings: LoaderSettings, ladder: Sequence[int]) -> list[L
           if 0 <= j < len(ladder)]
 
 
+def usable_cores() -> int:
+  """The cores this process may run on (its CPU affinity), not the machine's count.
+
+  Example:
+    >>> usable_cores() >= 1
+    True
+  """
+  try:
+    return len(os.sched_getaffinity(0)) or 1
+  except (AttributeError, OSError):  # no affinity on this platform
+    return os.cpu_count() or 1
+
+
 def seed_settings(start: LoaderSettings, space: Space, *,
                   cpus: int | None = None) -> list[LoaderSettings]:
   """Worker counts doubling from 1, each with about one read thread per core.
@@ -272,7 +285,7 @@ def seed_settings(start: LoaderSettings, space: Space, *,
     >>> [(s.worker_count, s.read_threads) for s in seed_settings(LoaderSettings(), space, cpus=8)]
     [(1, 8), (2, 4), (4, 2), (8, 1)]
   """
-  cpus = cpus or os.cpu_count() or 1
+  cpus = cpus or usable_cores()
   worker_choices = space.values["worker_count"]
   thread_choices = space.values["read_threads"]
   positive = [t for t in thread_choices if t > 0] or list(thread_choices)
@@ -524,7 +537,7 @@ def search_workers(run: Run, best: LoaderSettings) -> TuningResult:
                      budget_s=max(0.0, min(phase_s, run.deadline - run.clock())),
                      margin=run.margin, clock=run.clock, known=tuple(run.trials),
                      allowance=run.from_now(),
-                     seeds=seed_settings(best, run.space) if climbs_both else ())
+                     seeds=seed_settings(best, run.space, cpus=run.usable) if climbs_both else ())
   run.record(climb.trials)
   winner = keep_start(climb.settings, run.start, run.scores, run.margin)
   return run.done(winner, run.scores.of(winner), climb.stopped,

@@ -231,11 +231,7 @@ def host_fingerprint() -> dict[str, Any]:
     ['cpu', 'cpus', 'machine', 'usable_cpus']
   """
   cpu = _tuning.host_cpu().model or ""
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except (AttributeError, OSError):
-    usable = os.cpu_count() or 1
-  return {"cpu": cpu, "cpus": os.cpu_count() or 1, "usable_cpus": usable,
+  return {"cpu": cpu, "cpus": os.cpu_count() or 1, "usable_cpus": _search.usable_cores(),
           "machine": platform.machine()}
 
 
