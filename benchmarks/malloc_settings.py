@@ -63,15 +63,14 @@ def worker(kind: str, cache_dir: str) -> None:
     import tunedjax as tj  # pylint: disable=import-outside-toplevel
     step, args = vs_pytorch.net_problem("mobilenet")[:2]
     config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
-    with tj.config_context(config):
-      fn = tj.jit(step)
-      calls = 5
+    fn, calls = tj.jit(step), 5
 
-      def run():
-        out = None
+    def run():
+      out = None
+      with tj.config_context(config):  # tj.jit reads the config at each call
         for _ in range(calls):
           out = jax.block_until_ready(fn(*args))
-        return out
+      return out
   else:
     import jit_overhead  # pylint: disable=import-outside-toplevel
     step, args = jit_overhead.mlp_problem()
