@@ -206,7 +206,7 @@ def main(argv=None) -> int:
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--reps", type=int, default=None, help="steps per timed run")
-  parser.add_argument("--net", choices=(*NETS, "all"), default="all")
+  parser.add_argument("--net", choices=(*NETS, "all"), default=["all"], nargs="+")
   parser.add_argument("--worker", choices=NETS, help=argparse.SUPPRESS)
   parser.add_argument("--cache", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args.worker, args.cache, args.quick, args.reps)
     return 0
-  nets = NETS if args.net == "all" else (args.net,)
+  nets = NETS if "all" in args.net else tuple(args.net)
   load0 = os.getloadavg()[0]
   results = [measure(net, args) for net in nets]
   text = report(results, args, (load0, os.getloadavg()[0]))

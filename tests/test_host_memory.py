@@ -14,6 +14,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -38,6 +39,12 @@ if sys.argv[1] == "jax-first":
 with warnings.catch_warnings(record=True) as caught:
   import tunedjax as tj
 import jax, jax.numpy as jnp
+if sys.argv[1] == "tiny":  # the same workload, now with tiny calls only
+  tiny = tj.jit(lambda v: v * 2.0)
+  for _ in range(10):
+    tiny(jnp.ones(4)).block_until_ready()
+  print(json.dumps({"status": tj.host_memory_status().to_dict()}))
+  sys.exit(0)
 
 @tj.jit
 def f(x):  # an 80 MiB temporary: the concatenation, kept by the barrier
@@ -70,6 +77,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
   env = processes.cpu_env()
   for name in _ALLOCATOR_ENV:
     env.pop(name, None)
+  # A private cache: a child's decisions never reach the user's.
+  env["TUNEDJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="tunedjax-host-memory-test-")
   return {**env, **extra}
 
 
@@ -124,6 +133,7 @@ def test_auto_measures_records_and_applies_from_the_next_import_of_that_workload
   assert second["status"]["decision"] == record
   assert record["measured_at"] in second["status"]["reason"]
   assert second["faults"] < 0.05 * PAGES, second
+  assert record in _records(tmp_path)  # its large program confirmed the decision
 
   other = _child(code=_CHILD + "# another workload\n", **cache)  # not this decision's
   assert other["status"]["applied"] is False
@@ -136,6 +146,11 @@ def test_auto_measures_records_and_applies_from_the_next_import_of_that_workload
                                  "decision": None}
   assert opted_out["faults"] > 0.5 * PAGES, opted_out
   assert record in _records(tmp_path)  # left as it was
+
+  # The workload changed: applied, tiny calls only, so withdrawn at exit (measured again).
+  tiny = _child("tiny", **cache)
+  assert tiny["status"]["applied"] is True
+  assert record not in _records(tmp_path)
 
 
 @needs_glibc
@@ -161,6 +176,8 @@ def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
     monkeypatch.setenv(name, value)
   monkeypatch.setattr(_host_memory, "_STATUS", None)
   monkeypatch.setattr(_host_memory, "_MEASURING", False)
+  monkeypatch.setattr(_host_memory, "_CONFIRMING", False)
+  monkeypatch.setattr(_host_memory, "_MEASURED", [])
   monkeypatch.setattr(_host_memory, "_FOLDER", folder or pathlib.Path("/nonexistent/tunedjax"))
   monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: None)
   monkeypatch.setattr(_host_memory, "_mallopt", lambda libc: None)  # "set"
@@ -217,7 +234,7 @@ def test_auto_applies_a_paying_decision_for_this_machine_and_workload_only(monke
   status = _decide(monkeypatch, tmp_path)
   assert status.applied and status.settings == _host_memory.SETTINGS
   assert status.decision == _paying_record(measured_at=status.decision["measured_at"])
-  assert "18,000 pages" in status.reason and not _host_memory.measuring()
+  assert "18,000 pages" in status.reason and _host_memory.measuring()  # to confirm it
   status = _decide(monkeypatch, tmp_path, **{_host_memory.ENV_VAR: "default"})
   assert not status.applied and status.decision is None and not _host_memory.measuring()
 
@@ -278,6 +295,26 @@ def test_observe_records_only_a_program_whose_faults_cost(monkeypatch, tmp_path)
       "tiny", "few faults", "cheap faults", "step"]
   assert not _host_memory.measuring()  # decided: tunedjax.jit stops measuring
   assert "recorded for the next import" in _host_memory.host_memory_status().reason
+
+
+def test_an_applied_decision_is_confirmed_by_a_large_program_or_withdrawn_at_exit(
+    monkeypatch, tmp_path):
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  record = _paying_record()
+  _decisions.store(tmp_path, record)
+  assert _decide(monkeypatch, tmp_path).applied and _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is False  # nothing measured: no evidence
+  _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=1e-4)
+  assert _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is True
+  assert _decisions.load(tmp_path) == []
+  _decisions.store(tmp_path, record)
+  assert _decide(monkeypatch, tmp_path).applied
+  _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=1e-4)
+  _host_memory.observe("step", faults=0, system_s=0.0, wall_s=0.03)  # with the settings
+  assert not _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is False
+  assert _decisions.load(tmp_path) == [record]
 
 
 def test_a_readonly_cache_records_nothing(monkeypatch, tmp_path):

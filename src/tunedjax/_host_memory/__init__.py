@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -122,6 +123,10 @@ _LOCK = threading.RLock()
 _STATUS: HostMemoryStatus | None = None
 _FOLDER: pathlib.Path | None = None  # the decisions folder as seen at import
 _MEASURING = False  # auto mode, not applied: tunedjax.jit's CPU programs are measured
+# Applied by a decision: measured until one program is large enough to confirm it
+# (else the decision is withdrawn at exit, and the workload measured again next time).
+_CONFIRMING = False
+CONFIRM_S = 0.002  # a call this long (with the settings) confirms the decision
 _MEASURED: list[dict[str, Any]] = []  # this process's measurements (for `tunedjax info`)
 
 
@@ -193,6 +198,8 @@ def decisions_folder() -> pathlib.Path:
   ``~/.cache/tunedjax``)."""
   if _FOLDER is not None:
     return _FOLDER
+  if not os.environ.get("TUNEDJAX_CONFIG"):  # at import nothing else can have chosen one
+    return pathlib.Path(os.environ.get("TUNEDJAX_CACHE_DIR") or "~/.cache/tunedjax").expanduser()
   try:
     from tunedjax._config import get_config  # pylint: disable=import-outside-toplevel
     return get_config().cache.resolved_dir
@@ -237,6 +244,22 @@ def _blocked(mode: str) -> HostMemoryStatus | None:
   return None
 
 
+def _confirm_later() -> None:
+  global _CONFIRMING
+  _CONFIRMING = True
+  atexit.register(_withdraw_if_unconfirmed)
+
+
+def _withdraw_if_unconfirmed() -> bool:
+  """At exit of a process that applied a decision: where tunedjax.jit measured programs
+  but none was large enough to confirm it, the decision is withdrawn (the workload may
+  have changed; the next process measures again). True if withdrawn."""
+  with _LOCK:
+    if not (_CONFIRMING and _MEASURED and _STATUS is not None and _STATUS.workload):
+      return False
+    return _decisions.forget(decisions_folder(), _STATUS.workload)
+
+
 def _decide_and_apply() -> HostMemoryStatus:
   global _MEASURING
   mode, complaint = _mode()
@@ -262,6 +285,8 @@ def _decide_and_apply() -> HostMemoryStatus:
   refused = _mallopt(_glibc())
   if refused:
     return HostMemoryStatus(mode, False, refused, workload=workload, decision=decision)
+  if decision is not None:
+    _confirm_later()
   glibc = (_glibc().gnu_get_libc_version() or b"?").decode()
   reason = (f"set with mallopt (glibc {glibc}) at import" if decision is None else
             f"set with mallopt (glibc {glibc}) at import: {_describe(decision)}")
@@ -365,8 +390,9 @@ def apply_for_training(who: str) -> HostMemoryStatus:
 
 
 def measuring() -> bool:
-  """True while `tunedjax.jit` should measure its CPU programs (``auto``, not applied)."""
-  return _MEASURING
+  """True while `tunedjax.jit` should measure its CPU programs: ``auto`` mode, and
+  nothing decided yet, or a decision applied and not yet confirmed in this process."""
+  return _MEASURING or _CONFIRMING
 
 
 class CallProbe:
@@ -430,12 +456,14 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
   Returns:
     True if this measurement was recorded as paying.
   """
-  global _MEASURING, _STATUS
+  global _MEASURING, _CONFIRMING, _STATUS
   with _LOCK:
     status = configure()
     record = _decisions.record_for(status.workload or _decisions.workload(), faults=faults,
                                    system_s=system_s, wall_s=wall_s, program=program)
     _MEASURED.append(record)
+    if _CONFIRMING and wall_s >= CONFIRM_S:
+      _CONFIRMING = False  # a large program runs with the settings: the decision stands
     if not (_MEASURING and record["pays"]):
       return False
     _MEASURING = False

@@ -29,18 +29,14 @@ Example:
 
 from __future__ import annotations
 
+# `import tunedjax` reads this module; what only recording or a present file needs
+# (datetime, fcntl, hashlib, json, platform, tempfile) is imported where used.
 import contextlib
-import datetime
-import fcntl
 import functools
-import hashlib
-import json
 import math
 import os
 import pathlib
-import platform
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +58,7 @@ SYSTEM_SHARE = 0.1
 @functools.cache
 def machine() -> dict[str, Any]:
   """What a decision depends on besides the workload, read without JAX (and cached)."""
+  import platform  # pylint: disable=import-outside-toplevel
   model = platform.processor() or "unknown"
   try:  # the first CPU's entry is enough: read only the start of the file
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -84,6 +81,7 @@ def workload() -> str:
     return f"notebook {notebook}"
   argv0 = sys.argv[0] if sys.argv else ""
   if argv0 == "-c":
+    import hashlib  # pylint: disable=import-outside-toplevel
     orig = list(getattr(sys, "orig_argv", ()))
     code = orig[orig.index("-c") + 1] if "-c" in orig[:-1] else ""
     return f"python -c {hashlib.sha256(code.encode()).hexdigest()[:16]}"
@@ -95,6 +93,7 @@ def workload() -> str:
 def record_for(workload_key: str, *, faults: float, system_s: float, wall_s: float,
                program: str) -> dict[str, Any]:
   """One measured program's record: whether the settings pay, and from what."""
+  import datetime  # pylint: disable=import-outside-toplevel
   pays = faults >= FAULT_PAGES and system_s >= SYSTEM_SHARE * wall_s
   return {"machine": machine(), "workload": workload_key, "pays": bool(pays),
           "faults_per_call": round(float(faults), 1),
@@ -133,6 +132,7 @@ def load(folder: pathlib.Path) -> list[dict[str, Any]]:
     raw = path.read_bytes()
   except OSError:  # missing (the usual case) or unreadable: nothing decided
     return []
+  import json  # pylint: disable=import-outside-toplevel
   try:
     data = json.loads(raw)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -161,15 +161,15 @@ def load(folder: pathlib.Path) -> list[dict[str, Any]]:
 
 def lookup(folder: pathlib.Path, workload_key: str) -> dict[str, Any] | None:
   """This machine's record for `workload_key` in `folder`, if any."""
-  here = machine()
   for record in load(folder):
-    if record["workload"] == workload_key and record["machine"] == here:
+    if record["workload"] == workload_key and record["machine"] == machine():
       return record
   return None
 
 
 @contextlib.contextmanager
 def _locked(folder: pathlib.Path) -> Iterator[None]:
+  import fcntl  # pylint: disable=import-outside-toplevel
   with open(folder / (FILE_NAME + ".lock"), "a+b") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
@@ -179,6 +179,8 @@ def _locked(folder: pathlib.Path) -> Iterator[None]:
 
 
 def _write(folder: pathlib.Path, records: list[dict[str, Any]]) -> None:
+  import json  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
   data = {"format": FORMAT, "version": FORMAT_VERSION, "records": records[-MAX_RECORDS:]}
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=FILE_NAME, suffix=".tmp")
   try:
@@ -191,8 +193,24 @@ def _write(folder: pathlib.Path, records: list[dict[str, Any]]) -> None:
     raise
 
 
+def forget(folder: pathlib.Path, workload_key: str) -> bool:
+  """Removes this machine's record for `workload_key`; True if there was one."""
+  try:
+    with _locked(folder):
+      records = load(folder)
+      kept = [r for r in records
+              if not (r["workload"] == workload_key and r["machine"] == machine())]
+      if len(kept) == len(records):
+        return False
+      _write(folder, kept)
+  except OSError:
+    return False
+  return True
+
+
 def store(folder: pathlib.Path, record: dict[str, Any]) -> bool:
   """Adds `record`, replacing its machine and workload's; False if the folder cannot be written."""
+  import json  # pylint: disable=import-outside-toplevel
   key = (json.dumps(record["machine"], sort_keys=True), record["workload"])
   try:
     folder.mkdir(parents=True, exist_ok=True)
