@@ -55,13 +55,13 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   """Builds `net`'s step under both programs, then answers "run" lines with timings."""
   import resource  # pylint: disable=import-outside-toplevel
 
-  # vs_pytorch imports tunedjax first (the settings apply before JAX starts its
-  # threads); the flag keeps it from re-running itself in the torch venv.
+  # tunedjax first: the settings are decided before JAX starts its threads, from this
+  # worker's environment (vs_pytorch would set TUNEDJAX_HOST_MEMORY=retain where it is
+  # unset). The flag keeps vs_pytorch from re-running itself in the torch venv.
+  import tunedjax as tj  # pylint: disable=import-outside-toplevel
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   import jax  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
-
-  import tunedjax as tj  # pylint: disable=import-outside-toplevel
 
   if net == "mlp":  # host-bound: what one arena costs a small step's dispatch, if anything
     import jit_overhead  # pylint: disable=import-outside-toplevel

@@ -10,7 +10,8 @@ Python starts, so every variant runs in processes of its own:
   with kernel selection (tuned once into a shared cache first): ms per step,
   minor page faults and system CPU ms per step (`getrusage`);
 - **dispatch**: `jit_overhead.py`'s steady state: 200 calls of its small MLP
-  step under plain `jax.jit`, dispatched without waiting: us per call.
+  step under plain `jax.jit`, dispatched without waiting, then one wait; a
+  run is the median of 5 such batches: us per call.
 
 The two measurements run in separate processes (a step's heap must not shape
 the dispatch loop's). Each round asks every worker of a kind for one timed
@@ -51,6 +52,7 @@ VARIANTS = {
                                  "GLIBC_TUNABLES": "glibc.malloc.tcache_count=1024"},
 }
 BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
+SECTION = "malloc_settings"
 
 
 def worker(kind: str, cache_dir: str) -> None:
@@ -63,7 +65,7 @@ def worker(kind: str, cache_dir: str) -> None:
     import tunedjax as tj  # pylint: disable=import-outside-toplevel
     step, args = vs_pytorch.net_problem("mobilenet")[:2]
     config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
-    fn, calls = tj.jit(step), 5
+    fn, calls, batches = tj.jit(step), 5, 1
 
     def run():
       out = None
@@ -74,7 +76,7 @@ def worker(kind: str, cache_dir: str) -> None:
   else:
     import jit_overhead  # pylint: disable=import-outside-toplevel
     step, args = jit_overhead.mlp_problem()
-    fn, calls = jax.jit(step), jit_overhead.CALLS_PER_RUN
+    fn, calls, batches = jax.jit(step), jit_overhead.CALLS_PER_RUN, 5
 
     def run():
       out = None
@@ -87,12 +89,17 @@ def worker(kind: str, cache_dir: str) -> None:
   for line in sys.stdin:
     if line.strip() != "run":
       break
-    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    run()
-    wall = time.perf_counter() - start
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    walls = []
+    for _ in range(batches):  # the median batch: one load spike does not move a run
+      start = time.perf_counter()
+      run()
+      walls.append(time.perf_counter() - start)
     after = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"s": wall / calls, "faults": (after.ru_minflt - before.ru_minflt) / calls,
-                      "sys_s": (after.ru_stime - before.ru_stime) / calls}), flush=True)
+    n = calls * batches
+    print(json.dumps({"s": statistics.median(walls) / calls,
+                      "faults": (after.ru_minflt - before.ru_minflt) / n,
+                      "sys_s": (after.ru_stime - before.ru_stime) / n}), flush=True)
 
 
 def _spawn(kind: str, cache_dir: str, extra: dict[str, str]) -> subprocess.Popen:
@@ -137,10 +144,12 @@ def _ratio(runs, name):
 def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float]) -> str:
   import _harness  # pylint: disable=import-outside-toplevel
   lines = [
+      "### Which malloc settings remove the faults, and what each costs a tiny call",
+      "",
       f"`benchmarks/malloc_settings.py --rounds {rounds}`: each variant set through glibc's "
       "environment variables before Python starts; the MobileNet-style `tj.jit` step (kernel "
-      "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls a run, not "
-      f"waiting) each in processes of their own; {rounds} rotated rounds; ratio = median of "
+      "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls not waiting, "
+      f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated rounds; ratio = median of "
       "per-round ratios to the unset baseline. "
       f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
       "",
@@ -162,6 +171,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
   parser.add_argument("--cache", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -177,7 +187,11 @@ def main(argv=None) -> int:
   tuner.communicate("")
   dispatch = measure("dispatch", variants, args.rounds, cache_dir)
   step = measure("step", variants, args.rounds, cache_dir)
-  print(report(step, dispatch, args.rounds, (load0, os.getloadavg()[0])))
+  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]))
+  print(text)
+  if args.write:
+    import _harness  # pylint: disable=import-outside-toplevel
+    _harness.write_section(SECTION, text)
   return 0
 
 
