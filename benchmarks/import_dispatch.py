@@ -172,7 +172,8 @@ def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--quick", action="store_true", help="2 rounds (smoke)")
+  parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--worker", choices=("jax.jit", "tj.jit"), help=argparse.SUPPRESS)
   parser.add_argument("--tunedjax", action="store_true", help=argparse.SUPPRESS)
@@ -180,11 +181,12 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args.tunedjax, args.worker)
     return 0
+  args.rounds = args.rounds or (2 if args.quick else 40)
   load0 = os.getloadavg()[0]
   runs, statuses = measure(args.rounds)
   text = report(runs, statuses, args.rounds, (load0, os.getloadavg()[0]))
   print(text)
-  if args.write:
+  if args.write and not args.quick:
     import _harness  # pylint: disable=import-outside-toplevel
     _harness.write_section(SECTION, text)
   return 0

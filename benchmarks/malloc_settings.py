@@ -55,7 +55,7 @@ BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
 SECTION = "malloc_settings"
 
 
-def worker(kind: str, cache_dir: str) -> None:
+def worker(kind: str, cache_dir: str, quick: bool) -> None:
   """Builds the step (or the MLP), then answers each "run" line with one timing."""
   import resource  # pylint: disable=import-outside-toplevel
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
@@ -63,7 +63,7 @@ def worker(kind: str, cache_dir: str) -> None:
   if kind == "step":
     import vs_pytorch  # pylint: disable=import-outside-toplevel
     import tunedjax as tj  # pylint: disable=import-outside-toplevel
-    step, args = vs_pytorch.net_problem("mobilenet")[:2]
+    step, args = vs_pytorch.net_problem("mobilenet", quick)[:2]
     config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
     fn, calls, batches = tj.jit(step), 5, 1
 
@@ -102,12 +102,14 @@ def worker(kind: str, cache_dir: str) -> None:
                       "sys_s": (after.ru_stime - before.ru_stime) / n}), flush=True)
 
 
-def _spawn(kind: str, cache_dir: str, extra: dict[str, str]) -> subprocess.Popen:
+def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False
+           ) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
   env.update(extra, TUNEDJAX_HOST_MEMORY="default", TUNEDJAX_CACHE_DIR=cache_dir)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
-  return subprocess.Popen([sys.executable, __file__, "--worker", kind, "--cache", cache_dir],
+  cmd = [sys.executable, __file__, "--worker", kind, "--cache", cache_dir]
+  return subprocess.Popen(cmd + (["--quick"] if quick else []),
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -118,12 +120,12 @@ def _reply(proc: subprocess.Popen) -> dict:
   return json.loads(line)
 
 
-def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str
-            ) -> dict[str, list[dict]]:
+def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str,
+            quick: bool = False) -> dict[str, list[dict]]:
   """One worker per variant (started one at a time), timed in rotated rounds."""
   procs = {}
   for name, env in variants.items():
-    procs[name] = _spawn(kind, cache_dir, env)
+    procs[name] = _spawn(kind, cache_dir, env, quick)
     _reply(procs[name])
   names = list(procs)
   runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -169,27 +171,30 @@ def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float]) -
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--quick", action="store_true",
+                      help="small shapes, 2 rounds, three variants (smoke)")
+  parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
   parser.add_argument("--cache", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
-    worker(args.worker, args.cache)
+    worker(args.worker, args.cache, args.quick)
     return 0
-  variants = {n: e for n, e in VARIANTS.items()
-              if not args.only or n in (BASE, CONTROL) or n in args.only}
+  args.rounds = args.rounds or (2 if args.quick else 7)
+  only = ["arena 1 + no mmap + trim (tunedjax's)"] if args.quick else args.only
+  variants = {n: e for n, e in VARIANTS.items() if not only or n in (BASE, CONTROL) or n in only}
   load0 = os.getloadavg()[0]
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
-  tuner = _spawn("step", cache_dir, {})  # tunes the step once; the workers read the cache
+  tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
   _reply(tuner)
   tuner.communicate("")
-  dispatch = measure("dispatch", variants, args.rounds, cache_dir)
-  step = measure("step", variants, args.rounds, cache_dir)
+  dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
+  step = measure("step", variants, args.rounds, cache_dir, args.quick)
   text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]))
   print(text)
-  if args.write:
+  if args.write and not args.quick:
     import _harness  # pylint: disable=import-outside-toplevel
     _harness.write_section(SECTION, text)
   return 0
