@@ -111,7 +111,8 @@ def test_info_shows_the_host_memory_decisions_recorded_on_this_machine(capsys, c
   assert _info_json(capsys)["host_memory"]["decisions"] == [record]  # this machine's only
   assert cli.main(["info"]) == 0
   out = capsys.readouterr().out
-  assert f"decisions   1 on this machine, in {cache_dir / 'host-memory.json'}:" in out
+  assert re.search(r"\n  decisions +1 on this machine, in " + re.escape(
+      f"{cache_dir / 'host-memory.json'}:\n"), out)
   assert (f"    script /home/me/train.py: pays: train_step faulted 17,938 pages, 32.1 ms in "
           f"the kernel per call of 46.2 ms (measured {record['measured_at']})") in out
 

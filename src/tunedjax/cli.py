@@ -143,17 +143,16 @@ def _decision_line(record: dict[str, Any]) -> str:
 
 def _format_host_memory(memory: dict[str, Any]) -> list[str]:
   settings = ", ".join(f"{k}={v}" for k, v in memory["settings"].items())
+  decisions = memory["decisions"]
   lines = ["", "Host memory (malloc)"] + _table({
       "mode": f"{memory['mode']} (${_host_memory.ENV_VAR})",
       "applied": f"yes: {settings}" if memory["applied"] else "no",
       "why": memory["reason"],
       "page faults": f"{memory['minor_page_faults']} minor, in this process so far",
+      "decisions": (f"{len(decisions)} on this machine, in {memory['decisions_file']}"
+                    + (":" if decisions else " (tunedjax.jit records them as it measures)")),
   })
-  decisions = memory["decisions"]
-  lines += [f"  decisions   {len(decisions)} on this machine, in {memory['decisions_file']}"
-            + (":" if decisions else " (tunedjax.jit records them; see docs/host-memory.md)")]
-  lines += [f"    {r['workload']}: {_decision_line(r)}" for r in decisions]
-  return lines
+  return lines + [f"    {r['workload']}: {_decision_line(r)}" for r in decisions]
 
 
 def _human_size(n: int) -> str:
