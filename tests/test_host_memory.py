@@ -376,6 +376,24 @@ def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, 
     assert not before.applied
 
 
+def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert _host_memory._likely_cpu_only() is True
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  assert _host_memory._likely_cpu_only() is False
+  monkeypatch.delenv("JAX_PLATFORMS")
+  import importlib.metadata
+  import importlib.util
+  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  assert _host_memory._likely_cpu_only() is True  # no plugin installed
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: name == "libtpu" or None)
+  assert _host_memory._likely_cpu_only() is False
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: ["jax_cuda12_plugin"])
+  assert _host_memory._likely_cpu_only() is False
+
+
 def test_the_trainer_and_the_demo_command_ask_for_the_settings_first(monkeypatch):
   from tunedjax import cli
   from tunedjax import demo

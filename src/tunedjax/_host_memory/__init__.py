@@ -345,8 +345,8 @@ def _likely_cpu_only() -> bool:
   if importlib.util.find_spec("libtpu") is not None:
     return False
   try:
-    import importlib.metadata  # pylint: disable=import-outside-toplevel  # not at import: ms
-    if importlib.metadata.entry_points(group="jax_plugins"):
+    from importlib import metadata  # pylint: disable=import-outside-toplevel  # not at import: ms
+    if metadata.entry_points(group="jax_plugins"):
       return False
   except Exception:  # pylint: disable=broad-except  # broken metadata: assume an accelerator
     return False
