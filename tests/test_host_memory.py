@@ -407,6 +407,31 @@ def test_the_trainer_and_the_demo_command_ask_for_the_settings_first(monkeypatch
   assert asked == ["a tunedjax Trainer was created", "tunedjax demo started", "demo ran"]
 
 
+# Importing the command line and the Trainer starts no JAX backend, so `tunedjax demo`
+# and a Trainer of a Flax linen model (unbound: no parameters yet) come first.
+_FIRST_PROCESS = r"""
+import json, sys
+from tunedjax import _host_memory, cli
+from tunedjax.trainer import Trainer
+from tests.trainer import models as m
+started = _host_memory._jax_default_backend_if_started()
+Trainer(m.LinenMLP(), m.optimizer(), m.linen_loss, progress=False,
+        example_batch=m.batches(m.regression_data(), 8)[0])
+print(json.dumps({"started": started, "status": _host_memory.host_memory_status().to_dict()}))
+"""
+
+
+@needs_glibc
+def test_a_trainer_created_first_applies_the_settings_in_the_first_process():
+  out = subprocess.run([sys.executable, "-c", _FIRST_PROCESS], capture_output=True, text=True,
+                       env=_clean_env(), cwd=processes.ROOT, timeout=240, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = processes.last_json(out.stdout)
+  assert got["started"] is None
+  assert got["status"]["applied"] is True
+  assert "when a tunedjax Trainer was created" in got["status"]["reason"]
+
+
 def test_status_is_decided_once(monkeypatch):
   first = tj.host_memory_status()
   monkeypatch.setenv(_host_memory.ENV_VAR, "retain" if first.mode != "retain" else "default")
