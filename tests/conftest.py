@@ -25,6 +25,11 @@ os.environ.setdefault(
     "TUNEDJAX_NATIVE_DIR",
     os.path.join(tempfile.gettempdir(), f"tunedjax-native-tests-{os.getuid()}"))
 
+# The suite's tunedjax.jit calls must not record host-memory decisions in the
+# user's cache (tunedjax._host_memory, auto mode); tests/test_host_memory.py
+# sets the mode itself, and its child processes start without this.
+os.environ.setdefault("TUNEDJAX_HOST_MEMORY", "default")
+
 settings.register_profile(
     "tunedjax",
     deadline=None,  # the first example of a JAX test compiles

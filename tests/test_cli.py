@@ -53,7 +53,7 @@ def test_info_prints_fingerprint_and_cache_dir(capsys, cache_dir):
   assert re.search(r"\n  exists +no\n", out)
   assert "Native CPU kernels" in out and re.search(r"\n  sources +.*depthwise", out)
   assert "Host memory (malloc)" in out
-  assert re.search(r"\n  mode +(retain|default) \(\$TUNEDJAX_HOST_MEMORY\)", out)
+  assert re.search(r"\n  mode +(auto|retain|default) \(\$TUNEDJAX_HOST_MEMORY\)", out)
 
 
 def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_dir,
@@ -73,7 +73,9 @@ def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_d
   _native.reset()
 
 
-def test_info_json(capsys, cache_dir):
+def test_info_json(capsys, cache_dir, monkeypatch):
+  from tunedjax import _host_memory
+  monkeypatch.setattr(_host_memory, "_FOLDER", cache_dir)  # the decisions' folder: at import
   info = _info_json(capsys)
   assert set(info) == JSON_KEYS
   fp = device_fingerprint()
@@ -91,8 +93,28 @@ def test_info_json(capsys, cache_dir):
   assert "depthwise" in native["sources"] and set(native["built"]) <= set(native["sources"])
   memory = info["host_memory"]
   assert memory == {**tunedjax.host_memory_status().to_dict(),
-                    "minor_page_faults": memory["minor_page_faults"]}
+                    "minor_page_faults": memory["minor_page_faults"],
+                    "decisions_file": str(cache_dir / "host-memory.json"), "decisions": []}
   assert memory["minor_page_faults"] > 0
+
+
+def test_info_shows_the_host_memory_decisions_recorded_on_this_machine(capsys, cache_dir,
+                                                                       monkeypatch):
+  from tunedjax import _host_memory
+  from tunedjax._host_memory import _decisions
+  record = _decisions.record_for("script /home/me/train.py", faults=17_938.0, system_s=0.0321,
+                                 wall_s=0.0462, program="train_step")
+  other = {**_decisions.record_for("script /elsewhere.py", faults=1.0, system_s=0.0,
+                                   wall_s=0.001, program="f"), "machine": {"cpu": "other"}}
+  assert _decisions.store(cache_dir, record) and _decisions.store(cache_dir, other)
+  monkeypatch.setattr(_host_memory, "_FOLDER", cache_dir)
+  assert _info_json(capsys)["host_memory"]["decisions"] == [record]  # this machine's only
+  assert cli.main(["info"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"\n  decisions +1 on this machine, in " + re.escape(
+      f"{cache_dir / 'host-memory.json'}:\n"), out)
+  assert (f"    script /home/me/train.py: pays: train_step faulted 17,938 pages, 32.1 ms in "
+          f"the kernel per call of 46.2 ms (measured {record['measured_at']})") in out
 
 
 def test_info_json_follows_config_context(capsys, cache_dir, tmp_path):

@@ -1,18 +1,20 @@
-"""Host memory (`tunedjax._host_memory`): what `import tunedjax` does to glibc's malloc
-with ``TUNEDJAX_HOST_MEMORY=retain`` (opt in), and that it does nothing without it.
+"""Host memory (`tunedjax._host_memory`): what `import tunedjax` does to glibc's malloc:
+decided by measurement (``auto``, the default), forced (``retain``) or never (``default``).
 
-The import-time behaviour is checked in fresh processes: each runs a jitted
-function whose temporary buffer (80 MiB, kept by an optimization barrier) is
-larger than a glibc thread arena can hold, and counts the minor page faults of
-each call after warm-up (the median of 15 calls). Page faults are counted, not timed, so these tests
-do not depend on the machine's load.
+The import-time behaviour is checked in fresh processes: each runs a function
+under `tunedjax.jit` whose temporary buffer (80 MiB, kept by an optimization
+barrier) is larger than a glibc thread arena can hold, and counts the minor
+page faults of each call after warm-up (the median of 15 calls). Page faults
+are counted, not timed, so these tests do not depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -20,12 +22,14 @@ import pytest
 import tunedjax as tj
 from tests import processes
 from tunedjax import _host_memory
+from tunedjax._host_memory import _decisions
 
 TEMP_BYTES = 80 * 2**20
 PAGES = TEMP_BYTES // 4096
 
 # Runs in a fresh process: argv[1] = "jax-first" starts JAX's backend before
-# importing tunedjax. Prints the status and the page faults per call.
+# importing tunedjax. Prints the status and the page faults per call. The
+# workload is this code (`python -c`): CODE + a comment is another workload.
 _CHILD = r"""
 import json, resource, statistics, sys, warnings
 warnings.simplefilter("always")
@@ -35,14 +39,20 @@ if sys.argv[1] == "jax-first":
 with warnings.catch_warnings(record=True) as caught:
   import tunedjax as tj
 import jax, jax.numpy as jnp
+if sys.argv[1] == "tiny":  # the same workload, now with tiny calls only
+  tiny = tj.jit(lambda v: v * 2.0)
+  for _ in range(10):
+    tiny(jnp.ones(4)).block_until_ready()
+  print(json.dumps({"status": tj.host_memory_status().to_dict()}))
+  sys.exit(0)
 
-@jax.jit
+@tj.jit
 def f(x):  # an 80 MiB temporary: the concatenation, kept by the barrier
   return jax.lax.optimization_barrier(jnp.concatenate([x * 2.0, x * 3.0])).sum()
 
 x = jnp.arange(TEMP_BYTES // 8, dtype=jnp.float32) / 1e6
 assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= TEMP_BYTES
-for _ in range(5):
+for _ in range(8):  # tunedjax.jit measures calls 4-6 while deciding
   f(x).block_until_ready()
 faults = []
 for _ in range(15):  # the heap may still grow in a few calls: the median is the steady state
@@ -67,14 +77,22 @@ def _clean_env(**extra: str) -> dict[str, str]:
   env = processes.cpu_env()
   for name in _ALLOCATOR_ENV:
     env.pop(name, None)
+  # A private cache: a child's decisions never reach the user's.
+  env["TUNEDJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="tunedjax-host-memory-test-")
   return {**env, **extra}
 
 
-def _child(order: str = "tunedjax-first", **env: str) -> dict:
-  out = subprocess.run([sys.executable, "-c", _CHILD, order], capture_output=True, text=True,
+def _child(order: str = "tunedjax-first", *, code: str = _CHILD, **env: str) -> dict:
+  out = subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True,
                        env=_clean_env(**env), cwd=processes.ROOT, timeout=240, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   return processes.last_json(out.stdout)
+
+
+def _records(folder: pathlib.Path) -> list[dict]:
+  data = json.loads((folder / _decisions.FILE_NAME).read_text())
+  assert data["format"] == _decisions.FORMAT
+  return data["records"]
 
 
 needs_glibc = pytest.mark.skipif(_host_memory._glibc() is None,
@@ -85,22 +103,54 @@ RETAIN = {_host_memory.ENV_VAR: "retain"}
 
 
 @needs_glibc
-def test_retain_reuses_memory_so_a_step_does_not_fault_its_temporaries_again():
-  retained = _child(**RETAIN)
+def test_retain_reuses_memory_so_a_step_does_not_fault_its_temporaries_again(tmp_path):
+  retained = _child(**RETAIN, TUNEDJAX_CACHE_DIR=str(tmp_path))
   assert retained["status"]["applied"] is True
   assert retained["status"]["settings"] == _host_memory.SETTINGS
   assert retained["warnings"] == []
   assert retained["faults"] < 0.05 * PAGES, retained
   assert retained["released"] is True  # the freed 64 MiB block went back to the OS
-  # By default (and with "default") the allocator is untouched: the whole
-  # temporary is faulted in again on every call.
-  for env in ({}, {_host_memory.ENV_VAR: "default"}):
-    default = _child(**env)
-    assert default["status"] == {"mode": "default", "applied": False, "settings": {},
-                                 "reason": default["status"]["reason"]}
-    assert "is not 'retain'" in default["status"]["reason"]
-    assert default["warnings"] == []
-    assert default["faults"] > 0.5 * PAGES, default
+  assert not (tmp_path / _decisions.FILE_NAME).exists()  # forced: nothing measured
+
+
+@needs_glibc
+def test_auto_measures_records_and_applies_from_the_next_import_of_that_workload_only(tmp_path):
+  cache = {"TUNEDJAX_CACHE_DIR": str(tmp_path)}
+  first = _child(**cache)  # nothing decided yet: malloc untouched, the step faults
+  assert first["status"]["mode"] == "auto" and first["status"]["applied"] is False
+  assert first["faults"] > 0.5 * PAGES, first
+  assert first["warnings"] == []
+  (record,) = _records(tmp_path)
+  assert record["pays"] is True and record["program"] == "f"
+  assert record["workload"] == first["status"]["workload"]
+  assert record["workload"].startswith("python -c ")
+  assert record["faults_per_call"] > 0.5 * PAGES
+  assert first["status"]["decision"] == record
+
+  second = _child(**cache)  # the same workload: applied at import, no faults left
+  assert second["status"]["applied"] is True
+  assert second["status"]["settings"] == _host_memory.SETTINGS
+  assert second["status"]["decision"] == record
+  assert record["measured_at"] in second["status"]["reason"]
+  assert second["faults"] < 0.05 * PAGES, second
+  assert record in _records(tmp_path)  # its large program confirmed the decision
+
+  other = _child(code=_CHILD + "# another workload\n", **cache)  # not this decision's
+  assert other["status"]["applied"] is False
+  assert other["status"]["workload"] != record["workload"]
+  assert other["faults"] > 0.5 * PAGES, other
+
+  opted_out = _child(**cache, **{_host_memory.ENV_VAR: "default"})
+  assert opted_out["status"] == {"mode": "default", "applied": False, "settings": {},
+                                 "reason": opted_out["status"]["reason"], "workload": None,
+                                 "decision": None}
+  assert opted_out["faults"] > 0.5 * PAGES, opted_out
+  assert record in _records(tmp_path)  # left as it was
+
+  # The workload changed: applied, tiny calls only, so withdrawn at exit (measured again).
+  tiny = _child("tiny", **cache)
+  assert tiny["status"]["applied"] is True
+  assert record not in _records(tmp_path)
 
 
 @needs_glibc
@@ -112,36 +162,56 @@ def test_backend_started_before_import_warns_and_leaves_malloc_alone():
   (warning,) = [w for w in got["warnings"] if w.startswith("HostMemoryWarning")]
   assert "Import tunedjax before running JAX code" in warning
   assert _host_memory.ENVIRONMENT_HINT in warning
-  quiet = _child("jax-first")  # not opted in: nothing to warn about
+  quiet = _child("jax-first")  # auto, nothing decided: nothing to warn about
   assert quiet["warnings"] == []
 
 
-@needs_glibc
-@pytest.mark.parametrize("name,value", [("MALLOC_ARENA_MAX", "2"),
-                                        ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")])
-def test_an_environment_that_tunes_malloc_is_respected(name, value):
-  status = _child(**RETAIN, **{name: value})["status"]
-  assert status["applied"] is False
-  assert status["reason"] == f"the environment already tunes malloc (${name})"
-
-
-def test_a_bad_mode_warns_naming_the_value_and_the_valid_ones():
-  got = _child(**{_host_memory.ENV_VAR: "always"})
-  (warning,) = got["warnings"]
-  assert warning.startswith("HostMemoryWarning")
-  assert "'always'" in warning and "'retain' or 'default'" in warning
-  assert got["status"]["applied"] is False
-
-
-def _decide(monkeypatch, **env: str) -> _host_memory.HostMemoryStatus:
-  """The decision `configure` would make in this process under `env` (no mallopt call
-  unless every check passes; the suite's process already has the settings)."""
+def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
+            ) -> _host_memory.HostMemoryStatus:
+  """The decision `configure` would make in this process under `env`, with its decisions
+  in `folder` (mallopt is never called here: this process keeps its allocator)."""
   for name in _ALLOCATOR_ENV:
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
   monkeypatch.setattr(_host_memory, "_STATUS", None)
+  monkeypatch.setattr(_host_memory, "_MEASURING", False)
+  monkeypatch.setattr(_host_memory, "_CONFIRMING", False)
+  monkeypatch.setattr(_host_memory, "_MEASURED", [])
+  monkeypatch.setattr(_host_memory, "_FOLDER", folder or pathlib.Path("/nonexistent/tunedjax"))
+  monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: None)
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc: None)  # "set"
   return _host_memory.configure()
+
+
+def _paying_record(workload: str = "script /train.py", **changes) -> dict:
+  record = _decisions.record_for(workload, faults=18_000.0, system_s=0.032, wall_s=0.046,
+                                 program="step")
+  return {**record, **changes}
+
+
+@pytest.mark.parametrize("name,value", [("MALLOC_ARENA_MAX", "2"),
+                                        ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"),
+                                        ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"),
+                                        ("LD_PRELOAD", "libtcmalloc_minimal.so.4")])
+@pytest.mark.parametrize("mode", ["retain", "auto"])
+def test_an_environment_that_tunes_malloc_is_respected(monkeypatch, tmp_path, name, value, mode):
+  if _host_memory._glibc() is None:
+    pytest.skip("the check follows the glibc check")
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  _decisions.store(tmp_path, _paying_record())
+  status = _decide(monkeypatch, tmp_path, **{name: value, _host_memory.ENV_VAR: mode})
+  assert status.applied is False and status.mode == mode
+  assert status.reason == f"the environment already tunes malloc (${name})"
+  assert not _host_memory.measuring()
+
+
+def test_a_bad_mode_warns_naming_the_value_and_the_valid_ones(monkeypatch):
+  with pytest.warns(tj.HostMemoryWarning) as caught:
+    status = _decide(monkeypatch, **{_host_memory.ENV_VAR: "always"})
+  (warning,) = [str(w.message) for w in caught]
+  assert "'always'" in warning and "'auto', 'retain' or 'default'" in warning
+  assert status.applied is False and not _host_memory.measuring()
 
 
 def test_without_glibc_nothing_is_set(monkeypatch):
@@ -152,24 +222,227 @@ def test_without_glibc_nothing_is_set(monkeypatch):
   assert tj.release_host_memory() is False
 
 
-@pytest.mark.parametrize("preload", ["/usr/lib/libjemalloc.so.2", "libtcmalloc_minimal.so.4"])
-def test_a_preloaded_allocator_is_respected(monkeypatch, preload):
-  if _host_memory._glibc() is None:
-    pytest.skip("the check follows the glibc check")
-  status = _decide(monkeypatch, LD_PRELOAD=preload, **RETAIN)
-  assert status.reason == "the environment already tunes malloc ($LD_PRELOAD)"
+@needs_glibc
+def test_auto_applies_a_paying_decision_for_this_machine_and_workload_only(monkeypatch, tmp_path):
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  other_machine = {**_decisions.machine(), "cpu": "another CPU"}
+  _decisions.store(tmp_path, _paying_record(machine=other_machine))
+  status = _decide(monkeypatch, tmp_path)
+  assert not status.applied and status.decision is None and _host_memory.measuring()
+  assert status.workload == "script /train.py"
+  _decisions.store(tmp_path, _paying_record())
+  status = _decide(monkeypatch, tmp_path)
+  assert status.applied and status.settings == _host_memory.SETTINGS
+  assert status.decision == _paying_record(measured_at=status.decision["measured_at"])
+  assert "18,000 pages" in status.reason and _host_memory.measuring()  # to confirm it
+  status = _decide(monkeypatch, tmp_path, **{_host_memory.ENV_VAR: "default"})
+  assert not status.applied and status.decision is None and not _host_memory.measuring()
+
+
+@needs_glibc
+def test_a_paying_decision_after_jax_started_warns_and_leaves_malloc_alone(monkeypatch, tmp_path):
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  _decisions.store(tmp_path, _paying_record())
+  with pytest.warns(tj.HostMemoryWarning, match="they pay for this workload"):
+    _decide(monkeypatch, tmp_path)  # (the helper says no backend started: say it did)
+    monkeypatch.setattr(_host_memory, "_STATUS", None)
+    monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: "cpu")
+    status = _host_memory.configure()
+  assert not status.applied and "started before tunedjax was imported" in status.reason
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": "x"}', "[]",
+                                  '{"format": "tunedjax-host-memory", "version": 9}',
+                                  '{"format": "tunedjax-host-memory", "version": 1}'])
+def test_a_corrupt_decisions_file_warns_is_moved_aside_and_is_measured_again(
+    monkeypatch, tmp_path, text):
+  (tmp_path / _decisions.FILE_NAME).write_text(text)
+  with pytest.warns(tj.HostMemoryWarning, match="is corrupt"):
+    status = _decide(monkeypatch, tmp_path)
+  assert not status.applied and _host_memory.measuring()
+  assert (tmp_path / (_decisions.FILE_NAME + ".corrupt")).read_text() == text
+  assert not (tmp_path / _decisions.FILE_NAME).exists()
+  # Measured again: a paying program is recorded in a new file.
+  monkeypatch.setattr(_host_memory, "_MEASURED", [])
+  assert _host_memory.observe("step", faults=18_000, system_s=0.03, wall_s=0.05) is True
+  (record,) = _records(tmp_path)
+  assert record["pays"] and record["workload"] == status.workload
+
+
+@pytest.mark.parametrize("bad", [{"pays": "yes"}, {"faults_per_call": float("nan")},
+                                 {"machine": None}, {"measured_at": 3}])
+def test_an_invalid_record_warns_and_is_ignored(monkeypatch, tmp_path, bad):
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  good = _paying_record("script /other.py")
+  (tmp_path / _decisions.FILE_NAME).write_text(json.dumps(
+      {"format": _decisions.FORMAT, "version": 1, "records": [_paying_record(**bad), good]}))
+  with pytest.warns(tj.HostMemoryWarning, match="is not valid"):
+    status = _decide(monkeypatch, tmp_path)
+  assert not status.applied and _host_memory.measuring()
+  with pytest.warns(tj.HostMemoryWarning, match="is not valid"):
+    assert _decisions.load(tmp_path) == [good]
+
+
+def test_observe_records_only_a_program_whose_faults_cost(monkeypatch, tmp_path):
+  _decide(monkeypatch, tmp_path)
+  monkeypatch.setattr(_host_memory, "_MEASURED", [])
+  assert _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=2e-5) is False
+  assert _host_memory.observe("few faults", faults=1000, system_s=0.002, wall_s=0.01) is False
+  assert _host_memory.observe("cheap faults", faults=5000, system_s=0.01, wall_s=0.5) is False
+  assert not (tmp_path / _decisions.FILE_NAME).exists() and _host_memory.measuring()
+  assert _host_memory.observe("step", faults=18_000, system_s=0.032, wall_s=0.046) is True
+  assert [r["program"] for r in _host_memory.measurements()] == [
+      "tiny", "few faults", "cheap faults", "step"]
+  assert not _host_memory.measuring()  # decided: tunedjax.jit stops measuring
+  assert "recorded for the next import" in _host_memory.host_memory_status().reason
+
+
+def test_an_applied_decision_is_confirmed_by_a_large_program_or_withdrawn_at_exit(
+    monkeypatch, tmp_path):
+  monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
+  record = _paying_record()
+  _decisions.store(tmp_path, record)
+  assert _decide(monkeypatch, tmp_path).applied and _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is False  # nothing measured: no evidence
+  _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=1e-4)
+  assert _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is True
+  assert _decisions.load(tmp_path) == []
+  _decisions.store(tmp_path, record)
+  assert _decide(monkeypatch, tmp_path).applied
+  _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=1e-4)
+  _host_memory.observe("step", faults=0, system_s=0.0, wall_s=0.03)  # with the settings
+  assert not _host_memory.measuring()
+  assert _host_memory._withdraw_if_unconfirmed() is False
+  assert _decisions.load(tmp_path) == [record]
+
+
+def test_a_readonly_cache_records_nothing(monkeypatch, tmp_path):
+  _decide(monkeypatch, tmp_path)
+  with tj.config_context({"cache": {"readonly": True}}):
+    assert _host_memory.observe("step", faults=18_000, system_s=0.03, wall_s=0.05) is False
+  assert not (tmp_path / _decisions.FILE_NAME).exists()
+
+
+def test_tunedjax_jit_measures_a_few_early_cpu_calls_then_nothing(monkeypatch, tmp_path):
+  import jax
+  import jax.numpy as jnp
+  _decide(monkeypatch, tmp_path)
+  seen = []
+  monkeypatch.setattr(_host_memory, "observe", lambda program, **fig: seen.append(
+      (program, fig)))
+  f = tj.jit(lambda x: jnp.tanh(x) * 2.0, level="O0")
+  x = jnp.arange(16.0)
+  for _ in range(_host_memory.CallProbe.WARMUP + _host_memory.CallProbe.MEASURED + 2):
+    np.testing.assert_allclose(f(x), np.tanh(np.arange(16.0)) * 2.0, rtol=1e-6)
+  ((program, figures),) = seen
+  assert program.endswith("<lambda>") and set(figures) == {"faults", "system_s", "wall_s"}
+  assert figures["wall_s"] > 0 and figures["faults"] >= 0
+  assert f._probe is None  # the calls after it go straight to the compiled program
+  monkeypatch.setattr(_host_memory, "_MEASURING", False)
+  assert tj.jit(jax.numpy.sin)._probe is None
+
+
+def test_workload_names_the_script_the_code_or_the_notebook(monkeypatch, tmp_path):
+  script = tmp_path / "train.py"
+  monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+  monkeypatch.setattr("sys.argv", [str(script), "--epochs", "3"])
+  assert _decisions.workload() == f"script {script.resolve()}"
+  monkeypatch.setattr("sys.argv", ["-c", "x"])
+  monkeypatch.setattr("sys.orig_argv", ["python", "-c", "print(1)", "x"])
+  one = _decisions.workload()
+  monkeypatch.setattr("sys.orig_argv", ["python", "-c", "print(2)", "x"])
+  assert one.startswith("python -c ") and _decisions.workload() != one
+  monkeypatch.setattr("sys.argv", [""])
+  assert _decisions.workload() == "interactive"
+  monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/cnn.ipynb")
+  assert _decisions.workload() == "notebook /home/me/cnn.ipynb"
+
+
+@needs_glibc
+def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, tmp_path):
+  calls = []
+  _decide(monkeypatch, tmp_path, JAX_PLATFORMS="cpu")
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc: calls.append(1))
+  status = _host_memory.apply_for_training("a test started")
+  assert status.applied and calls == [1] and "a test started" in status.reason
+  assert _host_memory.host_memory_status() is status and not _host_memory.measuring()
+  assert _host_memory.apply_for_training("again") is status and calls == [1]
+  for env, started in [({"JAX_PLATFORMS": "cuda,cpu"}, None), ({}, "cpu"),
+                       ({_host_memory.ENV_VAR: "default", "JAX_PLATFORMS": "cpu"}, None)]:
+    before = _decide(monkeypatch, tmp_path, **env)
+    monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: started)
+    assert _host_memory.apply_for_training("a test started") is before
+    assert not before.applied
+
+
+def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert _host_memory._likely_cpu_only() is True
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  assert _host_memory._likely_cpu_only() is False
+  monkeypatch.delenv("JAX_PLATFORMS")
+  import importlib.metadata
+  import importlib.util
+  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  assert _host_memory._likely_cpu_only() is True  # no plugin installed
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: name == "libtpu" or None)
+  assert _host_memory._likely_cpu_only() is False
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: ["jax_cuda12_plugin"])
+  assert _host_memory._likely_cpu_only() is False
+
+
+def test_the_trainer_and_the_demo_command_ask_for_the_settings_first(monkeypatch):
+  from tunedjax import cli
+  from tunedjax import demo
+  from tunedjax.trainer import Trainer
+  from tests.trainer import models as m
+  asked = []
+  monkeypatch.setattr(_host_memory, "apply_for_training", lambda who: asked.append(who))
+  Trainer(m.NnxMLP(), m.optimizer(), m.nnx_loss, autotune=False, progress=False)
+  monkeypatch.setattr(demo, "run_demo", lambda *a, **k: asked.append("demo ran"))
+  assert cli.main(["demo", "--quick", "--no-progress"]) == 0
+  assert asked == ["a tunedjax Trainer was created", "tunedjax demo started", "demo ran"]
+
+
+# Importing the command line and the Trainer starts no JAX backend, so `tunedjax demo`
+# and a Trainer of a Flax linen model (unbound: no parameters yet) come first.
+_FIRST_PROCESS = r"""
+import json, sys
+from tunedjax import _host_memory, cli
+from tunedjax.trainer import Trainer
+from tests.trainer import models as m
+started = _host_memory._jax_default_backend_if_started()
+Trainer(m.LinenMLP(), m.optimizer(), m.linen_loss, progress=False,
+        example_batch=m.batches(m.regression_data(), 8)[0])
+print(json.dumps({"started": started, "status": _host_memory.host_memory_status().to_dict()}))
+"""
+
+
+@needs_glibc
+def test_a_trainer_created_first_applies_the_settings_in_the_first_process():
+  out = subprocess.run([sys.executable, "-c", _FIRST_PROCESS], capture_output=True, text=True,
+                       env=_clean_env(), cwd=processes.ROOT, timeout=240, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = processes.last_json(out.stdout)
+  assert got["started"] is None
+  assert got["status"]["applied"] is True
+  assert "when a tunedjax Trainer was created" in got["status"]["reason"]
 
 
 def test_status_is_decided_once(monkeypatch):
   first = tj.host_memory_status()
-  monkeypatch.setenv(_host_memory.ENV_VAR, "retain" if first.mode == "default" else "default")
+  monkeypatch.setenv(_host_memory.ENV_VAR, "retain" if first.mode != "retain" else "default")
   assert tj.host_memory_status() is first
 
 
-def test_not_opting_in_changes_nothing(monkeypatch):
+def test_opting_out_changes_nothing_and_measures_nothing(monkeypatch):
   monkeypatch.setattr(_host_memory, "_glibc", lambda: pytest.fail("looked at the C library"))
-  status = _decide(monkeypatch)
+  status = _decide(monkeypatch, **{_host_memory.ENV_VAR: "default"})
   assert status.mode == "default" and not status.applied and status.settings == {}
+  assert not _host_memory.measuring()
 
 
 def test_status_is_json_able():

@@ -15,9 +15,9 @@ import typing as _typing
 
 from tunedjax import _host_memory
 
-# Before JAX starts XLA's threads: with TUNEDJAX_HOST_MEMORY=retain (opt in), a CPU
-# step reuses the previous step's memory instead of faulting it in again (see
-# `_host_memory`; imports no JAX).
+# Before JAX starts XLA's threads: where a recorded measurement says it pays for this
+# machine and workload (or TUNEDJAX_HOST_MEMORY=retain), a CPU step reuses the previous
+# step's memory instead of faulting it in again (see `_host_memory`; imports no JAX).
 _host_memory.configure()
 
 # Names are imported when first used (PEP 562), so that importing one part

@@ -124,10 +124,12 @@ class CacheWarning(UserWarning):
 class HostMemoryWarning(UserWarning):
   """tunedjax could not set up host memory as a CPU step needs it.
 
-  Given when ``TUNEDJAX_HOST_MEMORY=retain`` asks for the host-memory settings
-  but JAX's CPU backend started before tunedjax was imported (so each step may
-  fault its temporary buffer in again), or when ``$TUNEDJAX_HOST_MEMORY`` has a
-  value that is not valid. See `tunedjax.host_memory_status`.
+  Given when the host-memory settings are wanted (``TUNEDJAX_HOST_MEMORY=retain``,
+  or a recorded measurement that they pay for this workload) but JAX's CPU
+  backend started before tunedjax was imported (so each step may fault its
+  temporary buffer in again), when ``$TUNEDJAX_HOST_MEMORY`` has a value that
+  is not valid, or when the recorded decisions cannot be read (they are
+  measured again). See `tunedjax.host_memory_status`.
   """
 
 

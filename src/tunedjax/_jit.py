@@ -37,6 +37,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 
 from tunedjax import _errors
+from tunedjax import _host_memory
 from tunedjax import _native
 from tunedjax import _pipeline
 from tunedjax import _tuning
@@ -375,6 +376,8 @@ class Jitted(Generic[P, R]):
     self._reports: dict[tuple[Hashable, str], SignatureReport] = {}
     self._abstract: dict[tuple[Hashable, str], tuple[Hashable, tuple[Any, Any]]] = {}
     functools.update_wrapper(self, fun)
+    # Host memory (auto mode): a few early calls measured for page faults, then None.
+    self._probe = _host_memory.CallProbe(self._name) if _host_memory.measuring() else None
 
   def __repr__(self) -> str:
     return f"tunedjax.jit({self._name}, level={self.level!r})"
@@ -386,7 +389,18 @@ class Jitted(Generic[P, R]):
   # -- calling ------------------------------------------------------------------
 
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+    if self._probe is not None:
+      return self._probed_call(args, kwargs)
     return self._jitted()(*args, **kwargs)
+
+  def _probed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call while the host-memory probe is on (`_host_memory.CallProbe`): CPU programs only."""
+    fn, probe = self._jitted(), self._probe
+    if (probe is None or probe.done or not _host_memory.measuring()
+        or self._platform not in (None, "cpu") or jax.default_backend() != "cpu"):
+      self._probe = None
+      return fn(*args, **kwargs)
+    return probe.call(lambda: fn(*args, **kwargs), jax.block_until_ready)
 
   def __get__(self, obj: Any, objtype: Any = None) -> Any:
     if obj is None:

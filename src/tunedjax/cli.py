@@ -122,9 +122,37 @@ def info_dict(backend: str | None = None) -> dict[str, Any]:
       "cache_files": files,
       "cache_bytes": size,
       "native": _native.status(),
-      "host_memory": {**_host_memory.host_memory_status().to_dict(),
-                      "minor_page_faults": _host_memory.minor_page_faults()},
+      "host_memory": _host_memory_info(),
   }
+
+
+def _host_memory_info() -> dict[str, Any]:
+  """This process's host-memory status, and every decision recorded for this machine."""
+  path, decisions = _host_memory.recorded_decisions()
+  return {**_host_memory.host_memory_status().to_dict(),
+          "minor_page_faults": _host_memory.minor_page_faults(),
+          "decisions_file": str(path), "decisions": decisions}
+
+
+def _decision_line(record: dict[str, Any]) -> str:
+  verdict = "pays" if record["pays"] else "does not pay"
+  return (f"{verdict}: {record['program']} faulted {record['faults_per_call']:,.0f} pages, "
+          f"{record['system_ms_per_call']:.1f} ms in the kernel per call of "
+          f"{record['call_ms']:.1f} ms (measured {record['measured_at']})")
+
+
+def _format_host_memory(memory: dict[str, Any]) -> list[str]:
+  settings = ", ".join(f"{k}={v}" for k, v in memory["settings"].items())
+  decisions = memory["decisions"]
+  lines = ["", "Host memory (malloc)"] + _table({
+      "mode": f"{memory['mode']} (${_host_memory.ENV_VAR})",
+      "applied": f"yes: {settings}" if memory["applied"] else "no",
+      "why": memory["reason"],
+      "page faults": f"{memory['minor_page_faults']} minor, in this process so far",
+      "decisions": (f"{len(decisions)} on this machine, in {memory['decisions_file']}"
+                    + (":" if decisions else " (tunedjax.jit records them as it measures)")),
+  })
+  return lines + [f"    {r['workload']}: {_decision_line(r)}" for r in decisions]
 
 
 def _human_size(n: int) -> str:
@@ -171,14 +199,7 @@ def format_info(info: dict[str, Any]) -> str:
       "built": ", ".join(native["built"]) or "(none yet: built on first use)",
       "sources": ", ".join(native["sources"]),
   })
-  memory = info["host_memory"]
-  settings = ", ".join(f"{k}={v}" for k, v in memory["settings"].items())
-  lines += ["", "Host memory (malloc)"] + _table({
-      "mode": f"{memory['mode']} (${_host_memory.ENV_VAR})",
-      "applied": f"yes: {settings}" if memory["applied"] else "no",
-      "why": memory["reason"],
-      "page faults": f"{memory['minor_page_faults']} minor, in this process so far",
-  })
+  lines += _format_host_memory(info["host_memory"])
   return "\n".join(lines)
 
 
@@ -362,6 +383,8 @@ def _add_demo_command(commands: Any) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
   import dataclasses  # pylint: disable=import-outside-toplevel
+  # The demo trains CNNs on the CPU: malloc set up for them before JAX starts (auto mode).
+  _host_memory.apply_for_training("tunedjax demo started")
   from tunedjax import demo  # pylint: disable=import-outside-toplevel  # loads flax, grain
   options = demo.QUICK if args.quick else demo.DEFAULT
   changes: dict[str, Any] = {"data_dir": args.data}

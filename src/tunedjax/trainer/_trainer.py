@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from tunedjax.ops.attention import _flax as _attention_flax
+from tunedjax import _host_memory
 from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
@@ -208,6 +209,8 @@ class Trainer:
                progress: bool | str = True, example_batch: Any = None,
                rng_streams: Sequence[str] = ("dropout",), allreduce_dtype: Any = None,
                schedule: Any = None):
+    # Before JAX's backend starts (auto mode, CPU only): malloc set up for training steps.
+    _host_memory.apply_for_training("a tunedjax Trainer was created")
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TrainerError(f"optimizer must be an optax GradientTransformation (e.g. "
                          f"optax.adam(1e-3)), got {optimizer!r}.")

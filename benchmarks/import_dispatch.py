@@ -1,0 +1,196 @@
+"""A tiny jitted call's dispatch with `import tunedjax` and without, each in its own process.
+
+`import tunedjax` decides the host-memory settings (`tunedjax._host_memory`,
+auto mode): it must leave a process that makes many tiny calls as fast as one
+that never imported tunedjax. This times `jit_overhead.py`'s steady state (its
+small MLP train step, 200 calls dispatched without waiting, then one wait; a
+run is the median of 5 such batches) in worker processes that differ only in what they imported and what the
+tuning cache holds:
+
+- **no tunedjax**: ``import jax`` only, `jax.jit` (the baseline; run twice: A/A);
+- **tunedjax imported**: ``import tunedjax`` first (auto mode, an empty cache),
+  then `jax.jit`, and `tunedjax.jit` (which measures its first calls' page faults);
+- **... decision for another workload**: the same with a recorded "the settings
+  pay" decision for another workload (a CNN training script) on this machine
+  in the cache, which must not apply here.
+
+Each round asks every worker for one run, in a rotated order, one worker at a
+time; ratios are medians of per-round ratios against the baseline.
+
+Run: ``PYTHONPATH=src:benchmarks python benchmarks/import_dispatch.py [--rounds N] [--write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CALLS = 200  # jit_overhead.CALLS_PER_RUN
+BATCHES = 5  # a run: the median of 5 batches of CALLS calls
+BASE, CONTROL = "jax.jit, no tunedjax", "A/A: jax.jit, no tunedjax"
+VARIANTS = {  # name: (imports tunedjax, program, cache holds another workload's decision)
+    BASE: (False, "jax.jit", False),
+    CONTROL: (False, "jax.jit", False),
+    "jax.jit, tunedjax imported": (True, "jax.jit", False),
+    "tj.jit, tunedjax imported": (True, "tj.jit", False),
+    "jax.jit, tunedjax imported, decision for another workload": (True, "jax.jit", True),
+    "tj.jit, tunedjax imported, decision for another workload": (True, "tj.jit", True),
+}
+SECTION = "import_dispatch"
+
+
+def mlp_problem(width: int = 64, batch: int = 32):
+  """`jit_overhead.mlp_problem`, here so that a worker can run it without tunedjax."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  params = {"w1": jnp.asarray(rng.normal(size=(width, width)) * 0.1, jnp.float32),
+            "w2": jnp.asarray(rng.normal(size=(width, 1)) * 0.1, jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32)
+
+  def loss(params, x, y):
+    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+  def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
+
+  return step, (params, x, y)
+
+
+def worker(imports_tunedjax: bool, program: str) -> None:
+  if imports_tunedjax:
+    import tunedjax as tj  # pylint: disable=import-outside-toplevel  # first, as users do
+  import jax  # pylint: disable=import-outside-toplevel
+  step, args = mlp_problem()
+  fn = tj.jit(step) if program == "tj.jit" else jax.jit(step)
+
+  def run():
+    out = None
+    for _ in range(CALLS):
+      out = fn(*args)
+    jax.block_until_ready(out)
+
+  for _ in range(3):
+    run()
+  status = tj.host_memory_status().to_dict() if imports_tunedjax else None
+  print(json.dumps({"ready": status}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "run":
+      break
+    times = []
+    for _ in range(BATCHES):  # the median batch: one load spike does not move a run
+      start = time.perf_counter()
+      run()
+      times.append((time.perf_counter() - start) / CALLS * 1e6)
+    print(json.dumps({"us": statistics.median(times)}), flush=True)
+
+
+def _another_workloads_decision(folder: str) -> None:
+  """Records, as a measurement would, that the settings pay for a CNN training script."""
+  sys.path.insert(0, str(ROOT / "src"))
+  from tunedjax._host_memory import _decisions  # pylint: disable=import-outside-toplevel
+  record = _decisions.record_for("script /home/user/train_cnn.py", faults=17_938.0,
+                                 system_s=0.0321, wall_s=0.0462, program="train_step")
+  assert record["pays"] and _decisions.store(pathlib.Path(folder), record)
+
+
+def _spawn(name: str, folders: dict[bool, str]) -> subprocess.Popen:
+  imports, program, decided = VARIANTS[name]
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("MALLOC_", "TUNEDJAX_")) and k not in ("GLIBC_TUNABLES",
+                                                                     "LD_PRELOAD")}
+  env["TUNEDJAX_CACHE_DIR"] = folders[decided]
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
+  cmd = [sys.executable, __file__, "--worker", program] + (["--tunedjax"] if imports else [])
+  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env=env)
+
+
+def _reply(proc: subprocess.Popen) -> dict:
+  line = proc.stdout.readline()
+  if not line:
+    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
+  return json.loads(line)
+
+
+def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]]:
+  folders = {False: tempfile.mkdtemp(prefix="tunedjax-dispatch-"),
+             True: tempfile.mkdtemp(prefix="tunedjax-dispatch-decided-")}
+  _another_workloads_decision(folders[True])
+  procs, statuses = {}, {}
+  for name in VARIANTS:
+    procs[name] = _spawn(name, folders)
+    statuses[name] = _reply(procs[name])["ready"]
+  names = list(procs)
+  runs: dict[str, list[float]] = {n: [] for n in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      procs[name].stdin.write("run\n")
+      procs[name].stdin.flush()
+      runs[name].append(_reply(procs[name])["us"])
+  for p in procs.values():
+    p.communicate("")
+  return runs, statuses
+
+
+def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
+  import _harness  # pylint: disable=import-outside-toplevel
+  ratio = {n: [t / b for t, b in zip(runs[n], runs[BASE])] for n in runs}
+  lines = [
+      "## Dispatch: a tiny jitted call with `import tunedjax` and without",
+      "",
+      f"`benchmarks/import_dispatch.py --rounds {rounds}`: `jit_overhead.py`'s steady state "
+      f"(its MLP train step, {CALLS} calls dispatched without waiting, then one wait; a run is the median of {BATCHES} such batches), each variant in "
+      "a worker process of its own, started with no `TUNEDJAX_*` or `MALLOC_*` variables "
+      f"(auto mode); {rounds} rounds in a rotated order, one process at a time; ratio = median "
+      "of per-round ratios to the baseline (`jax.jit` without tunedjax). "
+      f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
+      "",
+      "| variant | us per call | ratio | range | host memory in that process |",
+      "|---|---:|---:|---:|---|",
+  ]
+  for name in runs:
+    status = statuses[name]
+    memory = ("(tunedjax not imported)" if status is None else
+              f"{status['mode']}, {'applied' if status['applied'] else 'not applied'}")
+    lines.append(f"| {name} | {statistics.median(runs[name]):.1f} | "
+                 f"{statistics.median(ratio[name]):.3f} | "
+                 f"{min(ratio[name]):.2f}-{max(ratio[name]):.2f} | {memory} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="2 rounds (smoke)")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--worker", choices=("jax.jit", "tj.jit"), help=argparse.SUPPRESS)
+  parser.add_argument("--tunedjax", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    worker(args.tunedjax, args.worker)
+    return 0
+  args.rounds = args.rounds or (2 if args.quick else 40)
+  load0 = os.getloadavg()[0]
+  runs, statuses = measure(args.rounds)
+  text = report(runs, statuses, args.rounds, (load0, os.getloadavg()[0]))
+  print(text)
+  if args.write and not args.quick:
+    import _harness  # pylint: disable=import-outside-toplevel
+    _harness.write_section(SECTION, text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,204 @@
+"""Which glibc malloc settings remove a tuned CPU step's page faults, and what each costs a tiny call.
+
+tunedjax's host-memory settings (`tunedjax._host_memory`) are one arena
+(``M_ARENA_MAX=1``), no separate mappings (``M_MMAP_MAX=0``) and a high trim
+threshold. This script compares them with cheaper variants, each set through
+glibc's ``MALLOC_*`` environment variables (or ``GLIBC_TUNABLES``) before
+Python starts, so every variant runs in processes of its own:
+
+- **step**: the MobileNet-style train step of `vs_pytorch.py` under `tj.jit`
+  with kernel selection (tuned once into a shared cache first): ms per step,
+  minor page faults and system CPU ms per step (`getrusage`);
+- **dispatch**: `jit_overhead.py`'s steady state: 200 calls of its small MLP
+  step under plain `jax.jit`, dispatched without waiting, then one wait; a
+  run is the median of 5 such batches: us per call.
+
+The two measurements run in separate processes (a step's heap must not shape
+the dispatch loop's). Each round asks every worker of a kind for one timed
+run, in a rotated order; medians over rounds, and ratios (median of
+per-round ratios) against the unset baseline, which is run twice (A/A).
+
+Run: ``PYTHONPATH=src:benchmarks python benchmarks/malloc_settings.py [--rounds N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+VARIANTS = {
+    "unset (glibc's defaults)": {},
+    "A/A: unset again": {},
+    "arena 1 + no mmap + trim (tunedjax's)": {"MALLOC_ARENA_MAX": "1", **_KEEP},
+    "arena 2 + no mmap + trim": {"MALLOC_ARENA_MAX": "2", **_KEEP},
+    "arena 4 + no mmap + trim": {"MALLOC_ARENA_MAX": "4", **_KEEP},
+    "arena 8 + no mmap + trim": {"MALLOC_ARENA_MAX": "8", **_KEEP},
+    "no mmap + trim": dict(_KEEP),
+    "no mmap + trim + top pad 256 MiB": {**_KEEP, "MALLOC_TOP_PAD_": str(256 * 2**20)},
+    "mmap threshold 32 MiB + trim": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
+                                     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)},
+    "arena 1 only": {"MALLOC_ARENA_MAX": "1"},
+    "transparent huge pages (glibc.malloc.hugetlb=1)": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "tunedjax's + tcache 1024": {"MALLOC_ARENA_MAX": "1", **_KEEP,
+                                 "GLIBC_TUNABLES": "glibc.malloc.tcache_count=1024"},
+}
+BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
+SECTION = "malloc_settings"
+
+
+def worker(kind: str, cache_dir: str, quick: bool) -> None:
+  """Builds the step (or the MLP), then answers each "run" line with one timing."""
+  import resource  # pylint: disable=import-outside-toplevel
+  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  import jax  # pylint: disable=import-outside-toplevel
+  if kind == "step":
+    import vs_pytorch  # pylint: disable=import-outside-toplevel
+    import tunedjax as tj  # pylint: disable=import-outside-toplevel
+    step, args = vs_pytorch.net_problem("mobilenet", quick)[:2]
+    config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
+    fn, calls, batches = tj.jit(step), 5, 1
+
+    def run():
+      out = None
+      with tj.config_context(config):  # tj.jit reads the config at each call
+        for _ in range(calls):
+          out = jax.block_until_ready(fn(*args))
+      return out
+  else:
+    import jit_overhead  # pylint: disable=import-outside-toplevel
+    step, args = jit_overhead.mlp_problem()
+    fn, calls, batches = jax.jit(step), jit_overhead.CALLS_PER_RUN, 5
+
+    def run():
+      out = None
+      for _ in range(calls):
+        out = fn(*args)
+      return jax.block_until_ready(out)
+  for _ in range(3):
+    run()
+  print(json.dumps({"ready": True}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "run":
+      break
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    walls = []
+    for _ in range(batches):  # the median batch: one load spike does not move a run
+      start = time.perf_counter()
+      run()
+      walls.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    n = calls * batches
+    print(json.dumps({"s": statistics.median(walls) / calls,
+                      "faults": (after.ru_minflt - before.ru_minflt) / n,
+                      "sys_s": (after.ru_stime - before.ru_stime) / n}), flush=True)
+
+
+def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False
+           ) -> subprocess.Popen:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+  env.update(extra, TUNEDJAX_HOST_MEMORY="default", TUNEDJAX_CACHE_DIR=cache_dir)
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
+  cmd = [sys.executable, __file__, "--worker", kind, "--cache", cache_dir]
+  return subprocess.Popen(cmd + (["--quick"] if quick else []),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _reply(proc: subprocess.Popen) -> dict:
+  line = proc.stdout.readline()
+  if not line:
+    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
+  return json.loads(line)
+
+
+def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str,
+            quick: bool = False) -> dict[str, list[dict]]:
+  """One worker per variant (started one at a time), timed in rotated rounds."""
+  procs = {}
+  for name, env in variants.items():
+    procs[name] = _spawn(kind, cache_dir, env, quick)
+    _reply(procs[name])
+  names = list(procs)
+  runs: dict[str, list[dict]] = {n: [] for n in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      procs[name].stdin.write("run\n")
+      procs[name].stdin.flush()
+      runs[name].append(_reply(procs[name]))
+  for p in procs.values():
+    p.communicate("")
+  return runs
+
+
+def _ratio(runs, name):
+  return statistics.median(a["s"] / b["s"] for a, b in zip(runs[name], runs[BASE]))
+
+
+def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float]) -> str:
+  import _harness  # pylint: disable=import-outside-toplevel
+  lines = [
+      "### Which malloc settings remove the faults, and what each costs a tiny call",
+      "",
+      f"`benchmarks/malloc_settings.py --rounds {rounds}`: each variant set through glibc's "
+      "environment variables before Python starts; the MobileNet-style `tj.jit` step (kernel "
+      "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls not waiting, "
+      f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated rounds; ratio = median of "
+      "per-round ratios to the unset baseline. "
+      f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
+      "",
+      "| malloc settings | step ms | step ratio | page faults per step | system ms per step "
+      "| dispatch us per call | dispatch ratio |",
+      "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name in step:
+    s, d = step[name], dispatch[name]
+    med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+    lines.append(
+        f"| {name} | {1e3 * med(s, 's'):.1f} | {_ratio(step, name):.2f} | "
+        f"{med(s, 'faults'):,.0f} | {1e3 * med(s, 'sys_s'):.1f} | "
+        f"{1e6 * med(d, 's'):.1f} | {_ratio(dispatch, name):.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="small shapes, 2 rounds, three variants (smoke)")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
+  parser.add_argument("--cache", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    worker(args.worker, args.cache, args.quick)
+    return 0
+  args.rounds = args.rounds or (2 if args.quick else 7)
+  only = ["arena 1 + no mmap + trim (tunedjax's)"] if args.quick else args.only
+  variants = {n: e for n, e in VARIANTS.items() if not only or n in (BASE, CONTROL) or n in only}
+  load0 = os.getloadavg()[0]
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
+  tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
+  _reply(tuner)
+  tuner.communicate("")
+  dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
+  step = measure("step", variants, args.rounds, cache_dir, args.quick)
+  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]))
+  print(text)
+  if args.write and not args.quick:
+    import _harness  # pylint: disable=import-outside-toplevel
+    _harness.write_section(SECTION, text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,521 @@
+"""Host memory: a CPU step reuses the last step's memory instead of faulting it in, where that pays.
+
+XLA:CPU allocates each execution's temporary buffer as one block (73 MiB for the
+MobileNet-style train step of ``benchmarks/kernels.py``) with ``posix_memalign``
+on one of its worker threads, and frees it when the execution ends. glibc's
+``malloc`` serves a block that large with a fresh ``mmap``: a thread's arena
+cannot hold more than 64 MiB, and the main arena maps anything over its
+threshold (at most 32 MiB). ``free`` unmaps it, so the next step faults every
+page in and the kernel zeroes it again: about 18,000 minor page faults and
+30 ms of system time per step there, a step that takes 28 ms without them.
+
+The settings (`SETTINGS`, set with ``mallopt`` before JAX starts its threads)
+serve every thread from the main arena (``M_ARENA_MAX=1``), never map a block
+on its own (``M_MMAP_MAX=0``) and keep up to 2 GiB free at the top of the heap
+(``M_TRIM_THRESHOLD``), so one step's temporaries are the next step's. They
+cost where a program makes many tiny calls: with one arena, JAX's Python
+thread and XLA's threads take the same lock, and a tiny jitted call
+dispatched asynchronously went from about 20 to 37-52 us on 2 cores. No
+cheaper setting removes the faults (``benchmarks/malloc_settings.py``).
+
+So tunedjax decides per machine and workload, by measurement
+(``$TUNEDJAX_HOST_MEMORY``, `MODES`):
+
+* ``auto`` (the default): `tunedjax.jit` measures the page faults and system
+  time of a few early calls of each CPU program (`CallProbe`). Where one
+  faults at least 16 MiB per call and spends at least a tenth of its time
+  doing so, that is recorded (`_decisions`) and the settings are applied
+  from the next ``import tunedjax`` of the same workload on. Where tunedjax
+  starts the work itself before JAX's backend starts (the ``tunedjax demo``
+  command, a `Trainer` created first), they are applied at once
+  (`apply_for_training`).
+* ``retain``: always (as a launcher's ``MALLOC_*`` variables would).
+* ``default``: never, and nothing is measured.
+
+Either way malloc is left alone (and `host_memory_status` says why) where the
+C library is not glibc, where the environment already tunes the allocator
+(``MALLOC_*`` variables, ``glibc.malloc`` tunables, a preloaded jemalloc,
+tcmalloc or mimalloc), or where JAX's backends started before tunedjax was
+imported (XLA's threads already hold their own arenas; on a CPU backend with
+the settings wanted, a `HostMemoryWarning` says to import tunedjax first).
+What the process once used stays mapped until `release_host_memory`.
+
+This package imports neither JAX nor NumPy: ``import tunedjax`` stays cheap.
+
+Example:
+  >>> import tunedjax as tj
+  >>> tj.host_memory_status().mode in ("auto", "retain", "default")
+  True
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import functools
+import importlib.util
+import os
+import pathlib
+import resource
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from tunedjax._errors import HostMemoryWarning, format_choices
+from tunedjax._host_memory import _decisions
+
+ENV_VAR = "TUNEDJAX_HOST_MEMORY"
+"""``auto`` (the default: decided by measurement), ``retain`` (always set malloc up for
+large CPU steps) or ``default`` (never: leave the C library's allocator as it is)."""
+
+MODES = ("auto", "retain", "default")
+
+# glibc's mallopt parameters (malloc.h) and the values tunedjax sets.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+SETTINGS = {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+_PARAMS = {"M_ARENA_MAX": _M_ARENA_MAX, "M_MMAP_MAX": _M_MMAP_MAX,
+           "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD}
+
+# Environment variables through which a user (or a launcher) already tuned malloc.
+_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+               "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+_PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+ENVIRONMENT_HINT = ("MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 "
+                    "MALLOC_TRIM_THRESHOLD_=2147483647")
+"""The same settings as environment variables, for a launcher to set before Python starts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemoryStatus:
+  """What tunedjax did to the host allocator, and why.
+
+  Attributes:
+    mode: ``"auto"``, ``"retain"`` or ``"default"`` (from ``$TUNEDJAX_HOST_MEMORY``).
+    applied: True when tunedjax set `SETTINGS` with ``mallopt``.
+    reason: one sentence: what was done, or why nothing was.
+    settings: the ``mallopt`` parameters set (empty when not applied).
+    workload: what this process runs, as its decision is keyed (``auto`` only).
+    decision: the measurement the decision rests on (a record of the
+      decisions file: ``pays``, ``faults_per_call``, ``system_ms_per_call``,
+      ``call_ms``, ``program``, ``measured_at``), or None.
+  """
+
+  mode: str
+  applied: bool
+  reason: str
+  settings: dict[str, int] = dataclasses.field(default_factory=dict)
+  workload: str | None = None
+  decision: dict[str, Any] | None = None
+
+  def to_dict(self) -> dict[str, object]:
+    """A JSON-able dict (for ``tunedjax info --json``)."""
+    return dataclasses.asdict(self)
+
+
+_LOCK = threading.RLock()
+_STATUS: HostMemoryStatus | None = None
+_FOLDER: pathlib.Path | None = None  # the decisions folder as seen at import
+_MEASURING = False  # auto mode, not applied: tunedjax.jit's CPU programs are measured
+# Applied by a decision: measured until one program is large enough to confirm it
+# (else the decision is withdrawn at exit, and the workload measured again next time).
+_CONFIRMING = False
+CONFIRM_S = 0.002  # a call this long (with the settings) confirms the decision
+_MEASURED: list[dict[str, Any]] = []  # this process's measurements (for `tunedjax info`)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+  """The process's C library if it is glibc (it has ``mallopt`` and ``gnu_get_libc_version``).
+
+  Looked up among the symbols already loaded (``dlopen(NULL)``), not with
+  `ctypes.util.find_library`, which runs ``ldconfig`` in a subprocess.
+  """
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    libc = ctypes.CDLL(None)
+  except OSError:
+    return None
+  if not all(hasattr(libc, f) for f in ("mallopt", "gnu_get_libc_version", "malloc_trim")):
+    return None
+  libc.gnu_get_libc_version.restype = ctypes.c_char_p
+  libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+  libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+  return libc
+
+
+def _environment_tunes_malloc() -> str | None:
+  """The environment variable through which malloc is already tuned, if any."""
+  for name in _MALLOC_ENV:
+    if name in os.environ:
+      return name
+  if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    return "GLIBC_TUNABLES"
+  preload = os.environ.get("LD_PRELOAD", "")
+  if any(a in preload for a in _PRELOADED_ALLOCATORS):
+    return "LD_PRELOAD"
+  return None
+
+
+def _jax_default_backend_if_started() -> str | None:
+  """The default backend's platform if JAX has started its backends, else None.
+
+  Reads the already-imported module's state; never imports JAX (nor starts a backend).
+  """
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  started = getattr(bridge, "backends_are_initialized", None)
+  if started is None or not started():
+    return None
+  try:
+    return sys.modules["jax"].default_backend()
+  except (KeyError, RuntimeError):  # jax half-imported, or its backends failed
+    return "unknown"
+
+
+def _mode() -> tuple[str, str | None]:
+  """(mode, complaint): the mode from ``$TUNEDJAX_HOST_MEMORY`` and, if its value
+  is not a valid one, a message that names it and the valid values."""
+  raw = os.environ.get(ENV_VAR)
+  if raw is None or not raw.strip():
+    return "auto", None
+  value = raw.strip().lower()
+  if value in MODES:
+    return value, None
+  return "default", (f"${ENV_VAR}={raw!r} is not a valid value; valid values: "
+                     f"{format_choices(MODES)}. The allocator is left as it is.")
+
+
+def decisions_folder() -> pathlib.Path:
+  """The folder of the decisions file: the tuning cache's, as configured at import
+  (``$TUNEDJAX_CONFIG``'s ``cache.dir``, else ``$TUNEDJAX_CACHE_DIR``, else
+  ``~/.cache/tunedjax``)."""
+  if _FOLDER is not None:
+    return _FOLDER
+  if not os.environ.get("TUNEDJAX_CONFIG"):  # at import nothing else can have chosen one
+    return pathlib.Path(os.environ.get("TUNEDJAX_CACHE_DIR") or "~/.cache/tunedjax").expanduser()
+  try:
+    from tunedjax._config import get_config  # pylint: disable=import-outside-toplevel
+    return get_config().cache.resolved_dir
+  except Exception:  # pylint: disable=broad-except  # a bad $TUNEDJAX_CONFIG: its users say so
+    chosen = os.environ.get("TUNEDJAX_CACHE_DIR") or "~/.cache/tunedjax"
+    return pathlib.Path(chosen).expanduser()
+
+
+def configure() -> HostMemoryStatus:
+  """Applies the host-memory settings where asked or decided and they can help;
+  returns what was done.
+
+  `tunedjax`'s import calls this once; later calls return the first status
+  (or the one `apply_for_training` or a recorded measurement left).
+
+  Returns:
+    The `HostMemoryStatus`.
+  """
+  global _STATUS, _FOLDER
+  with _LOCK:
+    if _STATUS is None:
+      _FOLDER = decisions_folder()
+      _STATUS = _decide_and_apply()
+    return _STATUS
+
+
+def _mallopt(libc: ctypes.CDLL) -> str | None:
+  """Sets `SETTINGS`; the refusal, if glibc refused one."""
+  for name, value in SETTINGS.items():
+    if libc.mallopt(_PARAMS[name], value) != 1:
+      return f"glibc refused mallopt({name}, {value})"
+  return None
+
+
+def _blocked(mode: str) -> HostMemoryStatus | None:
+  """Why the settings cannot be set in this process at all, as a status, or None."""
+  if _glibc() is None:
+    return HostMemoryStatus(mode, False, "the C library is not glibc (nothing to set)")
+  tuned_by = _environment_tunes_malloc()
+  if tuned_by:
+    return HostMemoryStatus(mode, False, f"the environment already tunes malloc (${tuned_by})")
+  return None
+
+
+def _confirm_later() -> None:
+  global _CONFIRMING
+  _CONFIRMING = True
+  atexit.register(_withdraw_if_unconfirmed)
+
+
+def _withdraw_if_unconfirmed() -> bool:
+  """At exit of a process that applied a decision: where tunedjax.jit measured programs
+  but none was large enough to confirm it, the decision is withdrawn (the workload may
+  have changed; the next process measures again). True if withdrawn."""
+  with _LOCK:
+    if not (_CONFIRMING and _MEASURED and _STATUS is not None and _STATUS.workload):
+      return False
+    return _decisions.forget(decisions_folder(), _STATUS.workload)
+
+
+def _decide_and_apply() -> HostMemoryStatus:
+  global _MEASURING
+  mode, complaint = _mode()
+  if complaint:
+    warnings.warn(complaint, HostMemoryWarning, stacklevel=4)
+    return HostMemoryStatus(mode, False, complaint)
+  if mode == "default":
+    return HostMemoryStatus(mode, False, f"${ENV_VAR}=default: the allocator is left as it "
+                            "is and nothing is measured")
+  blocked = _blocked(mode)
+  if blocked is not None:
+    return blocked
+  workload, decision = None, None
+  if mode == "auto":
+    workload = _decisions.workload()
+    decision = _decisions.lookup(_FOLDER, workload)
+    if decision is None or not decision["pays"]:
+      _MEASURING = True
+      return HostMemoryStatus(mode, False, _UNDECIDED, workload=workload, decision=decision)
+  backend = _jax_default_backend_if_started()
+  if backend is not None:
+    return _too_late(mode, backend, workload, decision)
+  refused = _mallopt(_glibc())
+  if refused:
+    return HostMemoryStatus(mode, False, refused, workload=workload, decision=decision)
+  if decision is not None:
+    _confirm_later()
+  glibc = (_glibc().gnu_get_libc_version() or b"?").decode()
+  reason = (f"set with mallopt (glibc {glibc}) at import" if decision is None else
+            f"set with mallopt (glibc {glibc}) at import: {_describe(decision)}")
+  return HostMemoryStatus(mode, True, reason, dict(SETTINGS), workload, decision)
+
+
+_UNDECIDED = ("not set: no measurement of this workload on this machine has shown that they pay "
+              "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+
+
+def _describe(decision: dict[str, Any]) -> str:
+  verdict = "they pay" if decision["pays"] else "they do not pay"
+  return (f"{verdict} for this workload, measured {decision['measured_at']}: "
+          f"{decision['program']} faulted {decision['faults_per_call']:,.0f} pages and spent "
+          f"{decision['system_ms_per_call']:.1f} ms in the kernel per call of "
+          f"{decision['call_ms']:.1f} ms without them")
+
+
+def _too_late(mode: str, backend: str, workload: str | None,
+              decision: dict[str, Any] | None) -> HostMemoryStatus:
+  reason = (f"JAX's backends (default: {backend}) started before tunedjax was imported, so "
+            "XLA's threads already hold their own malloc arenas")
+  if backend == "cpu":
+    why = (f"${ENV_VAR}=retain asks for them" if decision is None else
+           f"they pay for this workload (measured {decision['measured_at']})")
+    warnings.warn(
+        f"tunedjax: {reason}, so its host-memory settings could not be set, though {why}. "
+        "Each CPU step may map and fault in its temporary buffer again (tens of ms per step "
+        f"for a CNN). Import tunedjax before running JAX code, or start Python with "
+        f"{ENVIRONMENT_HINT}. Set ${ENV_VAR}=default to silence this.",
+        HostMemoryWarning, stacklevel=5)
+  return HostMemoryStatus(mode, False, reason, workload=workload, decision=decision)
+
+
+def host_memory_status() -> HostMemoryStatus:
+  """What tunedjax did to the host allocator, and why.
+
+  Returns:
+    A `HostMemoryStatus` (``tunedjax info`` shows it too).
+
+  Example:
+    >>> import tunedjax as tj
+    >>> status = tj.host_memory_status()
+    >>> status.applied == bool(status.settings)
+    True
+  """
+  return configure()
+
+
+def _likely_cpu_only() -> bool:
+  """Whether JAX will run on the CPU only: ``$JAX_PLATFORMS`` says so, or no
+  accelerator plugin is installed (read without importing JAX)."""
+  chosen = os.environ.get("JAX_PLATFORMS", "").strip()
+  if chosen:
+    return chosen.split(",")[0].strip().lower() == "cpu"
+  if importlib.util.find_spec("libtpu") is not None:
+    return False
+  try:
+    from importlib import metadata  # pylint: disable=import-outside-toplevel  # not at import: ms
+    if metadata.entry_points(group="jax_plugins"):
+      return False
+  except Exception:  # pylint: disable=broad-except  # broken metadata: assume an accelerator
+    return False
+  return importlib.util.find_spec("jax_plugins") is None
+
+
+def apply_for_training(who: str) -> HostMemoryStatus:
+  """Applies the settings now, in ``auto`` mode, for CPU training that tunedjax starts itself.
+
+  Called where tunedjax is about to train (``tunedjax demo``, a `Trainer`
+  being created). It acts only before JAX's backend has started and where JAX
+  will run on the CPU only; otherwise (and in the other modes) it changes
+  nothing.
+
+  Args:
+    who: what is about to train, for the status's reason.
+
+  Returns:
+    The `HostMemoryStatus` after the call.
+
+  Example:
+    >>> import tunedjax as tj
+    >>> apply_for_training("a doctest").mode in MODES
+    True
+  """
+  global _STATUS, _MEASURING
+  with _LOCK:
+    status = configure()
+    if (status.mode != "auto" or status.applied or _blocked(status.mode) is not None
+        or _jax_default_backend_if_started() is not None or not _likely_cpu_only()):
+      return status
+    refused = _mallopt(_glibc())
+    if refused:
+      return status
+    _MEASURING = False
+    _STATUS = dataclasses.replace(
+        status, applied=True, settings=dict(SETTINGS),
+        reason=(f"set with mallopt when {who}, before JAX's backend started: CPU training "
+                "gains from reusing its steps' memory"))
+    return _STATUS
+
+
+def measuring() -> bool:
+  """True while `tunedjax.jit` should measure its CPU programs: ``auto`` mode, and
+  nothing decided yet, or a decision applied and not yet confirmed in this process."""
+  return _MEASURING or _CONFIRMING
+
+
+class CallProbe:
+  """Measures a few early calls of one compiled CPU program: page faults and system time.
+
+  `tunedjax.jit` gives each function one probe while `measuring` is True; the
+  first `WARMUP` calls go through untouched (compiling, the heap growing), the
+  next `MEASURED` are run to completion between two ``getrusage`` calls. The
+  smallest fault count of those calls (a call may still see the previous
+  one's work) and their summed system and wall time go to `observe`. After
+  that the probe is `done`, and the function's calls cost nothing more.
+
+  Example:
+    >>> probe = CallProbe("f")
+    >>> [probe.call(lambda: 1, lambda x: x) for _ in range(6)]
+    [1, 1, 1, 1, 1, 1]
+    >>> probe.done
+    True
+  """
+
+  WARMUP = 3
+  MEASURED = 3
+
+  def __init__(self, program: str):
+    self.program = program
+    self.calls = 0
+    self.done = False
+    self._faults: list[int] = []
+    self._system_s = 0.0
+    self._wall_s = 0.0
+
+  def call(self, run: Callable[[], Any], block: Callable[[Any], Any]) -> Any:
+    """Returns ``run()``; measured (``block``-ed until done) where it is the probe's turn."""
+    self.calls += 1
+    if self.done or self.calls <= self.WARMUP:
+      return run()
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    out = block(run())
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    self._faults.append(after.ru_minflt - before.ru_minflt)
+    self._system_s += after.ru_stime - before.ru_stime
+    self._wall_s += wall
+    if len(self._faults) >= self.MEASURED:
+      self.done = True
+      n = len(self._faults)
+      observe(self.program, faults=min(self._faults), system_s=self._system_s / n,
+              wall_s=self._wall_s / n)
+    return out
+
+
+def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> bool:
+  """Takes one program's measurement; records the decision where the settings pay.
+
+  Args:
+    program: the program's name (for the record and ``tunedjax info``).
+    faults: minor page faults per call.
+    system_s: system CPU seconds per call.
+    wall_s: seconds per call.
+
+  Returns:
+    True if this measurement was recorded as paying.
+  """
+  global _MEASURING, _CONFIRMING, _STATUS
+  with _LOCK:
+    status = configure()
+    record = _decisions.record_for(status.workload or _decisions.workload(), faults=faults,
+                                   system_s=system_s, wall_s=wall_s, program=program)
+    _MEASURED.append(record)
+    if _CONFIRMING and wall_s >= CONFIRM_S:
+      _CONFIRMING = False  # a large program runs with the settings: the decision stands
+    if not (_MEASURING and record["pays"]):
+      return False
+    _MEASURING = False
+    if _readonly_cache() or not _decisions.store(decisions_folder(), record):
+      return False
+    _STATUS = dataclasses.replace(status, decision=record, reason=(
+        "not set in this process (decided after it started); recorded for the next import "
+        f"of this workload: {_describe(record)}"))
+    return True
+
+
+def measurements() -> list[dict[str, Any]]:
+  """This process's measurements so far (records, paying or not), oldest first."""
+  with _LOCK:
+    return list(_MEASURED)
+
+
+def _readonly_cache() -> bool:
+  try:
+    from tunedjax._config import get_config  # pylint: disable=import-outside-toplevel
+    return bool(get_config().cache.readonly)
+  except Exception:  # pylint: disable=broad-except  # a bad $TUNEDJAX_CONFIG: write nothing
+    return True
+
+
+def recorded_decisions() -> tuple[pathlib.Path, list[dict[str, Any]]]:
+  """The decisions file, and the decisions it holds for this machine (every workload)."""
+  folder = decisions_folder()
+  here = _decisions.machine()
+  return (folder / _decisions.FILE_NAME,
+          [r for r in _decisions.load(folder) if r["machine"] == here])
+
+
+def release_host_memory() -> bool:
+  """Returns the heap's free memory to the operating system (glibc's ``malloc_trim``).
+
+  With the host-memory settings applied, memory the process freed stays
+  mapped for reuse; call this after a phase that used much more than training
+  does (loading a large dataset into memory, say) to shrink the resident size.
+
+  Returns:
+    True if some memory was returned (always False without glibc).
+
+  Example:
+    >>> import tunedjax as tj
+    >>> tj.release_host_memory() in (True, False)
+    True
+  """
+  libc = _glibc()
+  return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def minor_page_faults() -> int:
+  """The process's minor page faults so far (``getrusage``)."""
+  return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
