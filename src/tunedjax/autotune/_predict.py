@@ -26,8 +26,9 @@ give a weighted mean of the log time ratio and a spread: the neighbours'
 disagreement, the timing noise (`BASE_SPREAD`) and how far the nearest one is
 (`DISTANCE_SPREAD` per unit). A candidate no measured bucket is near is
 *unknown* and always compiled. `Prediction.could_win` keeps a candidate
-when its optimistic time (`Z` spreads below the mean) could beat both the
-default by the tuner's margin and the best candidate's pessimistic time;
+when its optimistic time (`Z` spreads below the mean) could beat the
+default by the tuner's margin, and it could beat the predicted best (their
+difference within `Z` of their spreads combined);
 with a tuning horizon the comparison is of what each would save within it,
 less its predicted compile time (a kernel that compiles for 2 s must save
 more than one that compiles for 20 ms).
@@ -54,7 +55,7 @@ import logging
 import math
 import pathlib
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tunedjax._errors import CacheWarning
@@ -64,17 +65,20 @@ logger = logging.getLogger("tunedjax.autotune")
 PRIORS_FORMAT = "tunedjax-kernel-priors"
 PRIORS_VERSION = 1
 # How many spreads below its mean a candidate's time may still be.
-Z = 2.0
+Z = 1.5
 # Feature distance at which a neighbour's weight falls to exp(-1/2).
-BANDWIDTH = 1.0
+BANDWIDTH = 2.0
 # A prior (another machine of this class) counts this much of a local measurement.
 PRIOR_WEIGHT = 0.5
 # Below this total weight a candidate's prediction is unknown (it is compiled).
 MIN_SUPPORT = 0.05
 # Log-ratio spread of one measured ratio (timing noise), and its growth per
 # unit of distance to the nearest measured bucket.
-BASE_SPREAD = 0.15
-DISTANCE_SPREAD = 0.35
+BASE_SPREAD = 0.10
+DISTANCE_SPREAD = 0.10
+# A candidate that could beat the predicted best by less than this fraction
+# is not worth compiling: the most it could have saved over it.
+TOLERANCE = 0.20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +134,14 @@ class Prediction:
     default: the family's default kernel (ratio 1 by definition).
     estimates: ``{kernel: Estimate}`` of the other candidates with a prediction.
     unknown: the other candidates no measured bucket is near.
+    pairs: ``{(a, b): Estimate}``: kernel a's time over kernel b's, from
+      the measured buckets that timed both (`relative`).
   """
 
   default: str
   estimates: Mapping[str, Estimate]
   unknown: tuple[str, ...] = ()
+  pairs: Mapping[tuple[str, str], Estimate] = dataclasses.field(default_factory=dict)
 
   def best(self) -> str:
     """The candidate predicted fastest (the default unless one is predicted below 1)."""
@@ -165,7 +172,7 @@ class Prediction:
     Example:
       >>> pred = Prediction("xla", {"fast": Estimate(0.1, 0.1), "meh": Estimate(0.9, 0.1)})
       >>> pred.could_win(margin=0.1)
-      (['xla', 'fast'], {'meh': 'predicted 0.9x xla (at best 0.74x), fast 0.1x (at worst 0.12x)'})
+      (['xla', 'fast'], {'meh': 'predicted 0.9x xla (at best 0.77x), fast 0.1x'})
     """
     threshold = 1.0 / (1.0 + margin)
 
@@ -178,21 +185,56 @@ class Prediction:
           else default_compile_s)
       return horizon_s * (1.0 - ratio) - compile_s
 
-    best = self.best()
+    # The best: the fastest, or within a horizon the one that saves the most
+    # after its compile.
+    best = self.best() if horizon_s is None else max(
+        [self.default, *self.estimates],
+        key=lambda n: value(n, 1.0 if n == self.default else self.estimates[n].ratio))
     best_est = self.estimates.get(best)
-    worst_of_best = 1.0 if best_est is None else min(best_est.high, 1.0)
-    floor = max(value(best, worst_of_best), value(self.default, 1.0))
     kept, pruned = [self.default], {}
     for name, est in self.estimates.items():
-      if name == best or (est.low < threshold and value(name, est.low) >= floor):
+      if name == best:
         kept.append(name)
-      elif est.low >= threshold:
+        continue
+      if est.low >= threshold:
         pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best "
                         f"{est.low:.2g}x, needs < {threshold:.2f}x)")
+        continue
+      if best_est is None:  # the default is predicted best: a candidate against it alone
+        if value(name, est.low) >= value(self.default, 1.0):
+          kept.append(name)
+        else:
+          pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best {est.low:.2g}x):"
+                          f" cannot save its compile ({est.compile_s or default_compile_s:.2g}"
+                          " s) within the horizon")
+        continue
+      if self._worth(name, best, value, threshold):
+        kept.append(name)
       else:
         pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best {est.low:.2g}x), "
-                        f"{best} {best_est.ratio:.2g}x (at worst {worst_of_best:.2g}x)")
+                        f"{best} {best_est.ratio:.2g}x")
     return kept + list(self.unknown), pruned
+
+
+  def _worth(self, name: str, best: str, value: Callable[[str, float], float],
+             threshold: float) -> bool:
+    """Whether candidate `name` could beat the predicted `best` by more than
+    `TOLERANCE`, or win where the best might not beat the default."""
+    est, best_est = self.estimates[name], self.estimates[best]
+    pair = self.pairs.get((name, best))
+    if pair is not None:  # timed side by side before: their ratio to each other
+      high = min(best_est.ratio, 1.0)
+      low = high * pair.low
+    else:  # their spreads combined: optimistic for this one, pessimistic for the best
+      both = math.hypot(est.spread, best_est.spread) * Z
+      low = est.ratio * math.exp(-both * est.spread / (est.spread + best_est.spread))
+      high = min(best_est.ratio * math.exp(both * best_est.spread
+                                           / (est.spread + best_est.spread)), 1.0)
+    floor = value(self.default, 1.0)
+    if value(name, low * (1.0 + TOLERANCE)) >= max(value(best, high), floor):
+      return True
+    # The best itself may fail to beat the default: then this one is a second chance.
+    return best_est.high > threshold and est.low < threshold and value(name, est.low) >= floor
 
 
 def _distance(a: Mapping[str, float], b: Mapping[str, float]) -> float:
@@ -210,9 +252,39 @@ def estimate(features: Mapping[str, float], name: str, points: Iterable[Point]
     >>> round(estimate({"n": 5.0}, "k", pts).ratio, 3), estimate({"n": 50.0}, "k", pts)
     (0.5, None)
   """
+  return _weighted(features, points, lambda p: p.ratios.get(name),
+                   lambda p: p.compile_s.get(name))
+
+
+def relative(features: Mapping[str, float], name: str, other: str, points: Iterable[Point]
+             ) -> Estimate | None:
+  """Kernel `name`'s predicted time over kernel `other`'s, from the measured
+  buckets that timed both (None where none near enough did).
+
+  Kernels of a kind move together from bucket to bucket (two depthwise
+  kernels are both 30x faster than the default here, both 10x there), so
+  their ratio to each other is far steadier than either's ratio to the
+  default: comparing them this way rules out many more candidates.
+
+  Example:
+    >>> pts = [Point({"n": 4.0}, {"a": 0.02, "b": 0.04}), Point({"n": 6.0}, {"a": 0.2, "b": 0.4})]
+    >>> round(relative({"n": 5.0}, "a", "b", pts).ratio, 3)
+    0.5
+  """
+  def ratio(p: Point) -> float | None:
+    a, b = p.ratios.get(name), p.ratios.get(other)
+    return a / b if a is not None and b is not None and a > 0 and b > 0 else None
+
+  return _weighted(features, points, ratio, lambda p: None)
+
+
+def _weighted(features: Mapping[str, float], points: Iterable[Point],
+              ratio_of: Callable[[Point], float | None],
+              compile_of: Callable[[Point], float | None]) -> Estimate | None:
+  """The weighted geometric mean of `ratio_of` over the points near `features`."""
   logs, compiles, weights, nearest = [], [], [], math.inf
   for p in points:
-    r = p.ratios.get(name)
+    r = ratio_of(p)
     if r is None or not r > 0:
       continue
     d = _distance(features, p.features)
@@ -221,7 +293,7 @@ def estimate(features: Mapping[str, float], name: str, points: Iterable[Point]
       continue
     logs.append(math.log(r))
     weights.append(w)
-    compiles.append(p.compile_s.get(name))
+    compiles.append(compile_of(p))
     nearest = min(nearest, d)
   support = sum(weights)
   if support < MIN_SUPPORT:
@@ -257,7 +329,9 @@ def predict(features: Mapping[str, float], candidates: Sequence[str], points: Se
       unknown.append(name)
     else:
       estimates[name] = est
-  return Prediction(default, estimates, tuple(unknown))
+  pairs = {(a, b): e for a in estimates for b in estimates if a != b
+           for e in [relative(features, a, b, points)] if e is not None}
+  return Prediction(default, estimates, tuple(unknown), pairs)
 
 
 # -- what has been measured -----------------------------------------------------

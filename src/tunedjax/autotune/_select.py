@@ -241,6 +241,10 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
   session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
                  kept=result.kept, config=config)
   selection.tally.add_tuning(result.tuning_s)
+  selection.tally.add_decision(_report.BucketDecision(
+      site.label, site.family.name, result.winner, result.decided,
+      len(result.compile_s) or 1, len(site.candidates), float(sum(result.compile_s.values())),
+      result.regret))
   why.update(why=_report.CANNOT_PAY_BACK if result.kept else _report.TUNED,
              temp_bytes=result.temp_bytes)
   return result.winner
