@@ -42,6 +42,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="print the table instead of writing BENCHMARKS.md")
   args = parser.parse_args(argv)
   work, networks = pathlib.Path(args.work), tuple(args.networks.split(","))
+  if args.quick:  # a smoke run never mixes its small shapes into a real run's caches
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kernel-priors-quick-"))
   load_before = os.getloadavg()[0]
   if args.what in ("all", "collect"):
     collect(work, networks, args.quick)

@@ -15,7 +15,7 @@ import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax import _tuning, autotune
 from tunedjax._errors import AutotuneError, CacheWarning, ConfigError
-from tunedjax.autotune import _predict, _registry, _result, _tuner
+from tunedjax.autotune import _payback, _predict, _registry, _result, _tuner
 from tunedjax.autotune._predict import Estimate, Point, Prediction
 from tunedjax.ops.conv._family import conv_features
 from tunedjax.ops.conv._spec import ConvSpec
@@ -215,8 +215,14 @@ def test_compile_times_are_recorded_and_the_payback_cost_uses_the_predicted_ones
   slow = _tuner.tune_bucket(spec, _candidates(spec), payback=_tuner.Payback(horizon=100),
                             prediction=pred)
   assert compiled == ["xla"] and set(slow.compile_s) == {"xla"} and slow.winner == "xla"
-  assert slow.decided == "predicted" and "cannot save its compile" in slow.pruned["t_transposed"]
-  assert slow.payback["estimate_s"] == 0.0  # nothing left to tune
+  assert slow.kept and slow.decided == "kept" and "saves its compile" in slow.reason
+  assert "cannot save its compile" in slow.pruned["t_transposed"]
+  # Kept for this horizon and a shorter one; a horizon long enough to pay the
+  # 10 s compile back tunes it.
+  value = slow.to_value()
+  assert _payback.still_cannot_pay_back(value, horizon=100)
+  assert _payback.still_cannot_pay_back(value, horizon=10)
+  assert not _payback.still_cannot_pay_back(value, horizon=100_000)
   # Predicted to compile for 1 ms: it pays back, and only it is compiled.
   compiled.clear()
   pred = dataclasses.replace(pred, estimates={**pred.estimates, "t_transposed": Estimate(

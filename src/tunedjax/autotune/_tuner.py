@@ -534,27 +534,30 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   screen = list(_tuning.time_interleaved(
       {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
-  cost = _expected_cost(bucket, payback, compile_s, default_s)
-  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
+  cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
+  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound:
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
     calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
-    cost = _expected_cost(bucket, payback, compile_s, default_s)
+    cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
   others = len(bucket.functions) - 1
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
       cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
-      decided_s=float(_clock() - bucket.start), kept=not payback.pays(default_s, cost))
+      decided_s=float(_clock() - bucket.start),
+      kept=compile_bound or not payback.pays(default_s, cost))
   bucket.temps.update(_temps_of(compiled))
   if not bucket.record["kept"]:
     return compiled, screen
   saved = payback.most_saved(default_s)
+  why = (f"no candidate predicted to beat it saves its compile within the horizon (at "
+         f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
+         f"{saved:.3g} s at most to save, below the {cost:.3g} s tuning {others} other "
+         f"candidate(s) is expected to cost")
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
-      f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
-      f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
-      {default: calls}, {})
+      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
 
 
 def _prune(bucket: _Bucket, horizon_s: float | None = None,
@@ -575,16 +578,36 @@ def _prune(bucket: _Bucket, horizon_s: float | None = None,
 
 
 def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
-                   default_s: float) -> float:
+                   default_s: float) -> tuple[float, bool]:
   """What tuning the candidates that could win is expected to cost: each one's
-  predicted compile (the default's where none is predicted) and a call each."""
+  predicted compile (the default's where none is predicted) and a call each.
+
+  Returns:
+    ``(cost, compile_bound)``. Compile-bound: some candidates could beat the
+    default, but none would save its own compile within the horizon. The
+    cost is then the default's time the horizon must hold for the cheapest
+    of them to pay back (its compile over the fraction it saves), so that
+    the cached "cannot pay back" holds for this horizon and a longer one
+    tunes the bucket (`still_cannot_pay_back`).
+  """
+  _prune(bucket)
+  could_win = [n for n in bucket.functions if n != bucket.default]
   _prune(bucket, horizon_s=payback.most_saved(default_s), default_compile_s=compile_s)
   others = [n for n in bucket.functions if n != bucket.default]
   estimates = bucket.prediction.estimates if bucket.prediction is not None else {}
-  each = [estimates[n].compile_s if n in estimates and estimates[n].compile_s is not None
-          else compile_s for n in others]
-  return payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=len(others),
-                               compile_each=each if bucket.prediction is not None else None)
+
+  def compile_of(name: str) -> float:
+    est = estimates.get(name)
+    return est.compile_s if est is not None and est.compile_s is not None else compile_s
+
+  if could_win and not others and all(n in estimates for n in could_win):
+    needed = min(compile_of(n) / max(1.0 - estimates[n].low, 1e-3) for n in could_win)
+    cost = max(needed * payback.cost_factor, payback.most_saved(default_s) * 1.001)
+    return cost, True
+  each = [compile_of(n) for n in others]
+  return payback.expected_cost(
+      compile_s=compile_s, call_s=default_s, candidates=len(others),
+      compile_each=each if bucket.prediction is not None else None), False
 
 
 def _start(bucket: _Bucket, compiled: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:

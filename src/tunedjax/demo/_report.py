@@ -101,6 +101,8 @@ def _why(row: BucketChoice) -> str:
     return f"not tuned: cannot pay back in {row.horizon} steps"
   if row.kernel is None:
     return ""
+  if row.speedup is None and row.decided == "predicted" and row.compiled is not None:
+    return f"predicted: none faster ({row.compiled} of {len(row.candidates)} compiled)"
   if row.speedup is None:
     return "only kernel" if row.kernel == "xla" else ""
   why = "fastest" if row.kernel != "xla" else "xla fastest"
