@@ -252,7 +252,7 @@ def estimate(features: Mapping[str, float], name: str, points: Iterable[Point]
     >>> round(estimate({"n": 5.0}, "k", pts).ratio, 3), estimate({"n": 50.0}, "k", pts)
     (0.5, None)
   """
-  return _weighted(features, points, lambda p: p.ratios.get(name),
+  return _weighted(_near(features, points), lambda p: p.ratios.get(name),
                    lambda p: p.compile_s.get(name))
 
 
@@ -275,21 +275,29 @@ def relative(features: Mapping[str, float], name: str, other: str, points: Itera
     a, b = p.ratios.get(name), p.ratios.get(other)
     return a / b if a is not None and b is not None and a > 0 and b > 0 else None
 
-  return _weighted(features, points, ratio, lambda p: None)
+  return _weighted(_near(features, points), ratio, lambda p: None)
 
 
-def _weighted(features: Mapping[str, float], points: Iterable[Point],
-              ratio_of: Callable[[Point], float | None],
-              compile_of: Callable[[Point], float | None]) -> Estimate | None:
-  """The weighted geometric mean of `ratio_of` over the points near `features`."""
-  logs, compiles, weights, nearest = [], [], [], math.inf
+def _near(features: Mapping[str, float], points: Iterable[Point]
+          ) -> list[tuple[Point, float, float]]:
+  """``(point, weight, distance)`` of the points with a weight worth counting."""
+  near = []
   for p in points:
-    r = ratio_of(p)
-    if r is None or not r > 0:
-      continue
     d = _distance(features, p.features)
     w = math.exp(-0.5 * (d / BANDWIDTH) ** 2) * (PRIOR_WEIGHT if p.source == "prior" else 1.0)
-    if w <= 1e-12:
+    if w > 1e-12:
+      near.append((p, w, d))
+  return near
+
+
+def _weighted(near: Iterable[tuple[Point, float, float]],
+              ratio_of: Callable[[Point], float | None],
+              compile_of: Callable[[Point], float | None]) -> Estimate | None:
+  """The weighted geometric mean of `ratio_of` over the `near` points."""
+  logs, compiles, weights, nearest = [], [], [], math.inf
+  for p, w, d in near:
+    r = ratio_of(p)
+    if r is None or not r > 0:
       continue
     logs.append(math.log(r))
     weights.append(w)
@@ -320,17 +328,25 @@ def predict(features: Mapping[str, float], candidates: Sequence[str], points: Se
   Returns:
     A `Prediction`.
   """
+  near = _near(features, points)
   estimates, unknown = {}, []
   for name in candidates:
     if name == default:
       continue
-    est = estimate(features, name, points)
+    est = _weighted(near, lambda p, n=name: p.ratios.get(n),
+                    lambda p, n=name: p.compile_s.get(n))
     if est is None:
       unknown.append(name)
     else:
       estimates[name] = est
+
+  def ratio(p: Point, a: str, b: str) -> float | None:
+    x, y = p.ratios.get(a), p.ratios.get(b)
+    return x / y if x is not None and y is not None and x > 0 and y > 0 else None
+
   pairs = {(a, b): e for a in estimates for b in estimates if a != b
-           for e in [relative(features, a, b, points)] if e is not None}
+           for e in [_weighted(near, lambda p, a=a, b=b: ratio(p, a, b), lambda p: None)]
+           if e is not None}
   return Prediction(default, estimates, tuple(unknown), pairs)
 
 
