@@ -90,6 +90,9 @@ def _collect_step(name: str, cache_dir: str, quick: bool) -> None:
 
 
 def collect(work: pathlib.Path, networks: tuple[str, ...], quick: bool) -> None:
+  work.mkdir(parents=True, exist_ok=True)
+  loads = {"before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                               time.gmtime())}
   for net in networks:
     folder = work / net
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,8 @@ def collect(work: pathlib.Path, networks: tuple[str, ...], quick: bool) -> None:
     else:
       _collect_step(net, str(folder), quick)
     print(f"collected {net}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+  loads["after"] = os.getloadavg()[0]
+  (work / "load.json").write_text(json.dumps(loads), encoding="utf-8")
 
 
 def records(work: pathlib.Path, networks: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -222,17 +227,21 @@ def main(argv: list[str] | None = None) -> int:
   work, networks = pathlib.Path(args.work), tuple(args.networks.split(","))
   if args.quick:  # a smoke run never mixes its small shapes into a real run's caches
     work = pathlib.Path(tempfile.mkdtemp(prefix="kernel-priors-quick-"))
-  load_before = os.getloadavg()[0]
   if args.what in ("all", "collect"):
     collect(work, networks, args.quick)
   if args.what in ("all", "write") and not args.quick:
     write(work, networks)
   if args.what in ("all", "evaluate"):
     table = evaluate(work, networks)
+    load_file = work / "load.json"
+    loads = json.loads(load_file.read_text()) if load_file.exists() else {}
+    load = (f"Collected {loads['date']}, load average {loads['before']:.1f} before and "
+            f"{loads['after']:.1f} after (the machine is shared)." if loads else
+            "Load average not recorded.")
     body = (
         "## Kernel predictions: quality against exhaustive tuning\n\n"
-        f"`{COMMAND}` (collect, write, evaluate). {_harness.machine_line()} Load average "
-        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after. Each bucket of each "
+        f"`{COMMAND}` (collect, write, evaluate). {_harness.machine_line()} {load} "
+        "Each bucket of each "
         "network was tuned exhaustively (every applicable candidate, 5 rounds); the table "
         "replays those measurements: which candidates a prediction would compile, and the "
         "time of the kernel the tuner then chooses over the exhaustive winner's (regret; "
@@ -240,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         "measurements, so the *in-sample* rows flatter; the *other networks' priors* rows "
         "leave the network's own buckets out, as on a machine that has measured nothing "
         "of it, and the *+ earlier buckets* rows add what a first run has measured of the "
-        "network by the time it reaches each bucket.\n\n"
+        "network by the time it reaches each bucket. The predictor's constants "
+        "(`autotune/_predict.py`: 1.5 spreads, a 20% tolerance, bandwidth 2) were "
+        "chosen by a sweep over these same leave-one-out rows, so they are fitted to "
+        "these three networks too. *Predicted best alone* is the top-ranked "
+        "candidate's time over the winner's: what trusting the ranking without timing "
+        "would cost (the tuner never does).\n\n"
         "| network | prediction from | buckets | regret, median | regret, worst | "
         "predicted best alone: median / worst | candidates compiled (of exhaustive) | "
         "buckets compiling only 2 |\n|---|---|---:|---:|---:|---:|---:|---:|\n" + table)
