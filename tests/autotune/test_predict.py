@@ -307,7 +307,7 @@ def test_a_bucket_is_predicted_from_the_buckets_this_machine_measured(toy, tmp_p
   first = _run(tmp_path, 64)  # nothing measured yet, no priors: every candidate
   assert compiled == [["fast", "slow", "xla"]] and _result.decided(first) == "timed"
   assert set(first["compile_s"]) == {"xla", "fast", "slow"}
-  assert first["predicted"] == {"xla": 1.0}  # nothing known: no estimates
+  assert "predicted" not in first  # nothing known: no estimates
   compiled.clear()
   second = _run(tmp_path, 128)  # a neighbour of 64: slow is ruled out
   assert compiled == [["fast", "xla"]] and _result.decided(second) == "predicted"
@@ -395,3 +395,29 @@ def test_bad_option_values_give_clear_errors():
   with pytest.raises(AutotuneError, match="features must be callable"):
     autotune.OpFamily(name="x", spec_type=int, key=lambda s, b: {}, operands=lambda s, r: (),
                       features=3)
+
+
+def test_explain_and_the_report_show_how_each_bucket_was_decided(toy, tmp_path):
+  register, _, _ = toy
+  register()
+  _run(tmp_path, 64)  # timed: every candidate
+  cache = tmp_path / "cache"
+  with tj.config_context({"kernel": {"enable": True}, "cache": {"dir": str(cache)}}):
+    f = tj.jit(lambda x: autotune.dispatch(OP, ScaledSpec(x.shape[0]), x),
+               session=autotune.TuningSession())
+    f(jnp.ones(128))
+    report = f.report(memory=False).last.kernel_report
+  (decision,) = report.decisions
+  assert (decision.decided, decision.kernel, decision.compiled, decision.candidates) == (
+      "predicted", "fast", 2, 3)
+  assert decision.regret == pytest.approx(1.0) and decision.compile_s > 0
+  assert report.decided() == {"predicted": 1} and report.compiled == (2, 3)
+  assert "buckets 1 predicted, 2 of 3 candidates compiled" in str(report)
+  rows = {r.bucket: r for r in autotune.explain(
+      lambda x, y: (autotune.dispatch(OP, ScaledSpec(64), x),
+                    autotune.dispatch(OP, ScaledSpec(128), y)),
+      jnp.ones(64), jnp.ones(128), cache=cache)}
+  first, second = rows[f"{OP} 64"], rows[f"{OP} 128"]
+  assert (first.decided, first.compiled, first.regret) == ("timed", 3, None)
+  assert (second.decided, second.compiled) == ("predicted", 2)
+  assert second.regret == pytest.approx(1.0) and second.compile_s > 0

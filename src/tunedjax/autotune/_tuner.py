@@ -514,7 +514,8 @@ class _Bucket:
     return _finish(winner, reason, timings, ratios, self.errors, self.rejected, self.skipped,
                    self.start, self.label, self.temps, payback=self.record,
                    compile_s=self.compile_s, pruned=self.pruned,
-                   predicted=self.prediction.ratios() if self.prediction else {})
+                   predicted=(self.prediction.ratios() if self.prediction is not None
+                              and self.prediction.estimates else {}))
 
 
 def _weigh_payback(bucket: _Bucket, payback: Payback
