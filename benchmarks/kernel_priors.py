@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         "chosen by a sweep over these same leave-one-out rows, so they are fitted to "
         "these three networks too. *Predicted best alone* is the top-ranked "
         "candidate's time over the winner's: what trusting the ranking without timing "
-        "would cost (the tuner never does).\n\n"
+        "would cost (the tuner never does). The replay has no tuning horizon (as "
+        "`tj.jit` alone); under the Trainer's horizon, candidates that cannot save "
+        "their own compile are ruled out too, so a real first run compiles fewer "
+        "(see the demo's section).\n\n"
         "| network | prediction from | buckets | regret, median | regret, worst | "
         "predicted best alone: median / worst | candidates compiled (of exhaustive) | "
         "buckets compiling only 2 |\n|---|---|---:|---:|---:|---:|---:|---:|\n" + table)
