@@ -361,28 +361,21 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 prediction: Prediction | None = None) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
-  The stages, in order: prepare the operands (`_Bucket.prepare`); with a
-  horizon, weigh whether tuning can pay back from the default's compile and
-  first call (`_weigh_payback`); compile the candidates side by side
-  (`_compile_all`), with a `prediction` only those that could win
-  (`_prune`); make one call each, which both screens and checks
+  The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
+  to compile (`_plan`: with a horizon, whether tuning can pay back from the
+  default's compile and first call, `_weigh_payback`; with a `prediction`,
+  only the candidates that could win, `_prune`); compile them side by side
+  (`_compile_all`); make one call each, which both screens and checks
   (`_start`, `_screen`, `_check`); time the survivors (`_time`); choose
-  (`_choose`). Each stage's rule is a function of its own.
+  (`_choose`). Runs eagerly (`jax.ensure_compile_time_eval`: callable while a
+  function is traced) on random operands (`OpFamily.operands`).
 
-  Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
-  while an enclosing function is being traced) on random operands of
-  `spec`'s shapes and dtypes (the family's `OpFamily.operands`).
-
-  With `payback` (a tuning horizon), the default is compiled and called
-  first; if tuning the others cannot pay back (`Payback.pays`), nothing
-  else is compiled and the result keeps the default with a reason that
-  starts with `CANNOT_PAY_BACK` (``result.kept``). Without it (unbounded),
-  every candidate is compiled at once.
-
-  With a `prediction` (and ``options.predict``), the candidates it rules out
-  (`Prediction.could_win`: neither the predicted best nor too uncertain to
-  rule out) are never compiled (``result.pruned``); the default always is,
-  and whatever wins is timed against it and checked like any candidate.
+  With `payback` (a tuning horizon), when tuning the others cannot pay back
+  (`Payback.pays`) nothing else is compiled and the result keeps the default
+  (``result.kept``, its reason starting with `CANNOT_PAY_BACK`). With a
+  `prediction` (and ``options.predict``) the candidates it rules out
+  (`Prediction.could_win`) are never compiled (``result.pruned``); the
+  default always is, and what wins is timed and checked against it.
 
   Args:
     spec: the site's spec (a `ConvSpec`, ...).
@@ -392,8 +385,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     label: a bucket name for the log lines.
     family: the `OpFamily` (default: the one whose spec type `spec` has).
     payback: the tuning horizon and the bucket's sites, or None (unbounded).
-    prediction: the candidates' predicted times (`autotune._predict`), or
-      None: every candidate is compiled.
+    prediction: the candidates' predicted times, or None: compile them all.
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -417,18 +409,10 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   if options.predict and prediction is not None:
     bucket.prediction = prediction
   with jax.ensure_compile_time_eval():
-    compiled, default_screen = {}, None
-    if payback is not None and len(bucket.functions) > 1:
-      weighed = _weigh_payback(bucket, payback)
-      if isinstance(weighed, TuneResult):
-        return weighed
-      compiled, default_screen = weighed
-    else:
-      _prune(bucket)
-    if bucket.pruned and list(bucket.functions) == [bucket.default]:
-      why = "; ".join(f"{n} {r}" for n, r in bucket.pruned.items())
-      return bucket.finish(bucket.default, f"predicted: no other candidate could win ({why})",
-                           {bucket.default: default_screen} if default_screen else {}, {})
+    planned = _plan(bucket, payback)
+    if isinstance(planned, TuneResult):
+      return planned
+    compiled, default_screen = planned
     compiled.update(_compile_all({n: f for n, f in bucket.functions.items()
                                   if n not in compiled}, bucket.args, bucket.compile_s))
     # The budget bounds timing only: compiles (above) are not counted, so a
@@ -559,6 +543,30 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
       f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+
+
+def _plan(bucket: _Bucket, payback: Payback | None
+          ) -> TuneResult | tuple[dict[str, Any], list[float] | None]:
+  """Which candidates to compile: with a horizon, those that can pay back
+  (`_weigh_payback`), else those the prediction says could win (`_prune`).
+
+  Returns:
+    The finished result when nothing is left to tune (kept, or no candidate
+    could win), else what is compiled already and the default's first call.
+  """
+  compiled, default_screen = {}, None
+  if payback is not None and len(bucket.functions) > 1:
+    weighed = _weigh_payback(bucket, payback)
+    if isinstance(weighed, TuneResult):
+      return weighed
+    compiled, default_screen = weighed
+  else:
+    _prune(bucket)
+  if bucket.pruned and list(bucket.functions) == [bucket.default]:
+    why = "; ".join(f"{n} {r}" for n, r in bucket.pruned.items())
+    return bucket.finish(bucket.default, f"predicted: no other candidate could win ({why})",
+                         {bucket.default: default_screen} if default_screen else {}, {})
+  return compiled, default_screen
 
 
 def _prune(bucket: _Bucket, horizon_s: float | None = None,
