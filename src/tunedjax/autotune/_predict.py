@@ -25,13 +25,16 @@ the feature distance; a prior counts `PRIOR_WEIGHT` of a local measurement)
 give a weighted mean of the log time ratio and a spread: the neighbours'
 disagreement, the timing noise (`BASE_SPREAD`) and how far the nearest one is
 (`DISTANCE_SPREAD` per unit). A candidate no measured bucket is near is
-*unknown* and always compiled. `Prediction.could_win` keeps a candidate
-when its optimistic time (`Z` spreads below the mean) could beat the
-default by the tuner's margin, and it could beat the predicted best (their
-difference within `Z` of their spreads combined);
-with a tuning horizon the comparison is of what each would save within it,
-less its predicted compile time (a kernel that compiles for 2 s must save
-more than one that compiles for 20 ms).
+*unknown* and always compiled. Two kernels timed side by side in near
+buckets are also compared directly (`relative`): kernels of a kind move
+together from bucket to bucket, so their ratio to each other is steadier
+than either's ratio to the default. `Prediction.could_win` keeps a
+candidate when its optimistic time (`Z` spreads below the mean) could beat
+the default by the tuner's margin and the predicted best by more than
+`TOLERANCE` (or the best might not beat the default at all); with a tuning
+horizon the comparison is of what each would save within it, less its
+predicted compile time (a kernel that compiles for 2 s must save more than
+one that compiles for 20 ms).
 
 A prediction is never taken alone: the tuner times whatever it keeps
 against the default and checks it against the reference, as for every
