@@ -21,7 +21,7 @@ PUBLIC = {
                            "JSONLinesLogger", "TensorBoard"},
     "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
-    "tunedjax.autotune": {"BucketChoice", "BucketTemporaries", "Cache", "CacheEntry", "DeviceFingerprint",
+    "tunedjax.autotune": {"BucketChoice", "BucketDecision", "BucketTemporaries", "Cache", "CacheEntry", "DeviceFingerprint",
                           "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
                           "Stats", "TuningSession", "default_session", "device_fingerprint",
                           "dispatch", "explain", "hint", "kernels", "op_families", "op_family",

@@ -238,6 +238,10 @@ class KernelConfig(_Section):
       run's horizon (the `Trainer` gives the steps of its fit; `tj.jit`
       alone has none, so it tunes everything): default True. False tunes
       every bucket, as for pre-tuning a cache with a short run.
+    predict: before compiling a bucket's candidates, predict their times
+      from what this machine measured and the family's shipped priors, and
+      compile and time only those that could win (default True). False
+      compiles and times every applicable candidate (exhaustive tuning).
 
   Example:
     >>> KernelConfig(tuning_range=[2, 5]).tuning_range
@@ -251,6 +255,7 @@ class KernelConfig(_Section):
   hints: FrozenDict = _field(_check_hints, factory=FrozenDict)
   objective: str = _field(_choice(*OBJECTIVES), "time")
   payback: bool = _field(_check_bool, True)
+  predict: bool = _field(_check_bool, True)
 
 
 @dataclasses.dataclass(frozen=True)

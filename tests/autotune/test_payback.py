@@ -42,10 +42,10 @@ class FakeClock:
     self.compiled: list[list[str]] = []
     real = _tuner._compile_all
 
-    def compile_all(functions, args):
+    def compile_all(functions, args, times=None):
       self.compiled.append(sorted(functions))
       self.now += compile_s * len(functions)
-      return real(functions, args)
+      return real(functions, args, times)
 
     monkeypatch.setattr(_tuner, "_clock", lambda: self.now)
     monkeypatch.setattr(_tuner, "_compile_all", compile_all)

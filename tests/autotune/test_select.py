@@ -189,8 +189,8 @@ def test_the_call_that_checks_a_candidate_is_its_screening_round(monkeypatch):
   compiled = {}
   real_compile_all = _tuner._compile_all
 
-  def remembering(functions, args):
-    compiled.update(real_compile_all(functions, args))
+  def remembering(functions, args, times=None):
+    compiled.update(real_compile_all(functions, args, times))
     return compiled
 
   monkeypatch.setattr(_tuner, "_runner", counting_runner)

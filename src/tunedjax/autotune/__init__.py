@@ -58,6 +58,7 @@ from tunedjax.autotune._registry import register_kernel as register_kernel
 from tunedjax.autotune._registry import register_op_family as register_op_family
 from tunedjax.autotune._registry import unregister_kernel as unregister_kernel
 from tunedjax.autotune._registry import unregister_op_family as unregister_op_family
+from tunedjax.autotune._report import BucketDecision as BucketDecision
 from tunedjax.autotune._report import BucketTemporaries as BucketTemporaries
 from tunedjax.autotune._report import KernelChoice as KernelChoice
 from tunedjax.autotune._report import KernelReport as KernelReport
@@ -66,6 +67,7 @@ from tunedjax.autotune._select import select_kernels as select_kernels
 
 __all__ = [
     "BucketChoice",
+    "BucketDecision",
     "BucketTemporaries",
     "Cache",
     "CacheEntry",

@@ -15,7 +15,7 @@ import jax
 
 from tunedjax import _tuning
 from tunedjax._config import get_config
-from tunedjax.autotune import _registry
+from tunedjax.autotune import _registry, _result
 from tunedjax.autotune import _select
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import iter_equations
@@ -46,6 +46,15 @@ class BucketChoice:
       could not pay back (`reason` starts with ``"cannot pay back"``), the
       tuning horizon (program runs) that was decided for; a run with a
       longer one tunes it. None otherwise.
+    decided: how the cached decision was made: ``"predicted"`` (only the
+      candidates a prediction said could win were compiled and timed),
+      ``"timed"`` (every candidate), ``"kept"`` (tuning could not pay
+      back); None when not in the cache or only the default applies.
+    regret: the predicted winner's measured time over the best measured
+      time (1.0: the prediction picked the fastest), where both are known.
+    compiled: how many candidates were compiled for the decision (None
+      where not known: an entry written before compile times were kept).
+    compile_s: seconds compiling them took, in all.
   """
 
   bucket: str
@@ -60,6 +69,10 @@ class BucketChoice:
   op: str = ""
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   horizon: int | None = None
+  decided: str | None = None
+  regret: float | None = None
+  compiled: int | None = None
+  compile_s: float = 0.0
 
 
 def _kept_for(value: Mapping[str, Any]) -> int | None:
@@ -138,5 +151,8 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
         tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
-        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value)))
+        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
+        decided=_result.decided(value), regret=_result.regret(value),
+        compiled=len(value["compile_s"]) if value.get("compile_s") else None,
+        compile_s=float(sum((value.get("compile_s") or {}).values()))))
   return rows

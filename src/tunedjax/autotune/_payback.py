@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tunedjax._errors import AutotuneError
@@ -64,7 +64,8 @@ class Payback:
   candidate could save is ``default_s * sites * horizon`` (a kernel taking
   no time at all). Tuning the other candidates is expected to cost
   ``(default's compile + its call) * candidates * cost_factor``: the
-  default's own costs stand for each candidate's compile and timing, and
+  default's own costs stand for each candidate's compile and timing (or,
+  where a prediction has them, each candidate's own compile time), and
   ``cost_factor`` corrects that with what past buckets of this session
   actually took (`TuningSession.tuning_cost_factor`). When the most saved
   is below the cost, the bucket keeps its default untuned.
@@ -102,9 +103,23 @@ class Payback:
     """Seconds the best possible kernel could save within the horizon."""
     return default_s * self.sites * self.horizon
 
-  def expected_cost(self, *, compile_s: float, call_s: float, candidates: int) -> float:
-    """Seconds compiling and timing `candidates` more kernels is expected to take."""
-    return (compile_s + call_s) * candidates * self.cost_factor
+  def expected_cost(self, *, compile_s: float, call_s: float, candidates: int,
+                    compile_each: Sequence[float] | None = None) -> float:
+    """Seconds compiling and timing `candidates` more kernels is expected to take.
+
+    Each is expected to compile for `compile_s` (the default's compile) and
+    be called for `call_s`; with `compile_each` (each candidate's own
+    compile time, as predicted from what compiling it took before) those
+    compiles stand instead.
+
+    Example:
+      >>> p = Payback(horizon=48)
+      >>> round(p.expected_cost(compile_s=0.5, call_s=0.01, candidates=2,
+      ...                       compile_each=[0.02, 2.0]), 3)
+      2.04
+    """
+    compiles = compile_s * candidates if compile_each is None else float(sum(compile_each))
+    return (compiles + call_s * candidates) * self.cost_factor
 
   def pays(self, default_s: float, cost_s: float) -> bool:
     """Whether tuning costing `cost_s` can pay back against a default taking `default_s`."""

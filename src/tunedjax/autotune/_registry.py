@@ -112,6 +112,15 @@ class OpFamily:
       its floating operands for a random cotangent, in one compiled call):
       for families whose kernels differ mostly in their backward, such as
       a fused batch norm or a flash attention.
+    features: ``features(key) -> {name: float}``: numbers describing a
+      bucket from its key (`key`'s dict, plus the fields the selector adds),
+      for predicting its kernels' times from buckets measured before
+      (`autotune._predict`): sizes on a log2 scale, flags for the kinds of
+      site that behave differently, scaled so that a distance of 1 is a
+      notable difference. None: no predictions; every candidate is timed.
+    priors: a folder of ``<machine class>.json`` files of measurements
+      shipped with the family (`autotune._predict.read_priors`), used where
+      this machine has measured nothing near a bucket; None: none.
   """
 
   name: str
@@ -124,6 +133,8 @@ class OpFamily:
   from_equation: Callable[[Any], Any] | None = None
   describe: Callable[[Mapping[str, Any]], str] | None = None
   timed: str = "forward"
+  features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
+  priors: Any = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -136,6 +147,9 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
+    if self.features is not None and not callable(self.features):
+      raise AutotuneError(f"OpFamily({self.name!r}).features must be callable or None, got "
+                          f"{self.features!r}.")
     if self.timed not in TIMED:
       raise AutotuneError(f"OpFamily({self.name!r}).timed must be one of "
                           f"{format_choices(TIMED)}, got {self.timed!r}"

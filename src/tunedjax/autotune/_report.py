@@ -87,6 +87,44 @@ class BucketTemporaries:
 
 
 @dataclasses.dataclass(frozen=True)
+class BucketDecision:
+  """How one bucket tuned during a trace was decided.
+
+  Attributes:
+    bucket: the bucket's label.
+    op: the op family.
+    kernel: the kernel chosen.
+    decided: ``"predicted"`` (only the candidates a prediction said could
+      win were compiled), ``"timed"`` (every candidate) or ``"kept"``
+      (tuning could not pay back: the default, untuned).
+    compiled: candidates compiled (the default included).
+    candidates: candidates that applied.
+    compile_s: seconds compiling them took, in all.
+    regret: the predicted winner's measured time over the best measured
+      time, where both are known (1.0: the prediction was right).
+
+  Example:
+    >>> print(BucketDecision("conv 8x32x32x64 * 3x3x1x64", "conv", "depthwise_native",
+    ...                      "predicted", 2, 5, 0.4, 1.0))
+    conv 8x32x32x64 * 3x3x1x64: depthwise_native, predicted (2 of 5 compiled, 0.40 s), regret 1.00
+  """
+
+  bucket: str
+  op: str
+  kernel: str
+  decided: str
+  compiled: int
+  candidates: int
+  compile_s: float = 0.0
+  regret: float | None = None
+
+  def __str__(self) -> str:
+    regret = "" if self.regret is None else f", regret {self.regret:.2f}"
+    return (f"{self.bucket}: {self.kernel}, {self.decided} ({self.compiled} of "
+            f"{self.candidates} compiled, {self.compile_s:.2f} s){regret}")
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelReport:
   """The kernel-selection pass's report for one trace.
 
@@ -96,11 +134,14 @@ class KernelReport:
     temporaries: one `BucketTemporaries` per bucket decided by the tuner or
       the cache whose record has temporaries for both its kernel and the
       default (hinted, observed and default-only buckets have none).
+    decisions: one `BucketDecision` per bucket tuned during this trace:
+      predicted, timed or kept, what was compiled, and the regret.
   """
 
   choices: tuple[KernelChoice, ...] = ()
   tuning_s: float = 0.0
   temporaries: tuple[BucketTemporaries, ...] = ()
+  decisions: tuple[BucketDecision, ...] = ()
   name = "kernel_selection"
 
   def _count(self, *whys: str) -> int:
@@ -149,9 +190,25 @@ class KernelReport:
     """Temporaries the chosen kernels save against the defaults, over the buckets."""
     return sum(t.saved_bytes for t in self.temporaries)
 
+  def decided(self) -> Mapping[str, int]:
+    """``{"predicted" | "timed" | "kept": buckets}`` of the buckets tuned in this trace."""
+    return dict(collections.Counter(d.decided for d in self.decisions))
+
+  @property
+  def compiled(self) -> tuple[int, int]:
+    """``(candidates compiled, candidates that applied)`` over the buckets tuned."""
+    return (sum(d.compiled for d in self.decisions),
+            sum(d.candidates for d in self.decisions))
+
   def __str__(self) -> str:
     parts = ", ".join(f"{c}: {c.count}" for c in self.choices) or "no kernel sites"
     text = f"{parts}; cache hits {self.hits}, misses {self.misses}, tuning {self.tuning_s:.1f} s"
+    if self.decisions:
+      how = ", ".join(f"{n} {k}" for k, n in sorted(self.decided().items()))
+      regrets = sorted(d.regret for d in self.decisions if d.regret is not None)
+      worst = f", worst regret {regrets[-1]:.2f}" if regrets else ""
+      text += (f"; buckets {how}, {self.compiled[0]} of {self.compiled[1]} candidates "
+               f"compiled{worst}")
     if any(t.saved_bytes for t in self.temporaries):
       text += f"; kernel temporaries {self.temp_bytes_saved / 2**20:+.1f} MiB saved"
     return text
@@ -165,6 +222,12 @@ class Tally:
     self._counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
     self._tuning_s = 0.0
     self._temps: dict[str, BucketTemporaries] = {}
+    self._decisions: list[BucketDecision] = []
+
+  def add_decision(self, decision: BucketDecision) -> None:
+    """Records how a bucket tuned in this trace was decided."""
+    with self._lock:
+      self._decisions.append(decision)
 
   def add_temporaries(self, bucket: str, kernel: str, temp_bytes: Mapping[str, int],
                       default: str) -> None:
@@ -188,4 +251,5 @@ class Tally:
     with self._lock:
       return KernelReport(tuple(KernelChoice(op, k, why, n)
                                 for (op, k, why), n in self._counts.items()),
-                          tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()))
+                          tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()),
+                          decisions=tuple(self._decisions))

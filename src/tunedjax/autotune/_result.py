@@ -42,6 +42,13 @@ class TuneResult:
       expected to cost), ``estimate_s`` (that estimate before the session's
       correction), ``decided_s`` (seconds before the decision), and
       ``kept`` (True: the default was kept untuned). Empty without a horizon.
+    compile_s: ``{name: seconds}`` compiling each candidate took (side by
+      side in threads, so each includes its share of a loaded machine).
+    predicted: ``{name: time ratio to the default}`` predicted before
+      anything was compiled (the default's 1.0 included); empty when the
+      bucket was tuned without a prediction.
+    pruned: ``{name: reason}`` of the candidates the prediction ruled out:
+      never compiled or timed.
 
   Example:
     >>> r = TuneResult(winner="xla", reason="only xla applies")
@@ -60,15 +67,37 @@ class TuneResult:
   tuning_s: float = 0.0
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   payback: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  compile_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  pruned: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def kept(self) -> bool:
     """Whether the default was kept untuned because tuning could not pay back."""
     return bool(self.payback.get("kept", False))
 
+  @property
+  def decided(self) -> str:
+    """How the bucket was decided: ``"kept"`` (tuning could not pay back),
+    ``"predicted"`` (only the candidates that could win were compiled) or
+    ``"timed"`` (every candidate)."""
+    return decided(self.to_value())
+
+  @property
+  def regret(self) -> float | None:
+    """The predicted winner's measured time over the best measured time (1.0:
+    the prediction was right), where both are known; else None."""
+    return regret(self.to_value())
+
   def to_value(self) -> dict[str, Any]:
     """The JSON dict stored in the cache (``payback`` only when there is one)."""
     extra = {"payback": dict(self.payback)} if self.payback else {}
+    if self.compile_s:
+      extra["compile_s"] = {k: float(v) for k, v in self.compile_s.items()}
+    if self.predicted:
+      extra["predicted"] = {k: float(v) for k, v in self.predicted.items()}
+    if self.pruned:
+      extra["pruned"] = dict(self.pruned)
     return {
         "winner": self.winner,
         "reason": self.reason,
@@ -93,7 +122,9 @@ class TuneResult:
         rejected=dict(value.get("rejected", {})), skipped=tuple(value.get("skipped", ())),
         measured_at=value.get("measured_at", ""), tuning_s=float(value.get("tuning_s", 0.0)),
         temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()},
-        payback=dict(value.get("payback", {})))
+        payback=dict(value.get("payback", {})),
+        compile_s=dict(value.get("compile_s", {})), predicted=dict(value.get("predicted", {})),
+        pruned=dict(value.get("pruned", {})))
 
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, TuneResult):
@@ -139,6 +170,9 @@ def validate_value(value: Any, op: str, known: Collection[str]) -> None:
       ("errors", lambda v: isinstance(v, str), "a string"),
       ("rejected", is_number, "a number"),
       ("temp_bytes", lambda v: is_number(v) and v >= 0, "a number of bytes"),
+      ("compile_s", lambda v: is_number(v) and v >= 0, "seconds >= 0"),
+      ("predicted", lambda v: is_number(v) and v > 0, "a time ratio > 0"),
+      ("pruned", lambda v: isinstance(v, str), "a reason string"),
   ):
     sub = value.get(field, {})
     if not isinstance(sub, Mapping):
@@ -157,3 +191,41 @@ def validate_value(value: Any, op: str, known: Collection[str]) -> None:
   if not isinstance(value.get("reason", ""), str):
     raise TypeError("cache entry 'reason' must be a string.")
   validate_payback(value.get("payback", {}))
+
+
+def decided(value: Mapping[str, Any]) -> str:
+  """``"kept"``, ``"predicted"`` or ``"timed"``: how a cached bucket was decided
+  (`TuneResult.decided`).
+
+  Example:
+    >>> decided({"winner": "xla"}), decided({"winner": "fft", "pruned": {"im2col": "..."}})
+    ('timed', 'predicted')
+  """
+  if (value.get("payback") or {}).get("kept"):
+    return "kept"
+  return "predicted" if value.get("pruned") else "timed"
+
+
+def predicted_winner(value: Mapping[str, Any]) -> str | None:
+  """The candidate a cached bucket's prediction ranked fastest, or None without one."""
+  predicted = value.get("predicted") or {}
+  return min(predicted, key=lambda n: (predicted[n], n)) if predicted else None
+
+
+def regret(value: Mapping[str, Any]) -> float | None:
+  """The predicted winner's measured time over the best measured time.
+
+  From the cached ratios (each timed candidate's time over the default's,
+  the default's own 1.0 among them); None when the bucket had no
+  prediction, or its predicted winner was not timed.
+
+  Example:
+    >>> regret({"winner": "b", "predicted": {"xla": 1.0, "a": 0.2, "b": 0.3},
+    ...         "ratios": {"xla": 1.0, "a": 0.25, "b": 0.2}})
+    1.25
+  """
+  best = predicted_winner(value)
+  ratios = {str(k): float(v) for k, v in (value.get("ratios") or {}).items()}
+  if best is None or best not in ratios or min(ratios.values()) <= 0:
+    return None
+  return ratios[best] / min(ratios.values())

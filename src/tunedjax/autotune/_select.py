@@ -48,7 +48,8 @@ import jax
 from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
-from tunedjax.autotune import _hints, _multihost, _payback, _registry, _report, _tuner
+from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _registry, _report,
+                               _tuner)
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -77,6 +78,8 @@ class Selection:
     sites: ``{bucket key as JSON: sites decided so far}`` in this trace:
       the calls of a bucket per run of the program, as known when a site is
       decided (for the tuning horizon's payback check).
+    measured: ``(bucket key, value)`` of the buckets tuned in this trace,
+      for predicting the next ones where there is no cache to read them from.
   """
 
   platform: str
@@ -88,6 +91,7 @@ class Selection:
   explain_only: bool = False
   buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
   sites: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+  measured: list[tuple[dict[str, Any], dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 _ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
@@ -224,19 +228,48 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
     options = dataclasses.replace(options, objective=config.kernel.objective)
   payback = None if site.horizon is None or not weigh_payback else _payback.Payback(
       horizon=site.horizon, sites=site.sites, cost_factor=session.tuning_cost_factor())
+  prediction = (_prediction(site, selection)
+                if options.predict and config.kernel.predict else None)
   result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
                               options=options, label=site.label, family=site.family,
-                              payback=payback)
+                              payback=payback, prediction=prediction)
   session.store(selection.cache, site.family.name, site.key, result.to_value())
+  selection.measured.append((site.key, result.to_value()))
   record = result.payback
   if record and not result.kept:  # what tuning the rest took, against its estimate
     session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"])
   session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
                  kept=result.kept, config=config)
   selection.tally.add_tuning(result.tuning_s)
+  selection.tally.add_decision(_report.BucketDecision(
+      site.label, site.family.name, result.winner, result.decided,
+      len(result.compile_s) or 1, len(site.candidates), float(sum(result.compile_s.values())),
+      result.regret))
   why.update(why=_report.CANNOT_PAY_BACK if result.kept else _report.TUNED,
              temp_bytes=result.temp_bytes)
   return result.winner
+
+
+def _prediction(site: _Site, selection: Selection) -> _predict.Prediction | None:
+  """The candidates' predicted times for the site's bucket: from the family's
+  buckets this machine measured (the cache's, this trace's) and its priors;
+  None for a family without `OpFamily.features`."""
+  family = site.family
+  if family.features is None:
+    return None
+  try:
+    features = family.features(site.key)
+  except Exception as e:  # pylint: disable=broad-except  # a family's bug: tune exhaustively
+    logger.warning("autotune %s: the %s family's features failed (%s: %s); every candidate "
+                   "is timed.", site.label, family.name, type(e).__name__, e)
+    return None
+  cache = selection.cache
+  entries = ([(e.key, e.value) for e in cache.entries(family.name)] if cache is not None
+             else selection.measured)
+  points = _predict.measured_points(family, entries)
+  points += _predict.priors(family, _tuning.device_fingerprint(selection.platform))
+  return _predict.predict(features, [k.name for k in site.candidates], points,
+                          default=family.default)
 
 
 def _count(selection: Selection, op: str, name: str, why: str) -> None:

@@ -37,6 +37,7 @@ from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _registry
 from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback
+from tunedjax.autotune._predict import Prediction
 from tunedjax.autotune._result import TuneResult
 
 logger = logging.getLogger("tunedjax.autotune")
@@ -89,6 +90,10 @@ class TuneOptions:
     objective: ``"time"`` (the fastest), or ``"memory"`` (the fewest
       temporary bytes among those within `MEMORY_SLACK` of the fastest):
       the config's ``kernel.objective`` (see `choose`).
+    predict: compile only the candidates a `Prediction` says could win
+      (True, the default), or every applicable one (False: exhaustive, as
+      for measuring a prediction's quality); the config's ``kernel.predict``
+      can turn it off too.
 
   Example:
     >>> TuneOptions(rounds=3).margin
@@ -100,6 +105,7 @@ class TuneOptions:
   margin: float = DEFAULT_MARGIN
   seed: int = 0
   objective: str = "time"
+  predict: bool = True
 
   def __post_init__(self):
     if not (isinstance(self.rounds, int) and self.rounds >= 1):
@@ -109,6 +115,9 @@ class TuneOptions:
     if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 10):
       raise AutotuneError(
           f"TuneOptions.margin must be a fraction >= 0 such as 0.1, got {self.margin!r}.")
+    if not isinstance(self.predict, bool):
+      raise AutotuneError(f"TuneOptions.predict must be True (compile the candidates that "
+                          f"could win) or False (every candidate), got {self.predict!r}.")
     if self.objective not in OBJECTIVES:
       raise AutotuneError(f"TuneOptions.objective must be one of "
                           f"{', '.join(map(repr, OBJECTIVES))}, got {self.objective!r}.")
@@ -283,23 +292,30 @@ def _leaves_error(out: Any, ref: Any) -> float:
 
 
 def _compile_all(functions: Mapping[str, Callable[..., Any]],
-                 args: Sequence[jax.Array]) -> dict[str, Any]:
+                 args: Sequence[jax.Array], times: dict[str, float] | None = None
+                 ) -> dict[str, Any]:
   """Every candidate compiled for these arguments, side by side in threads.
 
   XLA compiles without holding the GIL, so a bucket's candidates compile in
   about the time of the slowest one on a machine with cores to spare.
-  Returns ``{name: executable or the exception compiling it raised}``.
+  Returns ``{name: executable or the exception compiling it raised}``; each
+  one's seconds (lowering and compiling, in its thread) go to `times`.
   """
+  times = {} if times is None else times
 
-  def compile_one(fn: Callable[..., Any]) -> Any:
+  def compile_one(item: tuple[str, Callable[..., Any]]) -> Any:
+    name, fn = item
+    start = time.perf_counter()
     try:
       return jax.jit(fn).lower(*args).compile()
     except Exception as e:  # pylint: disable=broad-except  # reported when it runs
       return e
+    finally:
+      times[name] = time.perf_counter() - start
 
   workers = max(1, min(len(functions), os.cpu_count() or 1))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return dict(zip(functions, pool.map(compile_one, functions.values())))
+    return dict(zip(functions, pool.map(compile_one, functions.items())))
 
 
 def _runner(executable: Any, operands: Sequence[jax.Array]) -> Callable[[], Any]:
@@ -341,25 +357,25 @@ def _failed(errors: dict[str, str], name: str, e: BaseException, label: str) -> 
 def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
                 family: _registry.OpFamily | None = None,
-                payback: Payback | None = None) -> TuneResult:
+                payback: Payback | None = None,
+                prediction: Prediction | None = None) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
-  The stages, in order: prepare the operands (`_Bucket.prepare`); with a
-  horizon, weigh whether tuning can pay back from the default's compile and
-  first call (`_weigh_payback`); compile the candidates side by side
+  The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
+  to compile (`_plan`: with a horizon, whether tuning can pay back from the
+  default's compile and first call, `_weigh_payback`; with a `prediction`,
+  only the candidates that could win, `_prune`); compile them side by side
   (`_compile_all`); make one call each, which both screens and checks
   (`_start`, `_screen`, `_check`); time the survivors (`_time`); choose
-  (`_choose`). Each stage's rule is a function of its own.
+  (`_choose`). Runs eagerly (`jax.ensure_compile_time_eval`: callable while a
+  function is traced) on random operands (`OpFamily.operands`).
 
-  Runs eagerly (under `jax.ensure_compile_time_eval`, so it may be called
-  while an enclosing function is being traced) on random operands of
-  `spec`'s shapes and dtypes (the family's `OpFamily.operands`).
-
-  With `payback` (a tuning horizon), the default is compiled and called
-  first; if tuning the others cannot pay back (`Payback.pays`), nothing
-  else is compiled and the result keeps the default with a reason that
-  starts with `CANNOT_PAY_BACK` (``result.kept``). Without it (unbounded),
-  every candidate is compiled at once.
+  With `payback` (a tuning horizon), when tuning the others cannot pay back
+  (`Payback.pays`) nothing else is compiled and the result keeps the default
+  (``result.kept``, its reason starting with `CANNOT_PAY_BACK`). With a
+  `prediction` (and ``options.predict``) the candidates it rules out
+  (`Prediction.could_win`) are never compiled (``result.pruned``); the
+  default always is, and what wins is timed and checked against it.
 
   Args:
     spec: the site's spec (a `ConvSpec`, ...).
@@ -369,6 +385,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     label: a bucket name for the log lines.
     family: the `OpFamily` (default: the one whose spec type `spec` has).
     payback: the tuning horizon and the bucket's sites, or None (unbounded).
+    prediction: the candidates' predicted times, or None: compile them all.
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -389,15 +406,15 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     ('xla', ['wrong'])
   """
   bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
+  if options.predict and prediction is not None:
+    bucket.prediction = prediction
   with jax.ensure_compile_time_eval():
-    compiled, default_screen = {}, None
-    if payback is not None and len(bucket.functions) > 1:
-      weighed = _weigh_payback(bucket, payback)
-      if isinstance(weighed, TuneResult):
-        return weighed
-      compiled, default_screen = weighed
+    planned = _plan(bucket, payback)
+    if isinstance(planned, TuneResult):
+      return planned
+    compiled, default_screen = planned
     compiled.update(_compile_all({n: f for n, f in bucket.functions.items()
-                                  if n not in compiled}, bucket.args))
+                                  if n not in compiled}, bucket.args, bucket.compile_s))
     # The budget bounds timing only: compiles (above) are not counted, so a
     # loaded machine that compiles slowly still times every candidate.
     bucket.timing_start = _clock()
@@ -442,6 +459,10 @@ class _Bucket:
   temps: dict[str, int] = dataclasses.field(default_factory=dict)
   record: dict[str, Any] = dataclasses.field(default_factory=dict)
   timing_start: float = 0.0
+  compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  prediction: Prediction | None = None
+  pruned: dict[str, str] = dataclasses.field(default_factory=dict)
+  every: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
   @property
   def default(self) -> str:
@@ -468,13 +489,17 @@ class _Bucket:
       operands = [jax.device_put(x, device) for x in family.operands(spec, rng)]
       bucket.args = _timed_args(family, spec, operands, kernels[family.default], rng, device)
     bucket.functions = {n: _timed_function(k, spec, family.timed) for n, k in kernels.items()}
+    bucket.every = dict(bucket.functions)
     return bucket
 
   def finish(self, winner: str, reason: str, timings: Mapping[str, Sequence[float]],
              ratios: Mapping[str, float]) -> TuneResult:
     """The `TuneResult` of this bucket, logged."""
     return _finish(winner, reason, timings, ratios, self.errors, self.rejected, self.skipped,
-                   self.start, self.label, self.temps, payback=self.record)
+                   self.start, self.label, self.temps, payback=self.record,
+                   compile_s=self.compile_s, pruned=self.pruned,
+                   predicted=(self.prediction.ratios() if self.prediction is not None
+                              and self.prediction.estimates else {}))
 
 
 def _weigh_payback(bucket: _Bucket, payback: Payback
@@ -488,32 +513,110 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   """
   default = bucket.default
   compile_start = _clock()
-  compiled = _compile_all({default: bucket.functions[default]}, bucket.args)
+  compiled = _compile_all({default: bucket.functions[default]}, bucket.args, bucket.compile_s)
   compile_s = _clock() - compile_start
   ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
   screen = list(_tuning.time_interleaved(
       {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
-  default_s, others, calls = screen[0], len(bucket.functions) - 1, list(screen)
-  cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
-  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost):
+  default_s, calls = screen[0], list(screen)
+  cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
+  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound:
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
     calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
-    cost = payback.expected_cost(compile_s=compile_s, call_s=default_s, candidates=others)
+    cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
+  others = len(bucket.functions) - 1
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
       cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
-      decided_s=float(_clock() - bucket.start), kept=not payback.pays(default_s, cost))
+      decided_s=float(_clock() - bucket.start),
+      kept=compile_bound or not payback.pays(default_s, cost))
   bucket.temps.update(_temps_of(compiled))
   if not bucket.record["kept"]:
     return compiled, screen
   saved = payback.most_saved(default_s)
+  why = (f"no candidate predicted to beat it saves its compile within the horizon (at "
+         f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
+         f"{saved:.3g} s at most to save, below the {cost:.3g} s tuning {others} other "
+         f"candidate(s) is expected to cost")
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
-      f"site(s) x {payback.horizon} runs = {saved:.3g} s at most to save, below the "
-      f"{cost:.3g} s tuning {others} other candidate(s) is expected to cost"),
-      {default: calls}, {})
+      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+
+
+def _plan(bucket: _Bucket, payback: Payback | None
+          ) -> TuneResult | tuple[dict[str, Any], list[float] | None]:
+  """Which candidates to compile: with a horizon, those that can pay back
+  (`_weigh_payback`), else those the prediction says could win (`_prune`).
+
+  Returns:
+    The finished result when nothing is left to tune (kept, or no candidate
+    could win), else what is compiled already and the default's first call.
+  """
+  compiled, default_screen = {}, None
+  if payback is not None and len(bucket.functions) > 1:
+    weighed = _weigh_payback(bucket, payback)
+    if isinstance(weighed, TuneResult):
+      return weighed
+    compiled, default_screen = weighed
+  else:
+    _prune(bucket)
+  if bucket.pruned and list(bucket.functions) == [bucket.default]:
+    why = "; ".join(f"{n} {r}" for n, r in bucket.pruned.items())
+    return bucket.finish(bucket.default, f"predicted: no other candidate could win ({why})",
+                         {bucket.default: default_screen} if default_screen else {}, {})
+  return compiled, default_screen
+
+
+def _prune(bucket: _Bucket, horizon_s: float | None = None,
+           default_compile_s: float = 0.0) -> None:
+  """Leaves in `bucket.functions` only the candidates the prediction says
+  could win (`Prediction.could_win`); the others go to `bucket.pruned` with
+  their reasons. Without a prediction every candidate stays."""
+  if bucket.prediction is None:
+    return
+  kept, pruned = bucket.prediction.could_win(
+      margin=bucket.options.margin, horizon_s=horizon_s, default_compile_s=default_compile_s)
+  bucket.pruned = {n: r for n, r in pruned.items() if n in bucket.every}
+  bucket.functions = {n: f for n, f in bucket.every.items()
+                      if n not in bucket.pruned and (n in kept or n == bucket.default)}
+  if bucket.pruned:
+    logger.info("autotune %s: predicted; compiling %s, not %s", bucket.label,
+                ", ".join(bucket.functions), ", ".join(bucket.pruned))
+
+
+def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
+                   default_s: float) -> tuple[float, bool]:
+  """What tuning the candidates that could win is expected to cost: each one's
+  predicted compile (the default's where none is predicted) and a call each.
+
+  Returns:
+    ``(cost, compile_bound)``. Compile-bound: some candidates could beat the
+    default, but none would save its own compile within the horizon. The
+    cost is then the default's time the horizon must hold for the cheapest
+    of them to pay back (its compile over the fraction it saves), so that
+    the cached "cannot pay back" holds for this horizon and a longer one
+    tunes the bucket (`still_cannot_pay_back`).
+  """
+  _prune(bucket)
+  could_win = [n for n in bucket.functions if n != bucket.default]
+  _prune(bucket, horizon_s=payback.most_saved(default_s), default_compile_s=compile_s)
+  others = [n for n in bucket.functions if n != bucket.default]
+  estimates = bucket.prediction.estimates if bucket.prediction is not None else {}
+
+  def compile_of(name: str) -> float:
+    est = estimates.get(name)
+    return est.compile_s if est is not None and est.compile_s is not None else compile_s
+
+  if could_win and not others and all(n in estimates for n in could_win):
+    needed = min(compile_of(n) / max(1.0 - estimates[n].low, 1e-3) for n in could_win)
+    cost = max(needed * payback.cost_factor, payback.most_saved(default_s) * 1.001)
+    return cost, True
+  each = [compile_of(n) for n in others]
+  return payback.expected_cost(
+      compile_s=compile_s, call_s=default_s, candidates=len(others),
+      compile_each=each if bucket.prediction is not None else None), False
 
 
 def _start(bucket: _Bucket, compiled: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:
@@ -636,14 +739,18 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
             ratios: Mapping[str, float], errors: Mapping[str, str],
             rejected: Mapping[str, float], skipped: Sequence[str], start: float,
             label: str, temp_bytes: Mapping[str, int] | None = None, *,
-            payback: Mapping[str, Any] | None = None) -> TuneResult:
+            payback: Mapping[str, Any] | None = None,
+            compile_s: Mapping[str, float] | None = None,
+            pruned: Mapping[str, str] | None = None,
+            predicted: Mapping[str, float] | None = None) -> TuneResult:
   result = TuneResult(
       winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
       errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
       measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
       tuning_s=_clock() - start, temp_bytes=dict(temp_bytes or {}),
-      payback=dict(payback or {}))
+      payback=dict(payback or {}), compile_s=dict(compile_s or {}),
+      pruned=dict(pruned or {}), predicted=dict(predicted or {}))
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 

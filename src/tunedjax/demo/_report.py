@@ -101,9 +101,15 @@ def _why(row: BucketChoice) -> str:
     return f"not tuned: cannot pay back in {row.horizon} steps"
   if row.kernel is None:
     return ""
+  if row.speedup is None and row.decided == "predicted" and row.compiled is not None:
+    return f"predicted: none faster ({row.compiled} of {len(row.candidates)} compiled)"
   if row.speedup is None:
     return "only kernel" if row.kernel == "xla" else ""
-  return "fastest" if row.kernel != "xla" else "xla fastest"
+  why = "fastest" if row.kernel != "xla" else "xla fastest"
+  if row.decided == "predicted" and row.compiled is not None:
+    regret = "" if row.regret is None else f", regret {row.regret:.2f}"
+    why += f" (predicted: {row.compiled} of {len(row.candidates)} compiled{regret})"
+  return why
 
 
 def kernel_rows(rows: Sequence[BucketChoice]) -> list[tuple[str, ...]]:

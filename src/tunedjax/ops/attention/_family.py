@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,6 +84,30 @@ def attention_key(spec: AttentionSpec, bucket: str = "exact") -> dict[str, Any]:
   }
 
 
+def attention_features(key: Mapping[str, Any]) -> dict[str, float]:
+  """Numbers that describe an attention bucket, for predicting its kernels'
+  times: sizes on a log2 scale, and flags (weight 3) for a causal mask, a
+  mask or bias operand and grouped-query heads.
+
+  Example:
+    >>> f = attention_features({"batch": 2, "q_len": 1024, "kv_len": 1024, "heads": 8,
+    ...                         "kv_heads": 2, "head_dim": 64, "dtype": "float32",
+    ...                         "mask": None, "causal": True})
+    >>> f["q_len"], f["causal"], f["grouped"]
+    (10.0, 3.0, 3.0)
+  """
+  log2 = lambda n: math.log2(max(int(n), 1))  # pylint: disable=unnecessary-lambda-assignment
+  flag = lambda b: 3.0 if b else 0.0  # pylint: disable=unnecessary-lambda-assignment
+  return {
+      "batch": log2(key["batch"]), "q_len": log2(key["q_len"]), "kv_len": log2(key["kv_len"]),
+      "heads": log2(key["heads"]), "head_dim": log2(key["head_dim"]),
+      "grouped": flag(key["kv_heads"] != key["heads"]), "causal": flag(key.get("causal")),
+      "masked": flag(key.get("mask") or key.get("mask_axes")),
+      "biased": flag(key.get("bias_axes")),
+      "itemsize": 2.0 * math.log2(np.dtype(key["dtype"]).itemsize),
+  }
+
+
 def describe_attention(key: Mapping[str, Any]) -> str:
   """A bucket's short name.
 
@@ -125,7 +150,8 @@ def attention_operands(spec: AttentionSpec, rng: np.random.Generator) -> tuple[n
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=AttentionSpec, key=attention_key, operands=attention_operands,
     default="xla", tolerance=attention_tolerance, describe=describe_attention,
-    timed="forward+backward")  # blocked kernels differ most in their backward
+    timed="forward+backward",  # blocked kernels differ most in their backward
+    features=attention_features)
 
 
 def register() -> None:

@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,9 +80,24 @@ def bn_operands(spec: BatchNormSpec, rng: np.random.Generator
   return (x, random_array((c,), spec.dtype, rng), random_array((c,), spec.dtype, rng))
 
 
+def bn_features(key: Mapping[str, Any]) -> dict[str, float]:
+  """Numbers that describe a batch-norm bucket, for predicting its kernels'
+  times: the rows (every axis but the channels) and channels on a log2
+  scale, and the dtype's size.
+
+  Example:
+    >>> bn_features({"shape": [32, 16, 16, 64], "dtype": "float32"})
+    {'rows': 13.0, 'channels': 6.0, 'itemsize': 4.0}
+  """
+  shape = [max(int(d), 1) for d in key["shape"]]
+  return {"rows": math.log2(math.prod(shape[:-1])), "channels": math.log2(shape[-1]),
+          "itemsize": 2.0 * math.log2(np.dtype(key["dtype"]).itemsize)}
+
+
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=BatchNormSpec, key=bn_key, operands=bn_operands, default="xla",
-    describe=describe_bn, timed="forward+backward")  # the kernels differ in their backward
+    describe=describe_bn, timed="forward+backward",  # the kernels differ in their backward
+    features=bn_features, priors=pathlib.Path(__file__).resolve().parent / "priors")
 
 
 def register() -> None:

@@ -19,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import math
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -156,9 +158,57 @@ def conv_operands(spec: ConvSpec, rng: np.random.Generator) -> tuple[np.ndarray,
           random_array(spec.rhs_shape, spec.rhs_dtype, rng))
 
 
+def _log2(n: float) -> float:
+  return math.log2(max(float(n), 1.0))
+
+
+def conv_features(key: Mapping[str, Any]) -> dict[str, float]:
+  """Numbers that describe a convolution bucket, for predicting its kernels' times.
+
+  Sizes on a log2 scale (batch, spatial side, channels in and out, window
+  side, stride), so that doubling one is a distance of 1; the kinds of
+  convolution the kernels treat differently (depthwise, grouped, a weight
+  gradient's batch groups, an input gradient's dilated input, a dilated
+  window, channels-last or not, the dtype's size) as flags of weight 3, so
+  that a depthwise bucket is never a close neighbour of a dense one.
+
+  Example:
+    >>> key = {"lhs_shape": [8, 32, 32, 64], "rhs_shape": [3, 3, 1, 64],
+    ...        "dimension_numbers": [[0, 3, 1, 2], [3, 2, 0, 1], [0, 3, 1, 2]],
+    ...        "window_strides": [1, 1], "lhs_dilation": [1, 1], "rhs_dilation": [1, 1],
+    ...        "feature_group_count": 64, "batch_group_count": 1, "lhs_dtype": "float32"}
+    >>> f = conv_features(key)
+    >>> f["depthwise"], f["cin"], f["spatial"], f["window"]
+    (3.0, 6.0, 5.0, 1.584962500721156)
+  """
+  lhs, rhs = key["lhs_shape"], key["rhs_shape"]
+  lhs_spec, rhs_spec, _ = key["dimension_numbers"]
+  spatial = [lhs[d] for d in lhs_spec[2:]] or [1]
+  window = [rhs[d] for d in rhs_spec[2:]] or [1]
+  groups, batch_groups = int(key["feature_group_count"]), int(key["batch_group_count"])
+  depthwise = groups > 1 and rhs[rhs_spec[1]] == 1
+  flag = lambda b: 3.0 if b else 0.0  # pylint: disable=unnecessary-lambda-assignment
+  return {
+      "batch": _log2(lhs[lhs_spec[0]]),
+      "spatial": sum(map(_log2, spatial)) / len(spatial),
+      "cin": _log2(lhs[lhs_spec[1]]),
+      "cout": _log2(rhs[rhs_spec[0]]),
+      "window": sum(map(_log2, window)) / len(window),
+      "stride": _log2(max(key["window_strides"] or [1])),
+      "depthwise": flag(depthwise),
+      "grouped": flag(groups > 1 and not depthwise),
+      "batch_groups": flag(batch_groups > 1),
+      "lhs_dilated": flag(any(d > 1 for d in key.get("lhs_dilation") or ())),
+      "rhs_dilated": flag(any(d > 1 for d in key.get("rhs_dilation") or ())),
+      "channels_last": flag(lhs_spec[1] == len(lhs) - 1),
+      "itemsize": 2.0 * _log2(np.dtype(key["lhs_dtype"]).itemsize),
+  }
+
+
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=ConvSpec, key=conv_key, operands=conv_operands, default="xla",
-    primitive=PRIMITIVE, from_equation=ConvSpec.from_equation, describe=describe_conv)
+    primitive=PRIMITIVE, from_equation=ConvSpec.from_equation, describe=describe_conv,
+    features=conv_features, priors=pathlib.Path(__file__).resolve().parent / "priors")
 
 
 def register() -> None:
