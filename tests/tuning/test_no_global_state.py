@@ -32,6 +32,13 @@ ALLOWED = {
     ("tunedjax._tuning._cache", "_WARNED"): "unusable folders already reported (a log line, "
                                             "once per process, not a measurement)",
     ("tunedjax._tuning._session", "_DEFAULT"): "the default session itself",
+    ("tunedjax.autotune._registry", "_PLUGINS"): "which op-family packages were loaded (code)",
+    ("tunedjax._native", "_SOURCES"): "where each family's C++ sources are (code)",
+    ("tunedjax._native", "_REGISTERED"): "the native kernels registered (code)",
+    ("tunedjax._native", "_LIBRARIES"): "the compiled libraries loaded (code, by source digest)",
+    ("tunedjax._native", "_PREBUILD_TRIED"): "the sources a build was started for, once per "
+                                             "process (code, not a measurement)",
+    ("tunedjax.ops.batch_norm._flax", "_installed"): "the Flax hook installed (code)",
 }
 _MUTABLE = (dict, set, list, bytearray, collections.deque, _tuning.TuningSession)
 
