@@ -19,7 +19,7 @@ PUBLIC = {
                  "release_host_memory", "callbacks", "ops"},
     "tunedjax.callbacks": {"BestCheckpoint", "CSVLogger", "Callback", "EarlyStopping",
                            "JSONLinesLogger", "TensorBoard"},
-    "tunedjax.rewrite": {"Boundary", "Context", "Pass", "Rule", "count_primitives", "eval_jaxpr",
+    "tunedjax.rewrite": {"Boundary", "Context", "Match", "Pass", "Pattern", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"BucketChoice", "BucketTemporaries", "Cache", "CacheEntry", "DeviceFingerprint",
                           "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
