@@ -22,7 +22,7 @@ PUBLIC = {
     "tunedjax.rewrite": {"Boundary", "Context", "Match", "Pass", "Pattern", "Rule", "count_primitives", "eval_jaxpr",
                          "iter_equations", "rewrite_jaxpr", "trace", "transform"},
     "tunedjax.autotune": {"BucketChoice", "BucketTemporaries", "Cache", "CacheEntry", "DeviceFingerprint",
-                          "HintWarning", "Kernel", "KernelChoice", "KernelReport", "OpFamily",
+                          "HintWarning", "Kernel", "KernelChoice", "KernelReport", "MatchedSite", "OpFamily", "PatternSite",
                           "Stats", "TuningSession", "default_session", "device_fingerprint",
                           "dispatch", "explain", "hint", "kernels", "op_families", "op_family",
                           "register_kernel", "register_op_family", "select_kernels", "stats",

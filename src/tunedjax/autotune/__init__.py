@@ -61,7 +61,9 @@ from tunedjax.autotune._registry import unregister_op_family as unregister_op_fa
 from tunedjax.autotune._report import BucketTemporaries as BucketTemporaries
 from tunedjax.autotune._report import KernelChoice as KernelChoice
 from tunedjax.autotune._report import KernelReport as KernelReport
+from tunedjax.autotune._report import MatchedSite as MatchedSite
 from tunedjax.autotune._select import dispatch as dispatch
+from tunedjax.autotune._sites import PatternSite as PatternSite
 from tunedjax.autotune._select import select_kernels as select_kernels
 
 __all__ = [
@@ -74,7 +76,9 @@ __all__ = [
     "Kernel",
     "KernelChoice",
     "KernelReport",
+    "MatchedSite",
     "OpFamily",
+    "PatternSite",
     "Stats",
     "TuningSession",
     "default_session",

@@ -112,6 +112,12 @@ class OpFamily:
       its floating operands for a random cotangent, in one compiled call):
       for families whose kernels differ mostly in their backward, such as
       a fused batch norm or a flash attention.
+    patterns: functions ``(ctx, jaxpr) -> [autotune.PatternSite, ...]``
+      that find this family's computations written out in other primitives
+      (a batch norm as reductions and arithmetic) in each jaxpr kernel
+      selection evaluates; each site found is decided like any other and,
+      when its kernel is not the default, replaced by it (its forward, and
+      in a differentiated jaxpr its backward too, `autotune._sites`).
   """
 
   name: str
@@ -124,6 +130,7 @@ class OpFamily:
   from_equation: Callable[[Any], Any] | None = None
   describe: Callable[[Mapping[str, Any]], str] | None = None
   timed: str = "forward"
+  patterns: tuple[Callable[..., Any], ...] = ()
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -136,6 +143,10 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
+    object.__setattr__(self, "patterns", tuple(self.patterns))
+    if not all(callable(p) for p in self.patterns):
+      raise AutotuneError(f"OpFamily({self.name!r}).patterns must be functions "
+                          f"(ctx, jaxpr) -> [PatternSite, ...], got {self.patterns!r}.")
     if self.timed not in TIMED:
       raise AutotuneError(f"OpFamily({self.name!r}).timed must be one of "
                           f"{format_choices(TIMED)}, got {self.timed!r}"

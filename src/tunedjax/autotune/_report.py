@@ -87,6 +87,36 @@ class BucketTemporaries:
 
 
 @dataclasses.dataclass(frozen=True)
+class MatchedSite:
+  """One place where an op family's pattern found its computation written out.
+
+  Attributes:
+    op: the op family (``"batch_norm"``).
+    spelling: which way of writing it the pattern recognised (``"two-pass rsqrt"``).
+    where: the user's source line of its first equation.
+    kernel: the kernel that runs it (the default: the equations as written).
+    replaced: ``"forward"`` (the forward replaced; an outer `jax.grad` uses
+      the kernel's backward), ``"forward+backward"`` (in a differentiated
+      jaxpr, the forward and its backward replaced together) or ``"none"``
+      (the default kernel: nothing replaced).
+
+  Example:
+    >>> str(MatchedSite("batch_norm", "two-pass rsqrt", "net.py:12 (block)", "fused",
+    ...                 "forward+backward"))
+    'batch_norm two-pass rsqrt at net.py:12 (block): fused, forward+backward'
+  """
+
+  op: str
+  spelling: str
+  where: str
+  kernel: str
+  replaced: str
+
+  def __str__(self) -> str:
+    return f"{self.op} {self.spelling} at {self.where}: {self.kernel}, {self.replaced}"
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelReport:
   """The kernel-selection pass's report for one trace.
 
@@ -96,11 +126,14 @@ class KernelReport:
     temporaries: one `BucketTemporaries` per bucket decided by the tuner or
       the cache whose record has temporaries for both its kernel and the
       default (hinted, observed and default-only buckets have none).
+    matched: one `MatchedSite` per site an op family's pattern found
+      (also counted in `choices`).
   """
 
   choices: tuple[KernelChoice, ...] = ()
   tuning_s: float = 0.0
   temporaries: tuple[BucketTemporaries, ...] = ()
+  matched: tuple[MatchedSite, ...] = ()
   name = "kernel_selection"
 
   def _count(self, *whys: str) -> int:
@@ -165,6 +198,12 @@ class Tally:
     self._counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
     self._tuning_s = 0.0
     self._temps: dict[str, BucketTemporaries] = {}
+    self._matched: list[MatchedSite] = []
+
+  def add_matched(self, site: MatchedSite) -> None:
+    """Records a site an op family's pattern found."""
+    with self._lock:
+      self._matched.append(site)
 
   def add_temporaries(self, bucket: str, kernel: str, temp_bytes: Mapping[str, int],
                       default: str) -> None:
@@ -188,4 +227,5 @@ class Tally:
     with self._lock:
       return KernelReport(tuple(KernelChoice(op, k, why, n)
                                 for (op, k, why), n in self._counts.items()),
-                          tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()))
+                          tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()),
+                          matched=tuple(self._matched))

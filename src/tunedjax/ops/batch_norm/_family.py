@@ -36,6 +36,7 @@ from tunedjax._tuning import random_array
 from tunedjax import autotune
 from tunedjax.ops.batch_norm import _kernels as _bn_kernels
 from tunedjax.ops.batch_norm import _native_kernel
+from tunedjax.ops.batch_norm import _pattern as _bn_pattern
 from tunedjax.ops.batch_norm._spec import BatchNormSpec
 from tunedjax.autotune._bucket import pow2
 
@@ -80,7 +81,8 @@ def bn_operands(spec: BatchNormSpec, rng: np.random.Generator
 
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=BatchNormSpec, key=bn_key, operands=bn_operands, default="xla",
-    describe=describe_bn, timed="forward+backward")  # the kernels differ in their backward
+    describe=describe_bn, timed="forward+backward",  # the kernels differ in their backward
+    patterns=(_bn_pattern.find,))  # batch norm written out in primitives
 
 
 def register() -> None:
