@@ -187,6 +187,8 @@ class KernelReport:
     text = f"{parts}; cache hits {self.hits}, misses {self.misses}, tuning {self.tuning_s:.1f} s"
     if any(t.saved_bytes for t in self.temporaries):
       text += f"; kernel temporaries {self.temp_bytes_saved / 2**20:+.1f} MiB saved"
+    if self.matched:
+      text += "; found written out: " + "; ".join(str(m) for m in self.matched)
     return text
 
 

@@ -417,11 +417,14 @@ def dispatch(op: str, spec: Any, *operands: Any) -> Any:
   def run_default() -> Any:
     return default(*operands, spec)
 
-  selection = active_selection()
-  if selection is None:
-    return run_default()
-  want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), jax.eval_shape(run_default))
-  return _apply(family, spec, selection, list(operands), want, run_default)
+  # Marked, so that a family's pattern does not find this site again in its kernel's
+  # equations (`_sites.SITE_SCOPE`).
+  with jax.named_scope(_sites.SITE_SCOPE):
+    selection = active_selection()
+    if selection is None:
+      return run_default()
+    want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), jax.eval_shape(run_default))
+    return _apply(family, spec, selection, list(operands), want, run_default)
 
 
 def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,

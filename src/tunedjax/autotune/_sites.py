@@ -43,6 +43,10 @@ from tunedjax.rewrite import _backward, _compat, _engine, _pattern
 
 logger = logging.getLogger("tunedjax.autotune")
 
+# The name scope `dispatch` traces a call-site family's kernel in: a pattern site
+# there is that kernel's own computation (already a site), not the user's.
+SITE_SCOPE = "tunedjax_site"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PatternSite:
@@ -211,7 +215,8 @@ def family_patterns(families: Sequence[_registry.OpFamily], chooser: Chooser
       found: list[_pattern.Match] = []
       try:
         for site in pattern(ctx, jaxpr):
-          found.extend(site_matches(ctx, jaxpr, site, family, chooser))
+          if not any(_compat.in_scope(jaxpr.eqns[i], SITE_SCOPE) for i in site.eqns):
+            found.extend(site_matches(ctx, jaxpr, site, family, chooser))
       except Exception as e:  # pylint: disable=broad-except  # a pattern never breaks a program
         logger.warning("autotune: the %s pattern %s failed (%s: %s); its sites in this "
                        "jaxpr are left alone.", family.name,

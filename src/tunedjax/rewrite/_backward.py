@@ -12,9 +12,11 @@ together: ``out, vjp = jax.vjp(kernel, *inputs)`` at the forward,
 
 The region is every equation after the forward's first that reads a
 forward intermediate (a value the forward defines that is not one of its
-outputs) or a region value, and whose other operands are only the
-forward's inputs and values, region values, literals, or one outside value
-with the primary output's type (the output's cotangent). The region's
+outputs), a region value or the cotangent, and whose other operands are
+only the forward's inputs and values, region values, literals, or one
+outside value with the primary output's type (the output's cotangent);
+and, among the forward's equations, those that read only its inputs (a
+JVP residual such as ``2 * x`` for ``x ** 2``). The region's
 values read outside it are the candidates for the inputs' cotangents: each
 must equal, on random inputs of the real shapes, the cotangent of one input
 that `jax.vjp` of the forward equations gives for a random output
@@ -34,9 +36,6 @@ Example:
   >>> back.wrt  # the region's outputs are the cotangents of x and of s
   (0, 1)
 
-A computation whose residuals come from its inputs alone (``cos x`` for
-``sin x``) keeps the backward equations that read only those residuals: they
-are evaluated as written, and only the verified part is replaced.
 """
 
 from __future__ import annotations
@@ -88,9 +87,9 @@ def _cotangent(jaxpr: Any, fwd: frozenset[int], intermediates: set[Any], known: 
     if i in fwd:
       continue
     ins = [v for v in jaxpr.eqns[i].invars if _is_var(v)]
-    if not any(v in touched for v in ins):
-      continue
     others = {v for v in ins if v not in known and v not in touched}
+    if not any(v in touched for v in ins) and not (i < max(fwd) and not others):
+      continue
     if not others:
       touched.update(v for v in jaxpr.eqns[i].outvars if _is_var(v))
     elif len(others) == 1:
@@ -115,8 +114,9 @@ def _region(jaxpr: Any, fwd: frozenset[int], inputs: Sequence[Any], outputs: Seq
     if i in fwd:
       continue
     ins = [v for v in jaxpr.eqns[i].invars if _is_var(v)]
-    if not any(v in touch for v in ins) or any(v not in known and v not in touch
-                                               for v in ins):
+    if any(v not in known and v not in touch for v in ins):
+      continue
+    if not any(v in touch for v in ins) and not i < max(fwd):  # a residual of inputs only
       continue
     region.append(i)
     touch.update(v for v in jaxpr.eqns[i].outvars if _is_var(v))

@@ -383,3 +383,9 @@ def where(eqn: JaxprEqn) -> str:
     return source_info_util.summarize(eqn.source_info)
   except Exception:  # pylint: disable=broad-except  # a location is for display only
     return "unknown location"
+
+
+def in_scope(eqn: JaxprEqn, scope: str) -> bool:
+  """Whether `eqn` was traced inside ``jax.named_scope(scope)``."""
+  return any(getattr(frame, "name", None) == scope
+             for frame in getattr(eqn.source_info.name_stack, "stack", ()))

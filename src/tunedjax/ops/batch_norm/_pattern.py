@@ -150,11 +150,27 @@ class _Graph:
       return None
     i, e = hit
     if e.primitive.name == "mul" and e.invars[0] is not e.invars[1]:
-      return None
+      twin = self.twin(e.invars[0], e.invars[1])
+      if twin is None:
+        return None
+      mine.append(twin)
     if e.primitive.name == "integer_pow" and e.params["y"] != 2:
       return None
     used.extend([*mine, i])
     return e.invars[0]
+
+  def twin(self, a: Any, b: Any) -> int | None:
+    """The equation defining `b` if it computes what `a`'s does (``(x - m) * (x - m)``
+    written with two subtractions), else None."""
+    ea, eb = self.eqn(a, "sub"), self.eqn(b, "sub")
+    if ea is None or eb is None:
+      return None
+    same = lambda u, v: u is v or (self.eqn(u, *_SHAPE_ONLY) is not None
+                                   and self.eqn(v, *_SHAPE_ONLY) is not None
+                                   and self.strip(u, []) is self.strip(v, []))
+    if all(same(u, v) for u, v in zip(ea[1].invars, eb[1].invars)):
+      return eb[0]
+    return None
 
   def centered(self, v: Any, used: list[int], channel_of: Any) -> tuple[Any, Any] | None:
     """``(x, axes)`` if `v` is ``x - mean(x, axes)`` (the mean broadcast along a channel)."""
