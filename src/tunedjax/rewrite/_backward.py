@@ -109,10 +109,11 @@ def _region(jaxpr: Any, fwd: frozenset[int], inputs: Sequence[Any], outputs: Seq
   if ct is None:
     return None
   touch = intermediates | {ct}
+  in_vars = {v for v in inputs if _is_var(v)}
   region: list[int] = []
   for i in range(min(fwd), len(jaxpr.eqns)):
-    if i in fwd:
-      continue
+    if i in fwd or any(v in in_vars for v in jaxpr.eqns[i].outvars):
+      continue  # (an equation defining an input, a constant mask or scale, is upstream)
     ins = [v for v in jaxpr.eqns[i].invars if _is_var(v)]
     if any(v not in known and v not in touch for v in ins):
       continue
