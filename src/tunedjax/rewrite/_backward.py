@@ -52,6 +52,9 @@ from tunedjax.rewrite import _compat
 
 logger = logging.getLogger("tunedjax.rewrite")
 
+# A check runs once: compile it fast rather than well.
+_QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 # The largest relative difference between a region output and an input's cotangent.
 _TOLERANCE = {"float64": 1e-7, "float32": 2e-3, "bfloat16": 6e-2, "float16": 2e-2}
 
@@ -182,7 +185,7 @@ def _numbers(jaxpr: Any, fwd: Sequence[int], region: Sequence[int], inputs: Sequ
     return [env[v] for v in region_vars], list(vjp(cts))
 
   with jax.ensure_compile_time_eval():
-    values, grads = jax.jit(both)(args, ct_val)
+    values, grads = jax.jit(both, compiler_options=_QUICK_COMPILE)(args, ct_val)
   return ({v: np.asarray(x) for v, x in zip(region_vars, values)},
           [None if g.dtype == jax.dtypes.float0 else np.asarray(g) for g in grads])
 
