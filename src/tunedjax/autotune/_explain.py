@@ -18,6 +18,7 @@ from tunedjax._config import get_config
 from tunedjax.autotune import _registry
 from tunedjax.autotune import _select
 from tunedjax.autotune._bucket import bucket_key
+from tunedjax import rewrite
 from tunedjax.rewrite import iter_equations
 
 
@@ -46,6 +47,9 @@ class BucketChoice:
       could not pay back (`reason` starts with ``"cannot pay back"``), the
       tuning horizon (program runs) that was decided for; a run with a
       longer one tunes it. None otherwise.
+    matched: for sites an op family's pattern found written out (a batch
+      norm in primitive ops), each one's spelling and source line
+      (``"two-pass rsqrt affine at net.py:12 (bn)"``).
   """
 
   bucket: str
@@ -60,6 +64,7 @@ class BucketChoice:
   op: str = ""
   temp_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   horizon: int | None = None
+  matched: tuple[str, ...] = ()
 
 
 def _kept_for(value: Mapping[str, Any]) -> int | None:
@@ -72,8 +77,10 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
             **kwargs: Any) -> list[BucketChoice]:
   """What the tuning cache says about each convolution bucket of ``f(*args)``.
 
-  Traces `f` (nothing runs, nothing is tuned), groups its convolutions by
-  the cache's bucket key, and looks each bucket up.
+  Traces `f` (nothing runs, nothing is tuned), groups its kernel sites (the
+  equations of a family's primitive, calls of `dispatch`, and computations
+  a family's pattern finds written out) by the cache's bucket key, and
+  looks each bucket up.
 
   Args:
     f: the function, as you would pass it to `select_kernels`.
@@ -98,7 +105,9 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   with _select.selecting(selection):  # call-site families report their buckets here
     # A fresh function: `make_jaxpr` reuses the trace of a function it traced before
     # with the same argument types, and then no call-site function runs.
-    closed = jax.make_jaxpr(lambda *a, **kw: f(*a, **kw))(*args, **kwargs)
+    closed = jax.make_jaxpr(rewrite.transform(lambda *a, **kw: f(*a, **kw),
+                                              _select.pattern_pass(cache=cache)))(
+                                                  *args, **kwargs)
   by_primitive = {fam.primitive: fam for fam in _registry.op_families() if fam.primitive}
   bucket, objective = get_config().kernel.bucket, get_config().kernel.objective
   found: dict[str, list[Any]] = {}
@@ -113,6 +122,9 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     entry[2] += 1
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
+  matched: dict[str, list[str]] = {}
+  for m in selection.tally.report().matched:
+    matched.setdefault(m.bucket, []).append(f"{m.spelling} at {m.where}")
   store = selection.cache
   rows = []
   for name, (key, candidates, count) in found.items():
@@ -121,11 +133,12 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     names = tuple(k.name for k in candidates)
     if names == (default,):
       rows.append(BucketChoice(name, count, names, default, reason=f"only {default} applies",
-                               op=op))
+                               op=op, matched=tuple(matched.get(name, ()))))
       continue
     value = _tuning.current_session().lookup(store, op, key)
     if value is None:
-      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op))
+      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op,
+                               matched=tuple(matched.get(name, ()))))
       continue
     winner, timings = value["winner"], value.get("timings", {})
     base = timings.get(default) or ()
@@ -138,5 +151,6 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
         kernel_ms=1e3 * statistics.median(won) if won else None,
         speedup=(1.0 / ratio) if ratio else None,
         tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
-        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value)))
+        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
+        matched=tuple(matched.get(name, ()))))
   return rows

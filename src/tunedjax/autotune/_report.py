@@ -99,6 +99,7 @@ class MatchedSite:
       the kernel's backward), ``"forward+backward"`` (in a differentiated
       jaxpr, the forward and its backward replaced together) or ``"none"``
       (the default kernel: nothing replaced).
+    bucket: the site's bucket label (as `autotune.explain` lists it).
 
   Example:
     >>> str(MatchedSite("batch_norm", "two-pass rsqrt", "net.py:12 (block)", "fused",
@@ -111,6 +112,7 @@ class MatchedSite:
   where: str
   kernel: str
   replaced: str
+  bucket: str = ""
 
   def __str__(self) -> str:
     return f"{self.op} {self.spelling} at {self.where}: {self.kernel}, {self.replaced}"

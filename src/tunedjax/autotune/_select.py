@@ -309,11 +309,27 @@ class _Chooser:
     return decide(family, spec, self.selection(ctx))
 
   def record(self, ctx: _engine.Context, family: _registry.OpFamily, kernel: str, why: str,
-             matched: _report.MatchedSite) -> None:
+             matched: _report.MatchedSite, spec: Any = None) -> None:
     selection = self.selection(ctx)
     _count(selection, family.name, kernel, why)
-    if not selection.explain_only:
-      selection.tally.add_matched(matched)
+    if spec is not None:
+      matched = dataclasses.replace(matched, bucket=site_label(family, spec, selection))
+    selection.tally.add_matched(matched)
+
+
+def site_label(family: _registry.OpFamily, spec: Any, selection: Selection) -> str:
+  """The bucket label `decide` gives a site of `family` with `spec`."""
+  config = selection.config
+  candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
+  return family.label(bucket_key(spec, candidates, bucket=config.kernel.bucket,
+                                 family=family, objective=config.kernel.objective))
+
+
+def pattern_pass(*, cache: CacheLike = None) -> _engine.Pass:
+  """A `Pass` with only the op families' patterns (for `explain`: each site decided
+  with the active `Selection`, the default's equations evaluated as written)."""
+  return _engine.Pass("kernel_patterns", patterns=_sites.family_patterns(
+      _registry.op_families(), _Chooser(cache, _tuner.TuneOptions())))
 
 
 def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,

@@ -87,8 +87,8 @@ class Chooser(Protocol):
     """``(kernel name, why)`` for the site."""
 
   def record(self, ctx: _engine.Context, family: _registry.OpFamily, kernel: str, why: str,
-             matched: _report.MatchedSite) -> None:
-    """Counts the site in the trace's tally."""
+             matched: _report.MatchedSite, spec: Any = None) -> None:
+    """Counts the site in the trace's tally and lists it (in `spec`'s bucket)."""
 
 
 def _escaping(jaxpr: Any, eqns: Sequence[int]) -> set[Any]:
@@ -135,12 +135,13 @@ class _SiteRun:
                        self.matched(name).where, type(e).__name__, e, self.family.default)
         why = _report.FAILED
       else:
-        self.chooser.record(ctx, self.family, name, why, self.matched(name))
+        self.chooser.record(ctx, self.family, name, why, self.matched(name), site.spec)
         return outs
     env = {v: x for v, x in zip(site.inputs, invals) if not isinstance(v, _compat.Literal)}
     _eval_original(ctx, self.jaxpr, site.eqns, env)
     self.state["run"] = ("original", env)
-    self.chooser.record(ctx, self.family, name, why, self.matched(self.family.default))
+    self.chooser.record(ctx, self.family, name, why, self.matched(self.family.default),
+                        site.spec)
     return [env[v] for v in site.outputs]
 
   def _kernel_forward(self, name: str, invals: Sequence[Any]) -> list[Any]:
