@@ -73,6 +73,14 @@ def _kept_for(value: Mapping[str, Any]) -> int | None:
   return int(record["horizon"]) if record.get("kept") else None
 
 
+def _matched_by_bucket(selection: Any) -> dict[str, list[str]]:
+  """``{bucket: ["<spelling> at <where>", ...]}`` of the sites patterns found."""
+  matched: dict[str, list[str]] = {}
+  for m in selection.tally.report().matched:
+    matched.setdefault(m.bucket, []).append(f"{m.spelling} at {m.where}")
+  return matched
+
+
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
             **kwargs: Any) -> list[BucketChoice]:
   """What the tuning cache says about each convolution bucket of ``f(*args)``.
@@ -122,9 +130,7 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     entry[2] += 1
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
-  matched: dict[str, list[str]] = {}
-  for m in selection.tally.report().matched:
-    matched.setdefault(m.bucket, []).append(f"{m.spelling} at {m.where}")
+  matched = _matched_by_bucket(selection)
   store = selection.cache
   rows = []
   for name, (key, candidates, count) in found.items():
