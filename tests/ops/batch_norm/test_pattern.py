@@ -218,6 +218,17 @@ def _inference(x, s, b):
   return (x - mean) * jax.lax.rsqrt(var + EPS) * s + b
 
 
+def _unbiased(x, s, b):
+  v = jnp.var(x, (0, 1, 2), ddof=1)           # the unbiased variance: not batch norm's
+  return (x - x.mean((0, 1, 2))) * jax.lax.rsqrt(v + EPS) * s + b
+
+
+def _keepdims_stats_read(x, s, b):
+  m = x.mean((0, 1, 2), keepdims=True)        # read outside in a shape the kernel's
+  v = ((x - m) ** 2).mean((0, 1, 2), keepdims=True)   # (C,) statistics do not have
+  return (x - m) * jax.lax.rsqrt(v + EPS) * s + b, m
+
+
 def _intermediate_in_step(x, s, b):
   def loss(x, s, b):
     m = x.mean((0, 1, 2))
@@ -228,7 +239,8 @@ def _intermediate_in_step(x, s, b):
 
 
 @pytest.mark.parametrize("fn", [_wrong_axes, _other_tensor, _intermediate_read, _inference,
-                                _intermediate_in_step], ids=lambda f: f.__name__.strip("_"))
+                                _unbiased, _keepdims_stats_read, _intermediate_in_step],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_near_misses_are_left_alone(selecting, fn, tmp_path):
   x, s, b = _data((4, 3, 5, 6), -1)
   closed = jax.make_jaxpr(fn)(x, s, b)
