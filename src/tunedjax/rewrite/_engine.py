@@ -229,6 +229,8 @@ class Context:
     platform: the platform the program is compiled for (`"cpu"`, `"gpu"`, `"tpu"`).
     config: the tunedjax `Config` active when the function was traced.
     counts: a `collections.Counter` a rule adds to with `count`; shown in reports.
+    memo: a dict patterns may cache what they computed in (a verification
+      per structure), for the length of this trace.
   """
 
   def __init__(self, pass_: Pass, *, platform: str | None = None,
