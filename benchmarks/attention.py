@@ -50,6 +50,7 @@ from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.demo import TransformerLM, lm_data, lm_loss
 
 HEADS, HEAD_DIM = 8, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # out of reports
 
 
 @dataclasses.dataclass
@@ -273,7 +274,7 @@ def hand_written_rows(tokens: int, rounds: int, cache: str) -> dict[str, Any]:
       {"jax.jit": lambda: jax.block_until_ready(plain(*args)), "tunedjax.jit": run_tuned},
       baseline="jax.jit", rounds=rounds)
   return {"tokens": tokens, "timings": timings, "first_call_s": first_call_s, "rel": rel,
-          "matched": [str(m) for m in report.matched],
+          "matched": [str(m).replace(ROOT, "") for m in report.matched],
           "kernels": dict(report.counts())}
 
 
@@ -314,7 +315,9 @@ def main_hand_written(args: argparse.Namespace) -> int:
       print(f"{tokens} tokens: {r['matched']}, first call {r['first_call_s']:.1f} s, "
             f"rel {r['rel']:.1e}\n{_harness.ratio_table(r['timings'])}", flush=True)
   load = (load_before, os.getloadavg()[0])
-  command = "python benchmarks/attention.py --hand-written" + (" --write" if args.write else "")
+  command = ("python benchmarks/attention.py --hand-written"
+             + (f" --rounds {args.rounds}" if args.rounds else "")
+             + (" --write" if args.write else ""))
   body = hand_written_section(results, rounds, load, command)
   print(f"load average {load[0]:.1f} before, {load[1]:.1f} after")
   if args.write and not args.quick:
