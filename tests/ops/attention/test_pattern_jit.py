@@ -102,3 +102,17 @@ def test_scores_returned_stay_as_written(tmp_path):
   assert _matched(g) == []
   for a, b in zip(got, f(q, k, v)):
     assert _rel(a, b) < 1e-6
+
+
+def test_self_attention_of_one_array(tmp_path):
+  """q = k = v = x: the site takes x once, and its one cotangent is the sum of three."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32)
+  f, _, _ = _problem("einsum", "causal_iota", 2, 6, 6, 2, 8, jnp.float32, 0)
+  g = lambda x: f(x, x, x)  # noqa: E731
+  grad = jax.grad(_loss(g))
+  with tj.config_context(_config(tmp_path)):
+    inside = tj.jit(grad)
+    got = inside(x)
+  assert _matched(inside) == [("attention", "einsum", "forward+backward")]
+  assert _rel(got, grad(x)) < 1e-4

@@ -438,6 +438,7 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
   fam_out = [B0, Q, B1, E]
 
   def operands(invals: Sequence[Any]) -> tuple[Any, ...]:
+    invals = [invals[i] for i in slots]  # one value per operand (inputs are unique)
     ops = [_to_layout(x, lab, o) for x, lab, o in zip(invals[:3], labels, orders)]
     rest = iter(invals[3:])
     value = lambda x: jnp.asarray(x.value) if isinstance(x, _Const) else next(rest)  # noqa: E731
@@ -455,7 +456,8 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
     y = _to_layout(y, dict(enumerate(fam_out)), out_labels)  # absent batch axes dropped
     return y.astype(out.aval.dtype) if y.dtype != out.aval.dtype else y
 
-  inputs = list(data)
+  inputs = list(dict.fromkeys(data))  # q = k = v = x: x once (its cotangent is one sum)
+  slots = [inputs.index(x) for x in data]
   defined = {v for i in region for v in walk.view.jaxpr.eqns[i].outvars}
   for i in sorted(region):
     for x in walk.view.jaxpr.eqns[i].invars:
