@@ -795,8 +795,12 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
   primed = ("" if args.no_prime else
             ", each timed step right after an untimed step of the same variant (the steady "
             "state of a training loop; not charged for the previous variant's spinning threads)")
+  title = "## tunedjax against PyTorch on CPU"
+  if args.net == "mobilenet-plain":
+    title += (f": the step in plain JAX, host memory "
+              f"`{tj.host_memory_status().mode}`")
   lines = [
-      "## tunedjax against PyTorch on CPU",
+      title,
       "",
       f"`benchmarks/vs_pytorch.py{' --quick' if args.quick else ''}`: one SGD train step "
       "(forward, backward, update), the same weights and batch on both sides; "
@@ -894,8 +898,10 @@ def main(argv=None) -> int:
   results = [run_net(n, args, cache_dir) for n in nets]
   body = report(results, args, (load_before, os.getloadavg()[0]))
   print(body)
-  if args.write:
-    _harness.write_section("vs_pytorch", body)
+  if args.write:  # the plain-JAX step alone: a section per host-memory mode
+    section = ("vs_pytorch" if args.net != "mobilenet-plain"
+               else f"vs_pytorch_plain_{tj.host_memory_status().mode}")
+    _harness.write_section(section, body)
     print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
   return 0
 
