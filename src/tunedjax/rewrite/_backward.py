@@ -112,11 +112,11 @@ def _region(jaxpr: Any, fwd: frozenset[int], inputs: Sequence[Any], outputs: Seq
   if ct is None:
     return None
   touch = intermediates | {ct}
-  in_vars = {v for v in inputs if _is_var(v)}
+  upstream = _upstream(jaxpr, [v for v in inputs if _is_var(v)])
   region: list[int] = []
   for i in range(min(fwd), len(jaxpr.eqns)):
-    if i in fwd or any(v in in_vars for v in jaxpr.eqns[i].outvars):
-      continue  # (an equation defining an input, a constant mask or scale, is upstream)
+    if i in fwd or i in upstream:
+      continue  # (what computes an input, a constant mask or scale, is not the backward)
     ins = [v for v in jaxpr.eqns[i].invars if _is_var(v)]
     if any(v not in known and v not in touch for v in ins):
       continue
@@ -127,6 +127,19 @@ def _region(jaxpr: Any, fwd: frozenset[int], inputs: Sequence[Any], outputs: Seq
   if not region:
     return None
   return region, ct, fwd_vals
+
+
+def _upstream(jaxpr: Any, vars_: Sequence[Any]) -> set[int]:
+  """The equations whose values `vars_` depend on."""
+  defined = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars if _is_var(v)}
+  found: set[int] = set()
+  todo = [defined[v] for v in vars_ if v in defined]
+  while todo:
+    i = todo.pop()
+    if i not in found:
+      found.add(i)
+      todo.extend(defined[v] for v in jaxpr.eqns[i].invars if _is_var(v) and v in defined)
+  return found
 
 
 def _read_outside(jaxpr: Any, vals: set[Any], inside: set[int]) -> list[Any]:

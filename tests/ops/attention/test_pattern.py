@@ -256,6 +256,13 @@ def _scores(q, k):
   return jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.35
 
 
+def _softmax_max_axis(x, max_axis):
+  """exp(x - max over `max_axis`) normalised over the last axis: not a softmax unless
+  the max is taken over the last axis too."""
+  e = jnp.exp(x - jnp.max(x, axis=max_axis, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
 NEAR_MISSES = {
     "softmax_wrong_axis": lambda q, k, v: jnp.einsum(
         "bhqk,bkhd->bqhd", jax.nn.softmax(_scores(q, k), axis=-2), v),
@@ -271,6 +278,8 @@ NEAR_MISSES = {
         "bhqk,bkhd->bqhd", jax.nn.softmax(_scores(q, k) * v[0, 0, 0, 0]), v),
     "multiplicative_mask": lambda q, k, v: jnp.einsum(
         "bhqk,bkhd->bqhd", jax.nn.softmax(_scores(q, k) * _causal_tril(6, 6)), v),
+    "max_over_other_axis": lambda q, k, v: jnp.einsum(
+        "bhqk,bkhd->bqhd", _softmax_max_axis(_scores(q, k), -2), v),
     "not_exp": lambda q, k, v: jnp.einsum(
         "bhqk,bkhd->bqhd", jax.nn.sigmoid(_scores(q, k)), v),
 }
@@ -318,3 +327,15 @@ def test_scores_used_elsewhere_left_alone():
   FIRED.clear()
   assert str(jax.make_jaxpr(g)(*args)) == str(jax.make_jaxpr(f)(*args))
   assert not FIRED
+
+
+@pytest.mark.parametrize("which", ["nnx", "linen"])
+def test_flax_dot_product_attention_with_causal_mask(which):
+  """Flax's own function (nnx's grouped layout with groups of one, linen's) with
+  `make_causal_mask`: found, and causal."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  fn = nnx.dot_product_attention if which == "nnx" else nn.dot_product_attention
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 2, 8)), jnp.float32) for _ in range(3))
+  f = lambda q, k, v: fn(q, k, v, mask=nn.make_causal_mask(q[..., 0, 0]))  # noqa: E731
+  _check(f, (q, k, v), ("none", True), jnp.float32)

@@ -58,6 +58,8 @@ DOT_GENERAL = "a custom einsum_dot_general"
 VALUE_DEPTH = "value head size {v} differs from query's {q}"
 DTYPE = "dtype {dtype}: tunedjax.attention takes float16, bfloat16, float32, float64"
 CUSTOM = "its attention_fn is not Flax's dot_product_attention: left as it is"
+MASKED = ("a mask, left to the attention pattern (which recognises a causal one, so the "
+          "causal kernels apply)")
 
 
 @dataclasses.dataclass
@@ -145,8 +147,9 @@ class TunedAttentionFn:
   """
 
   def __init__(self, original: Callable[..., Any], record: _Record, lock: threading.Lock,
-               kind: str):
+               kind: str, defer_masked: bool = False):
     self.original, self.record, self._lock, self.kind = original, record, lock, kind
+    self.defer_masked = defer_masked  # tj.jit's route: masked calls to the pattern
     self._accepts = frozenset(inspect.signature(original).parameters)
 
   def __call__(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
@@ -166,6 +169,8 @@ class TunedAttentionFn:
       q, k, v = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     reason = _fallback_reason(q, v, dropout_rate=dropout_rate, deterministic=deterministic,
                               module=module, precision=precision, extras=extras)
+    if reason is None and self.defer_masked and mask is not None:
+      reason = MASKED
     if reason is None:
       # force_fp32_for_softmax needs nothing: tunedjax.attention's softmax is float32.
       return _tuned_call(self.record, self._lock, q, k, v, bias, mask, is_causal)
@@ -421,7 +426,8 @@ def _nnx_routed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     return original(self, *args, **kwargs)
   # attention_fn is a static attribute (graph definition, not state): set for this call only.
   object.__setattr__(self, "attention_fn",
-                     TunedAttentionFn(fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "nnx"))
+                     TunedAttentionFn(fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "nnx",
+                                      defer_masked=True))
   try:
     return original(self, *args, **kwargs)
   finally:
@@ -434,7 +440,8 @@ def _linen_route(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: 
       or context.method_name != "__call__" or module.attention_fn is not nn.dot_product_attention
       or getattr(_swapping, "depth", 0) or not _route_active()):
     return next_fun(*args, **kwargs)
-  tuned = TunedAttentionFn(module.attention_fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "linen")
+  tuned = TunedAttentionFn(module.attention_fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "linen",
+                           defer_masked=True)
   object.__setattr__(module, "attention_fn", tuned)
   try:
     return next_fun(*args, **kwargs)
@@ -455,7 +462,10 @@ def route_attention() -> Iterator[None]:
   ``__call__`` (installed while any thread is inside, acting only in
   threads that are), linen by an interceptor. A module swapped by
   `use_tuned_attention` keeps its swap, and calls `tunedjax.attention`
-  cannot take keep Flax's function, as there.
+  cannot take keep Flax's function, as there. A call with a mask keeps
+  Flax's function too: its attention is then found in the jaxpr by the
+  family's pattern, which tells a causal mask (``make_causal_mask``) from a
+  general one, so the causal kernels apply.
 
   Example:
     >>> from flax import nnx

@@ -157,28 +157,71 @@ class _Walk:
 
 
 def _reduced(walk: _Walk, v: Any, prim: str, x: Any, axis: int) -> bool:
-  """Whether `v` is ``prim(x, axes=(axis,))`` kept as a broadcastable array
-  (broadcast_in_dim / reshape / stop_gradient / max with -inf after it)."""
-  view = walk.view
+  """Whether `v` (combined elementwise with `x`) is ``prim(x, axes=(axis,))`` brought back
+  to `x`'s axes, each axis where it was (through broadcasts, keepdims reshapes,
+  transposes, stop_gradient, casts, a max with -inf), constant along `axis`."""
+  view, n = walk.view, x.aval.ndim
+  shape = x.aval.shape
+  if v.aval.ndim != n:
+    return False
+  where = [i if v.aval.shape[i] == shape[i] else None for i in range(n)]  # x's axis of each
   while True:
     e = view.producer(v)
     if e is None:
       return False
-    if e.name in (*_SHAPERS, "stop_gradient", *_CASTS):
-      walk.take(e)
-      v = e.ins[0]
+    u = e.ins[0]
+    if e.name in ("stop_gradient", *_CASTS):
+      pass
     elif e.name == "max" and prim == "reduce_max":
-      consts = [walk.scalar(u) for u in e.ins]
-      if consts[0] == -np.inf or consts[1] == -np.inf:
-        walk.take(e)
-        v = e.ins[1] if consts[0] == -np.inf else e.ins[0]
-      else:
+      consts = [walk.scalar(w) for w in e.ins]
+      if -np.inf not in consts:
         return False
-    elif e.name == prim and tuple(e.params["axes"]) == (axis,):
+      u = e.ins[1] if consts[0] == -np.inf else e.ins[0]
+    elif e.name == "broadcast_in_dim":
+      dims, out = e.params["broadcast_dimensions"], e.params["shape"]
+      where = [where[d] if u.aval.shape[j] == out[d] else None for j, d in enumerate(dims)]
+    elif e.name == "transpose":
+      perm, new = e.params["permutation"], [None] * u.aval.ndim
+      for i, a in enumerate(perm):
+        new[a] = where[i]
+      where = new
+    elif e.name == "reshape":
+      big_out = [i for i, d in enumerate(v.aval.shape) if d != 1]
+      big_in = [j for j, d in enumerate(u.aval.shape) if d != 1]
+      if [v.aval.shape[i] for i in big_out] != [u.aval.shape[j] for j in big_in]:
+        return False  # not a reshape that only adds or drops axes of size 1
+      new = [None] * u.aval.ndim
+      for i, j in zip(big_out, big_in):
+        new[j] = where[i]
+      where = new
+    elif e.name == prim and len(e.params["axes"]) == 1:
+      a = e.params["axes"][0]
+      full = where[:a] + ["K"] + where[a:]
       walk.take(e)
-      return walk.strip(e.ins[0]) is x  # a sum in float32 of bfloat16 terms, say
+      r2x = _axes_to(view, walk.strip(u), x)  # a sum in float32 of bfloat16 terms, say
+      return (r2x is not None and len(full) == n
+              and all(r2x[j] == axis if w == "K" else (w == r2x[j] or (
+                  w is None and shape[r2x[j]] == 1)) for j, w in enumerate(full)))
     else:
       return False
+    walk.take(e)
+    v = u
+
+
+def _axes_to(view: FlatView, r: Any, x: Any) -> list[int] | None:
+  """For each axis of `r`, the axis of `x` it is, where `x` is `r` or a transpose of it
+  (through casts); None otherwise."""
+  if r is x:
+    return list(range(x.aval.ndim))
+  e = view.producer(x)
+  while e is not None and e.name in _CASTS:
+    e = view.producer(e.ins[0])
+  if e is None or e.name != "transpose" or e.ins[0] is not r:
+    return None
+  r2x = [0] * x.aval.ndim
+  for i, a in enumerate(e.params["permutation"]):
+    r2x[a] = i
+  return r2x
 
 
 def _softmax(walk: _Walk, p: Any, axis: int) -> Any:
@@ -269,6 +312,27 @@ def _squeezed(walk: _Walk, p: Any, labels: dict[int, Any]) -> tuple[Any, dict[in
       return p, labels
 
 
+def _unexpanded(walk: _Walk, x: Any, labels: dict[int, Any]) -> tuple[Any, dict[int, Any]]:
+  """`x` before a reshape that only added axes of size 1 (a grouped-query layout's group
+  of one): in a differentiated program the backward then gives the cotangent of the
+  operand itself. The reshape joins the region (a match whose reshaped operand is
+  read by something else than the attention and its backward is left alone)."""
+  e = walk.view.producer(x)
+  if e is None or e.name != "reshape" or x in walk.view.outvars:
+    return x, labels
+  u = e.ins[0]
+  big_x = [i for i, d in enumerate(x.aval.shape) if d != 1]
+  big_u = [j for j, d in enumerate(u.aval.shape) if d != 1]
+  if [x.aval.shape[i] for i in big_x] != [u.aval.shape[j] for j in big_u]:
+    return x, labels
+  new = {j: ("1", f"{id(u)}.{j}") for j in range(u.aval.ndim)}
+  new.update({j: labels[i] for i, j in zip(big_x, big_u)})
+  if set(new.values()) & {Q, K, D, E} != set(labels.values()) & {Q, K, D, E}:
+    return x, labels  # a token or head axis of size 1 would be lost
+  walk.take(e)
+  return u, new
+
+
 def _reaches_product(view: FlatView, v: Any, depth: int = 12) -> bool:
   """Whether `v` is a `dot_general` through casts, transposes, scales, biases and masks."""
   for _ in range(depth):
@@ -284,20 +348,33 @@ def _reaches_product(view: FlatView, v: Any, depth: int = 12) -> bool:
   return False
 
 
+def _free_labels(x: Any, taken: dict[int, Any], name: Any) -> dict[int, Any]:
+  """`taken` plus labels for `x`'s other (free) axes: `name` for the one of size > 1
+  (the last one if all are 1), ``("1", axis)`` for the others, all of size 1 (a
+  grouped-query layout's group axis of one)."""
+  free = [a for a in range(x.aval.ndim) if a not in taken]
+  _need(free, "an operand without a free axis")
+  big = [a for a in free if x.aval.shape[a] != 1]
+  _need(len(big) <= 1, f"an operand with {len(big)} free axes larger than 1")
+  main = big[0] if big else free[-1]
+  return taken | {a: name if a == main else ("1", a) for a in free}
+
+
 def _product_labels(d1: FlatEqn, out: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
   """Axis labels of the first product's two operands from its output's (`out`)."""
   (lc, rc), (lb, rb) = d1.params["dimension_numbers"]
   nb = len(lb)
-  _need(len(lc) == 1 and all(x.aval.ndim == nb + 2 for x in d1.ins)
-        and all(isinstance(out[i], tuple) for i in range(nb)),
+  _need(len(lc) == 1 and all(isinstance(out[i], tuple) for i in range(nb)),
         "the first product is not one contraction over the second's batch axes")
-  sides = []
-  for j, (c, b) in enumerate(((lc, lb), (rc, rb))):
-    labels = {b[i]: out[i] for i in range(nb)}
-    labels[c[0]] = D
-    labels[next(a for a in range(nb + 2) if a not in labels)] = out[nb + j]
+  sides, tokens, at = [], [], nb
+  for x, c, b in ((d1.ins[0], lc, lb), (d1.ins[1], rc, rb)):
+    labels = {b[i]: out[i] for i in range(nb)} | {c[0]: D}
+    free = [a for a in range(x.aval.ndim) if a not in labels]
+    labels.update({a: out[at + j] for j, a in enumerate(free)})  # in the output's order
+    at += len(free)
     sides.append(labels)
-  _need({out[nb], out[nb + 1]} == {Q, K},
+    tokens.append([labels[a] for a in free if labels[a] in (Q, K)])
+  _need(sorted(map(str, tokens[0] + tokens[1])) == [K, Q] and all(len(t) == 1 for t in tokens),
         "the first product's free axes are not the query and key tokens")
   return sides[0], sides[1]
 
@@ -361,23 +438,27 @@ def _match_at(view: FlatView, d2: FlatEqn, p_side: int) -> AttentionMatch:
   p, v = d2.ins[p_side], d2.ins[1 - p_side]
   (pc, vc), (pb, vb) = ((lc, rc), (lb, rb)) if p_side == 0 else ((rc, lc), (rb, lb))
   nb = len(pb)
-  _need(len(pc) == 1 and nb <= 2 and p.aval.ndim == v.aval.ndim == nb + 2,
-        "the second product is not probabilities against values")
-  p_labels = {pb[i]: ("b", i) for i in range(nb)} | {pc[0]: K}
-  p_labels[next(a for a in range(nb + 2) if a not in p_labels)] = Q
-  v_labels = {vb[i]: ("b", i) for i in range(nb)} | {vc[0]: K}
-  v_labels[next(a for a in range(nb + 2) if a not in v_labels)] = E
+  _need(len(pc) == 1 and nb <= 2, "the second product is not probabilities against values")
+  p_labels = _free_labels(p, {pb[i]: ("b", i) for i in range(nb)} | {pc[0]: K}, Q)
+  v_labels = _free_labels(v, {vb[i]: ("b", i) for i in range(nb)} | {vc[0]: K}, E)
   p0, s_labels = _squeezed(walk, p, p_labels)
   s = _softmax(walk, p0, next(a for a, lab in s_labels.items() if lab == K))
   d1, out_labels = _scaled_or_masked(walk, s, s_labels)
   l0, l1 = _product_labels(d1, out_labels)
   (q, q_labels), (k, k_labels) = ((d1.ins[0], l0), (d1.ins[1], l1)) if Q in l0.values() \
       else ((d1.ins[1], l1), (d1.ins[0], l0))
-  return _assemble(walk, (q, k, v), (q_labels, k_labels, v_labels), d2, p_side, nb)
+  (q, q_labels), (k, k_labels), (v, v_labels) = (
+      _unexpanded(walk, x, lab) for x, lab in ((q, q_labels), (k, k_labels), (v, v_labels)))
+  # The second product's output axes: batch axes, then each operand's free axes in order.
+  p_free = [p_labels[a] for a in range(p.aval.ndim) if a not in pb and a != pc[0]]
+  v_free = [v_labels[a] for a in range(v.aval.ndim) if a not in vb and a != vc[0]]
+  out_labels = [("b", i) for i in range(nb)] + (p_free + v_free if p_side == 0
+                                                else v_free + p_free)
+  return _assemble(walk, (q, k, v), (q_labels, k_labels, v_labels), d2, out_labels, nb)
 
 
 def _assemble(walk: _Walk, qkv: tuple[Any, Any, Any], labels: tuple[dict, dict, dict],
-              d2: FlatEqn, p_side: int, nb: int) -> AttentionMatch:
+              d2: FlatEqn, out_labels: list[Any], nb: int) -> AttentionMatch:
   """The match of a recognised attention: spec, operands, result, inputs, equations."""
   view = walk.view
   q, k, v = qkv
@@ -423,18 +504,17 @@ def _assemble(walk: _Walk, qkv: tuple[Any, Any, Any], labels: tuple[dict, dict, 
       dtype=next(iter(dtypes)), causal=causal, scale=float(walk.scale),
       bias_shape=shape_of(biases), mask_shape=shape_of(masks),
       bias_dtype=np.result_type(*[x.aval.dtype for x, _ in biases]).name if biases else None)
-  return _finish(walk, spec, data, labels, orders, (biases, masks), d2, p_side, nb, region)
+  return _finish(walk, spec, data, labels, orders, (biases, masks), d2, out_labels, nb,
+                 region)
 
 
 def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dict, ...],
-            orders: tuple[list, ...], extras: tuple[list, list], d2: FlatEqn, p_side: int,
-            nb: int, region: set[int]) -> AttentionMatch:
+            orders: tuple[list, ...], extras: tuple[list, list], d2: FlatEqn,
+            out_labels: list[Any], nb: int, region: set[int]) -> AttentionMatch:
   """The `AttentionMatch`: how operands reach the family's layout and the result comes back."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   biases, masks = extras
   out = d2.outs[0]
-  # The second product's output axes: batch axes, then each operand's free axis.
-  out_labels = [("b", i) for i in range(nb)] + ([Q, E] if p_side == 0 else [E, Q])
   fam_out = [B0, Q, B1, E]
 
   def operands(invals: Sequence[Any]) -> tuple[Any, ...]:
