@@ -128,7 +128,6 @@ class _Walk:
     self.scale = 1.0
     self.biases: list[tuple[Any, dict[int, Any]]] = []  # (var, {axis: label})
     self.masks: list[tuple[Any, dict[int, Any], bool]] = []  # (var, labels, negate)
-    self.causal = False
 
   def take(self, e: FlatEqn) -> FlatEqn:
     self.region.append(e)

@@ -78,6 +78,7 @@ class FlatView:
     self.top = set(jaxpr.invars) | set(jaxpr.constvars)
     self.inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     self._consts: dict[Any, np.ndarray] = {}  # body consts and evaluated constants
+    self._not_constant: set[Any] = set()
     for i, eqn in enumerate(jaxpr.eqns):
       self.top.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
       self._add(eqn, list(eqn.invars), list(eqn.outvars), i, depth=0)
@@ -125,6 +126,14 @@ class FlatView:
       return np.asarray(v.val)
     if v in self._consts:
       return self._consts[v]
+    if v in self._not_constant:
+      return None
+    value = self._evaluate(v)
+    if value is None:
+      self._not_constant.add(v)
+    return value
+
+  def _evaluate(self, v: Any) -> np.ndarray | None:
     e = self.producer(v)
     if (e is None or _compat.has_jaxpr_params(dict(e.params)) or e.name.startswith("random")
         or math.prod(getattr(v.aval, "shape", ())) > MAX_CONSTANT):
