@@ -187,6 +187,7 @@ def test_each_spelling_and_mask_found_and_equal(spelling, kind):
   _check(f, args, expect, jnp.float32)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
                      phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate))
 @hypothesis.given(spelling=st.sampled_from(sorted(SPELLINGS)), kind=st.sampled_from(MASKS),
