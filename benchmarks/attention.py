@@ -15,7 +15,16 @@ its attention swapped by `tunedjax.use_tuned_attention` and compiled by
 ``Trainer(autotune=True)``; its first call tunes the attention bucket), against
 the unswapped model under plain `jax.jit`, interleaved with an A/A control.
 
-Run: `.venv/bin/python benchmarks/attention.py [--quick|--smoke] [--write] [--rounds N]`.
+Part 3 (``--hand-written``, on its own): causal attention written by hand
+(``einsum``, a ``jnp.tril`` mask by ``where``, ``jax.nn.softmax``, ``einsum``),
+its forward and backward (`jax.grad` inside the step) compiled by plain
+`jax.jit` against `tunedjax.jit` with kernel selection on, which finds the
+attention in the jaxpr, recognises the mask as causal and tunes the site (a
+fresh cache: the first call tunes), at 1,024 and 2,048 tokens, interleaved
+with an A/A control.
+
+Run: `.venv/bin/python benchmarks/attention.py [--quick|--smoke] [--write] [--rounds N]
+[--hand-written]`.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.demo import TransformerLM, lm_data, lm_loss
 
 HEADS, HEAD_DIM = 8, 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # out of reports
 
 
 @dataclasses.dataclass
@@ -229,13 +239,104 @@ def section(rows: list[Row], step: dict[str, Any], lm: dict[str, int], rounds: i
   return "\n".join(lines)
 
 
+def hand_written_attention(q, k, v):
+  """Causal attention as tutorials write it: the causal mask is a `jnp.tril` of ones."""
+  t = q.shape[1]
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def hand_written_rows(tokens: int, rounds: int, cache: str) -> dict[str, Any]:
+  """jax.jit vs tunedjax.jit (kernel selection on) on the hand-written causal attention's
+  forward + backward, interleaved; what tunedjax chose and how long its first call took."""
+  def step(q, k, v, ct):
+    return jax.grad(lambda q, k, v: (hand_written_attention(q, k, v) * ct).sum(),
+                    argnums=(0, 1, 2))(q, k, v)
+
+  args = _operands(tokens)
+  plain = jax.jit(step)
+  tuned = tj.jit(step, session=tj.autotune.TuningSession(f"hand-written-{tokens}"))
+  config = {"kernel": {"enable": True}, "cache": {"dir": cache}}
+  with tj.config_context(config):
+    start = time.perf_counter()
+    got = jax.block_until_ready(tuned(*args))
+    first_call_s = time.perf_counter() - start
+  want = jax.block_until_ready(plain(*args))
+  rel = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(got, want))
+  report = tuned.report(memory=False).last.kernel_report
+
+  def run_tuned():
+    with tj.config_context(config):
+      jax.block_until_ready(tuned(*args))
+
+  timings = _harness.interleaved(
+      {"jax.jit": lambda: jax.block_until_ready(plain(*args)), "tunedjax.jit": run_tuned},
+      baseline="jax.jit", rounds=rounds)
+  return {"tokens": tokens, "timings": timings, "first_call_s": first_call_s, "rel": rel,
+          "matched": [str(m).replace(ROOT, "") for m in report.matched],
+          "kernels": dict(report.counts())}
+
+
+def hand_written_section(results: list[dict[str, Any]], rounds: int,
+                         load: tuple[float, float], command: str) -> str:
+  """The BENCHMARKS.md section of part 3."""
+  lines = ["## Hand-written causal attention found in the jaxpr (`benchmarks/attention.py "
+           "--hand-written`)", "",
+           f"{_harness.machine_line()} Load average {load[0]:.1f} before, {load[1]:.1f} "
+           f"after (a shared machine). Command: `{command}`.", "",
+           ("`hand_written_attention` (einsum, `jnp.where(jnp.tril(ones), s, -1e9)`, "
+            "`jax.nn.softmax`, einsum; batch 1, "
+            f"{HEADS} heads, head dim {HEAD_DIM}, float32), `jax.grad` of it inside the "
+            "step, compiled by plain `jax.jit` (XLA) and by `tunedjax.jit` with "
+            "`kernel.enable` (the attention found as a pattern, its mask recognised as "
+            "causal, the site tuned on the first call in a fresh cache); "
+            f"{rounds} interleaved rounds after one warm-up, medians of per-round ratios, "
+            "the baseline timed twice (A/A control).")]
+  for r in results:
+    t = r["timings"]
+    lines += ["", f"**{r['tokens']} tokens**: tunedjax.jit {1 / t.ratio('tunedjax.jit'):.2f}x "
+              f"the speed of jax.jit (A/A control {1 / t.ratio(_harness.CONTROL):.2f}x); "
+              f"site: {'; '.join(r['matched'])}; first call (tuning and compiling) "
+              f"{r['first_call_s']:.0f} s; gradients differ by {r['rel']:.1e} (relative).",
+              "", _harness.ratio_table(t)]
+  return "\n".join(lines)
+
+
+def main_hand_written(args: argparse.Namespace) -> int:
+  lengths = (256,) if args.quick else (1024, 2048)
+  rounds = args.rounds or (2 if args.quick else 5)
+  load_before = os.getloadavg()[0]
+  results = []
+  with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-hw-") as cache:
+    for tokens in lengths:
+      r = hand_written_rows(tokens, rounds, cache)
+      results.append(r)
+      print(f"{tokens} tokens: {r['matched']}, first call {r['first_call_s']:.1f} s, "
+            f"rel {r['rel']:.1e}\n{_harness.ratio_table(r['timings'])}", flush=True)
+  load = (load_before, os.getloadavg()[0])
+  command = ("python benchmarks/attention.py --hand-written"
+             + (f" --rounds {args.rounds}" if args.rounds else "")
+             + (" --write" if args.write else ""))
+  body = hand_written_section(results, rounds, load, command)
+  print(f"load average {load[0]:.1f} before, {load[1]:.1f} after")
+  if args.write and not args.quick:
+    _harness.write_section("attention_hand_written", body)
+    print("BENCHMARKS.md updated (attention_hand_written section)")
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", "--smoke", dest="quick", action="store_true",
                       help="short sequences, a small LM, 2 rounds (smoke run)")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--hand-written", action="store_true",
+                      help="only part 3: hand-written causal attention, jax.jit vs tj.jit")
   args = parser.parse_args(argv)
+  if args.hand_written:
+    return main_hand_written(args)
   if args.quick:
     lengths, rounds = (128, 256), args.rounds or 2
     lm = {"tokens": 256, "width": 64, "layers": 2}

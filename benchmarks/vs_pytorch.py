@@ -21,6 +21,12 @@ strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
 ``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
 gives the same step.
 
+`--net mobilenet-plain` (or `all`) adds the same MobileNet-style step written
+in plain JAX: batch norm in primitive ops (two-pass mean and variance,
+`rsqrt`), no tunedjax call in the model; under `tj.jit` with kernel
+selection on, the batch-norm family finds each one as a pattern (forward and
+backward together: the step differentiates inside `tj.jit`).
+
 The script first checks that one step agrees: the loss and every gradient
 of each PyTorch variant and of tunedjax against `jax.jit` (relative error =
 max |a - b| / max |b| per tensor, with 1e-3 of the largest gradient as the
@@ -141,13 +147,23 @@ def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
   return _bn_family.batch_norm(x, g, b, epsilon=1e-5)
 
 
-def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2)):
+def _bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  # Batch norm as plain JAX code writes it, in primitive ops (two passes, rsqrt): no
+  # tunedjax call; under tj.jit the batch-norm family finds it as a pattern.
+  mean = x.mean(axis=(0, 1, 2))
+  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
+  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
+
+
+def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2),
+                  bn: Callable[..., Any] = _bn):
   """`benchmarks/kernels.py`'s MobileNet-style network: (params, loss(params, x, y), strides).
 
   The same parameters, initialisation and computation as `kernels.mobilenet`,
-  with PyTorch's symmetric padding and batch norm through the family's call site.
+  with PyTorch's symmetric padding and batch norm through the family's call site
+  (or `bn`: `_bn_plain` for the step written in plain JAX).
   """
-  params, loss = kernels_bench.mobilenet(rng, widths, strides, conv=_conv, bn=_bn)
+  params, loss = kernels_bench.mobilenet(rng, widths, strides, conv=_conv, bn=bn)
   return params, loss, strides
 
 
@@ -301,7 +317,7 @@ _MOBILE_NAMES = {"g1": "bn1.weight", "b1": "bn1.bias", "g2": "bn2.weight",
 
 def torch_name(net: str, name: str) -> str:
   """The PyTorch parameter a JAX parameter's dotted name stands for."""
-  if net == "mobilenet":
+  if net.startswith("mobilenet"):
     head, _, last = name.rpartition(".")
     if name in ("stem", "head"):
       return f"{name}.weight"
@@ -622,11 +638,14 @@ def net_problem(net: str, quick: bool = False) -> NetProblem:
   on seeded random data; `quick`: the smoke run's small sizes."""
   rng = np.random.default_rng(0)
   width = None
-  if net == "mobilenet":
+  if net.startswith("mobilenet"):
     batch, size = (4, 32) if quick else (32, 64)
-    params, loss, _ = mobilenet_jax(rng)
+    plain = net == "mobilenet-plain"
+    params, loss, _ = mobilenet_jax(rng, bn=_bn_plain if plain else _bn)
     step, state = mobilenet_step(loss), (params,)
-    label = "MobileNet-style step (`benchmarks/kernels.py`)"
+    label = ("MobileNet-style step in plain JAX (batch norm in primitive ops: two-pass mean "
+             "and variance, `rsqrt`)" if plain
+             else "MobileNet-style step (`benchmarks/kernels.py`)")
   else:
     width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
     params, stats, step = demo_jax(width)
@@ -652,9 +671,14 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
     start = time.perf_counter()
     jax.block_until_ready(tj_step(*full_args))
     first_call_s = time.perf_counter() - start
-    tuning_s = tj_step.report(memory=False).last.tuning_s
+    signature = tj_step.report(memory=False).last
+    tuning_s = signature.tuning_s
   print(f"{net}: tj.jit first call {first_call_s:.1f} s ({tuning_s:.1f} s tuning)",
         file=sys.stderr)
+  matched = signature.kernel_report.matched if signature.kernel_report else ()
+  if matched:
+    print(f"{net}: {len(matched)} sites found written out: " + "; ".join(
+        f"{m.op} {m.spelling}: {m.kernel}, {m.replaced}" for m in matched), file=sys.stderr)
 
   ref = xla_step(*full_args)
   ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
@@ -677,7 +701,7 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
     if not args.no_compile:
       kinds += [("compile", "channels_last", False, True), ("compile", "NCHW", False, True)]
     for how, layout, primitive, compiled in kinds:
-      model = (TorchMobileNet(primitive_bn=primitive) if net == "mobilenet"
+      model = (TorchMobileNet(primitive_bn=primitive) if net.startswith("mobilenet")
                else TorchDemoNet(width=width, primitive_bn=primitive))
       load_torch(model, net, named)
       xin = xt
@@ -771,8 +795,12 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
   primed = ("" if args.no_prime else
             ", each timed step right after an untimed step of the same variant (the steady "
             "state of a training loop; not charged for the previous variant's spinning threads)")
+  title = "## tunedjax against PyTorch on CPU"
+  if args.net == "mobilenet-plain":
+    title += (f": the step in plain JAX, host memory "
+              f"`{tj.host_memory_status().mode}`")
   lines = [
-      "## tunedjax against PyTorch on CPU",
+      title,
       "",
       f"`benchmarks/vs_pytorch.py{' --quick' if args.quick else ''}`: one SGD train step "
       "(forward, backward, update), the same weights and batch on both sides; "
@@ -845,7 +873,10 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                       help="PyTorch's intra-op threads (JAX uses every core)")
-  parser.add_argument("--net", choices=("mobilenet", "demo", "both"), default="both")
+  parser.add_argument("--net", choices=("mobilenet", "mobilenet-plain", "demo", "both", "all"),
+                      default="both",
+                      help="both: mobilenet and demo; all: and mobilenet-plain (the step "
+                           "written in plain JAX, its batch norms found as patterns)")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
   parser.add_argument("--no-prime", action="store_true",
                       help="time each variant's step right after the previous variant's "
@@ -862,12 +893,15 @@ def main(argv=None) -> int:
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-")
   load_before = os.getloadavg()[0]
   print(f"load average before: {load_before:.2f}", file=sys.stderr)
-  nets = ("mobilenet", "demo") if args.net == "both" else (args.net,)
+  nets = {"both": ("mobilenet", "demo"), "all": ("mobilenet", "mobilenet-plain", "demo")
+          }.get(args.net, (args.net,))
   results = [run_net(n, args, cache_dir) for n in nets]
   body = report(results, args, (load_before, os.getloadavg()[0]))
   print(body)
-  if args.write:
-    _harness.write_section("vs_pytorch", body)
+  if args.write:  # the plain-JAX step alone: a section per host-memory mode
+    section = ("vs_pytorch" if args.net != "mobilenet-plain"
+               else f"vs_pytorch_plain_{tj.host_memory_status().mode}")
+    _harness.write_section(section, body)
     print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
   return 0
 

@@ -45,6 +45,7 @@ from tunedjax._config import LEVELS
 from tunedjax._config import Config
 from tunedjax._config import get_config
 from tunedjax.autotune import _hints
+from tunedjax.autotune import _routes
 from tunedjax.autotune import _select
 from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
@@ -341,6 +342,13 @@ def _selecting(selection: Any) -> Any:
   return contextlib.nullcontext() if selection is None else _select.selecting(selection)
 
 
+def _routing(selection: Any) -> Any:
+  """The op families' routes (`autotune._routes`: Flax's ``BatchNorm`` and
+  attention modules onto their families) around a trace under kernel
+  selection, as the Trainer's step gets them; nothing when it is off."""
+  return contextlib.nullcontext() if selection is None else _routes.routed()
+
+
 class Jitted(Generic[P, R]):
   """A function compiled by `tunedjax.jit`; call it as the function.
 
@@ -481,7 +489,8 @@ class Jitted(Generic[P, R]):
             platform=platform, config=config, session=session)
       # Python's garbage collector paused while tracing and rewriting, for at
       # most `_gc.LIMIT_S` (a full collection costs about the whole trace).
-      with _tuning.using_session(session), _selecting(selection), _gc.paused():
+      with _tuning.using_session(session), _selecting(selection), _routing(selection), \
+          _gc.paused():
         out = program(*dyn_args, **dyn_kwargs)
       signature = _signature(dyn_args, dyn_kwargs, static)
       report = SignatureReport(

@@ -158,7 +158,8 @@ class KernelStage(_CountingStage):
   def apply(self, program: Program, platform: str | None) -> Program:
     cleanup = cleanup_pass()
     kernels = _select.kernel_pass(post=cleanup)
-    merged = rewrite.Pass("kernel_selection+cleanup", {**kernels.rules, **cleanup.rules})
+    merged = rewrite.Pass("kernel_selection+cleanup", {**kernels.rules, **cleanup.rules},
+                          patterns=kernels.patterns)
     return rewrite.transform(program, merged, platform=platform, on_trace=self.on_trace)
 
   def reports(self) -> tuple[PassReport, ...]:

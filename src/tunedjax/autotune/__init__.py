@@ -62,7 +62,9 @@ from tunedjax.autotune._report import BucketDecision as BucketDecision
 from tunedjax.autotune._report import BucketTemporaries as BucketTemporaries
 from tunedjax.autotune._report import KernelChoice as KernelChoice
 from tunedjax.autotune._report import KernelReport as KernelReport
+from tunedjax.autotune._report import MatchedSite as MatchedSite
 from tunedjax.autotune._select import dispatch as dispatch
+from tunedjax.autotune._sites import PatternSite as PatternSite
 from tunedjax.autotune._select import select_kernels as select_kernels
 
 __all__ = [
@@ -76,7 +78,9 @@ __all__ = [
     "Kernel",
     "KernelChoice",
     "KernelReport",
+    "MatchedSite",
     "OpFamily",
+    "PatternSite",
     "Stats",
     "TuningSession",
     "default_session",

@@ -18,6 +18,7 @@ from tunedjax._config import get_config
 from tunedjax.autotune import _registry, _result
 from tunedjax.autotune import _select
 from tunedjax.autotune._bucket import bucket_key
+from tunedjax import rewrite
 from tunedjax.rewrite import iter_equations
 
 
@@ -55,6 +56,9 @@ class BucketChoice:
     compiled: how many candidates were compiled for the decision (None
       where not known: an entry written before compile times were kept).
     compile_s: seconds compiling them took, in all.
+    matched: for sites an op family's pattern found written out (a batch
+      norm in primitive ops), each one's spelling and source line
+      (``"two-pass rsqrt affine at net.py:12 (bn)"``).
   """
 
   bucket: str
@@ -73,6 +77,7 @@ class BucketChoice:
   regret: float | None = None
   compiled: int | None = None
   compile_s: float = 0.0
+  matched: tuple[str, ...] = ()
 
 
 def _kept_for(value: Mapping[str, Any]) -> int | None:
@@ -81,12 +86,22 @@ def _kept_for(value: Mapping[str, Any]) -> int | None:
   return int(record["horizon"]) if record.get("kept") else None
 
 
+def _matched_by_bucket(selection: Any) -> dict[str, list[str]]:
+  """``{bucket: ["<spelling> at <where>", ...]}`` of the sites patterns found."""
+  matched: dict[str, list[str]] = {}
+  for m in selection.tally.report().matched:
+    matched.setdefault(m.bucket, []).append(f"{m.spelling} at {m.where}")
+  return matched
+
+
 def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str | None = None,
             **kwargs: Any) -> list[BucketChoice]:
   """What the tuning cache says about each convolution bucket of ``f(*args)``.
 
-  Traces `f` (nothing runs, nothing is tuned), groups its convolutions by
-  the cache's bucket key, and looks each bucket up.
+  Traces `f` (nothing runs, nothing is tuned), groups its kernel sites (the
+  equations of a family's primitive, calls of `dispatch`, and computations
+  a family's pattern finds written out) by the cache's bucket key, and
+  looks each bucket up.
 
   Args:
     f: the function, as you would pass it to `select_kernels`.
@@ -111,7 +126,9 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   with _select.selecting(selection):  # call-site families report their buckets here
     # A fresh function: `make_jaxpr` reuses the trace of a function it traced before
     # with the same argument types, and then no call-site function runs.
-    closed = jax.make_jaxpr(lambda *a, **kw: f(*a, **kw))(*args, **kwargs)
+    closed = jax.make_jaxpr(rewrite.transform(lambda *a, **kw: f(*a, **kw),
+                                              _select.pattern_pass(cache=cache)))(
+                                                  *args, **kwargs)
   by_primitive = {fam.primitive: fam for fam in _registry.op_families() if fam.primitive}
   bucket, objective = get_config().kernel.bucket, get_config().kernel.objective
   found: dict[str, list[Any]] = {}
@@ -126,6 +143,7 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     entry[2] += 1
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
+  matched = _matched_by_bucket(selection)
   store = selection.cache
   rows = []
   for name, (key, candidates, count) in found.items():
@@ -134,11 +152,12 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
     names = tuple(k.name for k in candidates)
     if names == (default,):
       rows.append(BucketChoice(name, count, names, default, reason=f"only {default} applies",
-                               op=op))
+                               op=op, matched=tuple(matched.get(name, ()))))
       continue
     value = _tuning.current_session().lookup(store, op, key)
     if value is None:
-      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op))
+      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op,
+                               matched=tuple(matched.get(name, ()))))
       continue
     winner, timings = value["winner"], value.get("timings", {})
     base = timings.get(default) or ()
@@ -154,5 +173,6 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
         temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
         decided=_result.decided(value), regret=_result.regret(value),
         compiled=len(value["compile_s"]) if value.get("compile_s") else None,
-        compile_s=float(sum((value.get("compile_s") or {}).values()))))
+        compile_s=float(sum((value.get("compile_s") or {}).values())),
+        matched=tuple(matched.get(name, ()))))
   return rows

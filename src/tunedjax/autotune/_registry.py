@@ -121,6 +121,12 @@ class OpFamily:
     priors: a folder of ``<machine class>.json`` files of measurements
       shipped with the family (`autotune._predict.read_priors`), used where
       this machine has measured nothing near a bucket; None: none.
+    patterns: functions ``(ctx, jaxpr) -> [autotune.PatternSite, ...]``
+      that find this family's computations written out in other primitives
+      (a batch norm as reductions and arithmetic) in each jaxpr kernel
+      selection evaluates; each site found is decided like any other and,
+      when its kernel is not the default, replaced by it (its forward, and
+      in a differentiated jaxpr its backward too, `autotune._sites`).
   """
 
   name: str
@@ -135,6 +141,7 @@ class OpFamily:
   timed: str = "forward"
   features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
   priors: Any = None
+  patterns: tuple[Callable[..., Any], ...] = ()
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -150,6 +157,10 @@ class OpFamily:
     if self.features is not None and not callable(self.features):
       raise AutotuneError(f"OpFamily({self.name!r}).features must be callable or None, got "
                           f"{self.features!r}.")
+    object.__setattr__(self, "patterns", tuple(self.patterns))
+    if not all(callable(p) for p in self.patterns):
+      raise AutotuneError(f"OpFamily({self.name!r}).patterns must be functions "
+                          f"(ctx, jaxpr) -> [PatternSite, ...], got {self.patterns!r}.")
     if self.timed not in TIMED:
       raise AutotuneError(f"OpFamily({self.name!r}).timed must be one of "
                           f"{format_choices(TIMED)}, got {self.timed!r}"

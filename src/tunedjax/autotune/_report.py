@@ -125,6 +125,38 @@ class BucketDecision:
 
 
 @dataclasses.dataclass(frozen=True)
+class MatchedSite:
+  """One place where an op family's pattern found its computation written out.
+
+  Attributes:
+    op: the op family (``"batch_norm"``).
+    spelling: which way of writing it the pattern recognised (``"two-pass rsqrt"``).
+    where: the user's source line of its first equation.
+    kernel: the kernel that runs it (the default: the equations as written).
+    replaced: ``"forward"`` (the forward replaced; an outer `jax.grad` uses
+      the kernel's backward), ``"forward+backward"`` (in a differentiated
+      jaxpr, the forward and its backward replaced together) or ``"none"``
+      (the default kernel: nothing replaced).
+    bucket: the site's bucket label (as `autotune.explain` lists it).
+
+  Example:
+    >>> str(MatchedSite("batch_norm", "two-pass rsqrt", "net.py:12 (block)", "fused",
+    ...                 "forward+backward"))
+    'batch_norm two-pass rsqrt at net.py:12 (block): fused, forward+backward'
+  """
+
+  op: str
+  spelling: str
+  where: str
+  kernel: str
+  replaced: str
+  bucket: str = ""
+
+  def __str__(self) -> str:
+    return f"{self.op} {self.spelling} at {self.where}: {self.kernel}, {self.replaced}"
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelReport:
   """The kernel-selection pass's report for one trace.
 
@@ -136,12 +168,15 @@ class KernelReport:
       default (hinted, observed and default-only buckets have none).
     decisions: one `BucketDecision` per bucket tuned during this trace:
       predicted, timed or kept, what was compiled, and the regret.
+    matched: one `MatchedSite` per site an op family's pattern found
+      (also counted in `choices`).
   """
 
   choices: tuple[KernelChoice, ...] = ()
   tuning_s: float = 0.0
   temporaries: tuple[BucketTemporaries, ...] = ()
   decisions: tuple[BucketDecision, ...] = ()
+  matched: tuple[MatchedSite, ...] = ()
   name = "kernel_selection"
 
   def _count(self, *whys: str) -> int:
@@ -211,6 +246,8 @@ class KernelReport:
                f"compiled{worst}")
     if any(t.saved_bytes for t in self.temporaries):
       text += f"; kernel temporaries {self.temp_bytes_saved / 2**20:+.1f} MiB saved"
+    if self.matched:
+      text += "; found written out: " + "; ".join(str(m) for m in self.matched)
     return text
 
 
@@ -223,11 +260,17 @@ class Tally:
     self._tuning_s = 0.0
     self._temps: dict[str, BucketTemporaries] = {}
     self._decisions: list[BucketDecision] = []
+    self._matched: list[MatchedSite] = []
 
   def add_decision(self, decision: BucketDecision) -> None:
     """Records how a bucket tuned in this trace was decided."""
     with self._lock:
       self._decisions.append(decision)
+
+  def add_matched(self, site: MatchedSite) -> None:
+    """Records a site an op family's pattern found."""
+    with self._lock:
+      self._matched.append(site)
 
   def add_temporaries(self, bucket: str, kernel: str, temp_bytes: Mapping[str, int],
                       default: str) -> None:
@@ -252,4 +295,5 @@ class Tally:
       return KernelReport(tuple(KernelChoice(op, k, why, n)
                                 for (op, k, why), n in self._counts.items()),
                           tuning_s=self._tuning_s, temporaries=tuple(self._temps.values()),
-                          decisions=tuple(self._decisions))
+                          decisions=tuple(self._decisions),
+                          matched=tuple(self._matched))

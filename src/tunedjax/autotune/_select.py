@@ -49,7 +49,7 @@ from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _registry, _report,
-                               _tuner)
+                               _sites, _tuner)
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -326,13 +326,55 @@ def _apply(family: _registry.OpFamily, spec: Any, selection: Selection, operands
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chooser:
+  """Decides pattern sites (`_sites`) with the active `Selection`, or this pass's."""
+
+  cache: CacheLike
+  options: _tuner.TuneOptions
+
+  def selection(self, ctx: _engine.Context) -> Selection:
+    return active_selection() or new_selection(
+        platform=ctx.platform, config=ctx.config, cache=self.cache, options=self.options)
+
+  def choose(self, ctx: _engine.Context, family: _registry.OpFamily, spec: Any
+             ) -> tuple[str, str]:
+    return decide(family, spec, self.selection(ctx))
+
+  def record(self, ctx: _engine.Context, family: _registry.OpFamily, kernel: str, why: str,
+             matched: _report.MatchedSite, spec: Any = None) -> None:
+    selection = self.selection(ctx)
+    _count(selection, family.name, kernel, why)
+    if spec is not None:
+      matched = dataclasses.replace(matched, bucket=site_label(family, spec, selection))
+    selection.tally.add_matched(matched)
+
+
+def site_label(family: _registry.OpFamily, spec: Any, selection: Selection) -> str:
+  """The bucket label `decide` gives a site of `family` with `spec`."""
+  config = selection.config
+  candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
+  return family.label(bucket_key(spec, candidates, bucket=config.kernel.bucket,
+                                 family=family, objective=config.kernel.objective))
+
+
+def pattern_pass(*, cache: CacheLike = None) -> _engine.Pass:
+  """A `Pass` with only the op families' patterns (for `explain`: each site decided
+  with the active `Selection`, the default's equations evaluated as written)."""
+  return _engine.Pass("kernel_patterns", patterns=_sites.family_patterns(
+      _registry.op_families(), _Chooser(cache, _tuner.TuneOptions())))
+
+
 def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
                 budget_s: float = _tuner.DEFAULT_BUDGET_S,
                 margin: float = _tuner.DEFAULT_MARGIN, seed: int = 0,
                 post: _engine.Pass | None = None) -> _engine.Pass:
   """The kernel-selection `Pass`: a rule for every op family found in the jaxpr.
 
-  Each registered family with a ``primitive`` gets a rule for it. A rule
+  Each registered family with a ``primitive`` gets a rule for it; each
+  family's ``patterns`` become the pass's patterns (`_sites`: a computation
+  written out in other primitives, replaced with its forward, and in a
+  differentiated jaxpr its backward, when its kernel is not the default). A rule
   decides with the `Selection` made current by `tunedjax.jit` or
   `select_kernels`; used on its own (through `tunedjax.rewrite.transform`)
   it decides with this pass's cache and options and the current session.
@@ -380,8 +422,10 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
       return list(out) if isinstance(out, tuple) else [out]
     return rule
 
-  rules = {f.primitive: rule_for(f) for f in _registry.op_families() if f.primitive}
-  return _engine.Pass("kernel_selection", rules)
+  families = _registry.op_families()
+  rules = {f.primitive: rule_for(f) for f in families if f.primitive}
+  patterns = _sites.family_patterns(families, _Chooser(cache, options))
+  return _engine.Pass("kernel_selection", rules, patterns=patterns)
 
 
 def dispatch(op: str, spec: Any, *operands: Any) -> Any:
@@ -422,11 +466,14 @@ def dispatch(op: str, spec: Any, *operands: Any) -> Any:
   def run_default() -> Any:
     return default(*operands, spec)
 
-  selection = active_selection()
-  if selection is None:
-    return run_default()
-  want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), jax.eval_shape(run_default))
-  return _apply(family, spec, selection, list(operands), want, run_default)
+  # Marked, so that a family's pattern does not find this site again in its kernel's
+  # equations (`_sites.SITE_SCOPE`).
+  with jax.named_scope(_sites.SITE_SCOPE):
+    selection = active_selection()
+    if selection is None:
+      return run_default()
+    want = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), jax.eval_shape(run_default))
+    return _apply(family, spec, selection, list(operands), want, run_default)
 
 
 def select_kernels(f: Callable[..., Any], *, cache: CacheLike = None,

@@ -11,6 +11,13 @@ Example:
   >>> jax.jit(rewrite.transform(jnp.exp, p))(0.0)
   Array(1., dtype=float32, weak_type=True)
 
+Patterns
+--------
+
+``Pass(patterns=...)`` carries functions ``(ctx, jaxpr) -> [Match, ...]``:
+a `Match` replaces several equations with one rule (a batch norm written
+out in primitives becomes one kernel call). See `tunedjax.rewrite._pattern`.
+
 Hooks for calls and higher-order primitives
 -------------------------------------------
 
@@ -72,13 +79,17 @@ from tunedjax.rewrite._engine import eval_jaxpr as eval_jaxpr
 from tunedjax.rewrite._engine import rewrite_jaxpr as rewrite_jaxpr
 from tunedjax.rewrite._engine import trace as trace
 from tunedjax.rewrite._engine import transform as transform
+from tunedjax.rewrite._pattern import Match as Match
+from tunedjax.rewrite._pattern import Pattern as Pattern
 from tunedjax.rewrite._walk import count_primitives as count_primitives
 from tunedjax.rewrite._walk import iter_equations as iter_equations
 
 __all__ = [
     "Boundary",
     "Context",
+    "Match",
     "Pass",
+    "Pattern",
     "Rule",
     "count_primitives",
     "eval_jaxpr",

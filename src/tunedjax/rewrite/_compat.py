@@ -375,3 +375,17 @@ def lowering_for(platforms: Sequence[str], device_kind: str | None = None
     return contextlib.nullcontext()
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
+def where(eqn: JaxprEqn) -> str:
+  """Where `eqn` was traced, as ``file:line (function)`` of the user's code."""
+  try:
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # pylint: disable=broad-except  # a location is for display only
+    return "unknown location"
+
+
+def in_scope(eqn: JaxprEqn, scope: str) -> bool:
+  """Whether `eqn` was traced inside ``jax.named_scope(scope)``."""
+  return any(getattr(frame, "name", None) == scope
+             for frame in getattr(eqn.source_info.name_stack, "stack", ()))

@@ -47,6 +47,7 @@ import jax
 from tunedjax import _errors
 from tunedjax._config import Config, get_config
 from tunedjax.rewrite import _compat
+from tunedjax.rewrite import _pattern
 
 logger = logging.getLogger("tunedjax.rewrite")
 
@@ -160,6 +161,9 @@ class Pass:
     boundary: a `Boundary`: rebuild `remat`, `custom_jvp_call` and plain
       calls around values in the pass's own form (`Context.rebuild`) instead
       of materializing them at the call. Default None.
+    patterns: functions ``(ctx, jaxpr) -> [rewrite.Match, ...]`` called on
+      every jaxpr the pass evaluates (nested bodies too); the matches that
+      can fire (`rewrite._pattern.plan`) replace their equations. Default ().
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -179,6 +183,7 @@ class Pass:
   skip_untouched: bool = True
   inline_calls: bool | InlinePredicate = False
   boundary: Boundary | None = None
+  patterns: Sequence[_pattern.Pattern] = ()
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -192,6 +197,11 @@ class Pass:
     if self.boundary is not None and not isinstance(self.boundary, Boundary):
       raise TypeError(f"Pass {self.name!r}: boundary must be a rewrite.Boundary, "
                       f"got {self.boundary!r}.")
+    object.__setattr__(self, "patterns", tuple(self.patterns))
+    bad = [p for p in self.patterns if not callable(p)]
+    if bad:
+      raise TypeError(f"Pass {self.name!r}: patterns must be functions (ctx, jaxpr) -> "
+                      f"[Match, ...], got {bad!r}.")
     if not (isinstance(self.inline_calls, bool) or callable(self.inline_calls)):
       raise TypeError(f"Pass {self.name!r}: inline_calls must be a bool or a "
                       f"predicate (ctx, eqn, invals) -> bool, got {self.inline_calls!r}.")
@@ -219,6 +229,8 @@ class Context:
     platform: the platform the program is compiled for (`"cpu"`, `"gpu"`, `"tpu"`).
     config: the tunedjax `Config` active when the function was traced.
     counts: a `collections.Counter` a rule adds to with `count`; shown in reports.
+    memo: a dict patterns may cache what they computed in (a verification
+      per structure), for the length of this trace.
   """
 
   def __init__(self, pass_: Pass, *, platform: str | None = None,
@@ -231,6 +243,8 @@ class Context:
     self._touches: dict[int, tuple[Any, bool]] = {}
     self._rewritten: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
     self._warned_unknown: set[str] = set()
+    self._plans: dict[int, tuple[Any, _pattern.Plan]] = {}
+    self.memo: dict[Any, Any] = {}  # for patterns: what they verified within this trace
 
   def __repr__(self) -> str:
     return (f"Context(pass={self.pass_.name!r}, platform={self.platform!r}, "
@@ -268,35 +282,63 @@ class Context:
 
   # -- evaluation -------------------------------------------------------------
 
+  def plan(self, jaxpr: _compat.Jaxpr) -> _pattern.Plan:
+    """Which of the pass's pattern matches fire in `jaxpr` (memoized per jaxpr)."""
+    if not self.pass_.patterns:
+      return _pattern.EMPTY_PLAN
+    hit = self._plans.get(id(jaxpr))
+    if hit is not None:
+      return hit[1]
+    matches = [m for p in self.pass_.patterns for m in p(self, jaxpr)]
+    planned = _pattern.plan(jaxpr, matches)
+    for m, why in planned.dropped:
+      logger.debug("pass %r: match %r left alone: it %s.", self.pass_.name, m.name, why)
+    self._plans[id(jaxpr)] = (jaxpr, planned)  # keeps `jaxpr` alive: ids stay unique
+    return planned
+
   def eval_jaxpr(self, jaxpr: _compat.Jaxpr, consts: Sequence[Any],
                  args: Sequence[Any]) -> list[Any]:
-    """Evaluates `jaxpr` with the pass's rules; returns the raw outputs."""
+    """Evaluates `jaxpr` with the pass's rules and patterns; returns the raw outputs."""
     env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-      return v.val if isinstance(v, _compat.Literal) else env[v]
-
     for v, x in zip(jaxpr.constvars, consts):
       env[v] = x
     if len(args) != len(jaxpr.invars):
       raise TypeError(f"jaxpr takes {len(jaxpr.invars)} inputs, got {len(args)}.")
     for v, x in zip(jaxpr.invars, args):
       env[v] = x
-    rules = self._rules
-    for eqn in jaxpr.eqns:
-      invals = [read(v) for v in eqn.invars]
-      rule = rules.get(eqn.primitive.name)
-      with _compat.equation_context(eqn):
-        outvals = rule(self, eqn, invals) if rule is not None else self.default(eqn, invals)
-      if len(outvals) != len(eqn.outvars):
-        raise _errors.RewriteError(
-            f"Pass {self.pass_.name!r}: the rule for {eqn.primitive.name!r} "
-            f"returned {len(outvals)} values for {len(eqn.outvars)} outputs. "
-            "A rule returns a sequence with one value per equation output.")
-      for v, x in zip(eqn.outvars, outvals):
-        if not isinstance(v, _compat.DropVar):
-          env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    planned = self.plan(jaxpr)
+    for i, eqn in enumerate(jaxpr.eqns):
+      for m in planned.fire.get(i, ()):
+        self._fire(m, env)
+      if i not in planned.skip:
+        self.eval_equation(eqn, env)
+    for m in planned.fire.get(len(jaxpr.eqns), ()):
+      self._fire(m, env)
+    return [_read(env, v) for v in jaxpr.outvars]
+
+  def eval_equation(self, eqn: JaxprEqn, env: dict[Any, Any]) -> None:
+    """Evaluates one equation with the pass's rules, reading and writing `env`."""
+    invals = [_read(env, v) for v in eqn.invars]
+    rule = self._rules.get(eqn.primitive.name)
+    with _compat.equation_context(eqn):
+      outvals = rule(self, eqn, invals) if rule is not None else self.default(eqn, invals)
+    if len(outvals) != len(eqn.outvars):
+      raise _errors.RewriteError(
+          f"Pass {self.pass_.name!r}: the rule for {eqn.primitive.name!r} "
+          f"returned {len(outvals)} values for {len(eqn.outvars)} outputs. "
+          "A rule returns a sequence with one value per equation output.")
+    for v, x in zip(eqn.outvars, outvals):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+
+  def _fire(self, match: _pattern.Match, env: dict[Any, Any]) -> None:
+    outvals = match.rule(self, [_read(env, v) for v in match.inputs])
+    if len(outvals) != len(match.outputs):
+      raise _errors.RewriteError(
+          f"Pass {self.pass_.name!r}: the rule of match {match.name!r} returned "
+          f"{len(outvals)} values for {len(match.outputs)} outputs.")
+    for v, x in zip(match.outputs, outvals):
+      env[v] = x
 
   def finish(self, outs: Sequence[Any], avals: Sequence[Any], where: str) -> list[Any]:
     """Materializes `outs` and checks they have exactly the types `avals`."""
@@ -486,9 +528,13 @@ class Context:
     result = any(
         eqn.primitive.name in rules
         or (_compat.is_higher_order(eqn.primitive.name) and self._eqn_touched(eqn))
-        for eqn in jaxpr.eqns)
+        for eqn in jaxpr.eqns) or bool(self.plan(jaxpr).matches)
     self._touches[id(jaxpr)] = (jaxpr, result)
     return result
+
+
+def _read(env: Mapping[Any, Any], v: Any) -> Any:
+  return v.val if isinstance(v, _compat.Literal) else env[v]
 
 
 def _call_hook(ctx: Context, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:

@@ -122,11 +122,11 @@ def test_the_wrapper_is_removed_on_exit_and_other_threads_are_not_routed(rng, tm
   def bn(x):
     return nnx.BatchNorm(3, rngs=nnx.Rngs(0))(x, use_running_average=False)
 
-  def other_thread():  # under kernel selection, but outside route_batch_norm
+  def other_thread():  # under kernel selection (select_kernels: no routes), outside the context
     with tj.config_context(_config(tmp_path, "fused")):
-      h = tj.jit(bn, session=autotune.TuningSession())
-      h(x)
-      seen.append(_bn_sites(h))
+      reports = []
+      autotune.select_kernels(bn, session=autotune.TuningSession(), on_report=reports.append)(x)
+      seen.append({(c.kernel, c.why): c.count for c in reports[-1].of("batch_norm")})
 
   with ops.batch_norm.route_batch_norm():
     assert nnx.BatchNorm.__call__ is not original

@@ -14,12 +14,15 @@ Example:
   (1, 8, 2, 4)
 """
 
+from tunedjax.autotune import _routes
 from tunedjax.ops.attention import _family
+from tunedjax.ops.attention import _flax
 from tunedjax.ops.attention._flax import AttentionSwap as AttentionSwap
 from tunedjax.ops.attention._flax import use_tuned_attention as use_tuned_attention
 from tunedjax.ops.attention._function import attention as attention
 from tunedjax.ops.attention._spec import AttentionSpec as AttentionSpec
 
 _family.register()
+_routes.register_route(_family.NAME, _flax.route_attention, replace=True)
 
 __all__ = ["AttentionSpec", "AttentionSwap", "attention", "use_tuned_attention"]

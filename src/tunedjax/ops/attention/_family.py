@@ -38,6 +38,7 @@ from tunedjax._tuning import random_array
 from tunedjax import autotune
 from tunedjax.autotune import _registry
 from tunedjax.ops.attention import _kernels as _attn_kernels
+from tunedjax.ops.attention import _pattern as _attn_pattern
 from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.autotune._bucket import pow2
 
@@ -151,7 +152,8 @@ FAMILY = autotune.OpFamily(
     name=NAME, spec_type=AttentionSpec, key=attention_key, operands=attention_operands,
     default="xla", tolerance=attention_tolerance, describe=describe_attention,
     timed="forward+backward",  # blocked kernels differ most in their backward
-    features=attention_features)
+    features=attention_features,
+    patterns=(_attn_pattern.attention_sites,))  # attention written out in primitives
 
 
 def register() -> None:

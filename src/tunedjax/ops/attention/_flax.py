@@ -29,11 +29,12 @@ leading batch axes are flattened into one and restored.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -57,6 +58,8 @@ DOT_GENERAL = "a custom einsum_dot_general"
 VALUE_DEPTH = "value head size {v} differs from query's {q}"
 DTYPE = "dtype {dtype}: tunedjax.attention takes float16, bfloat16, float32, float64"
 CUSTOM = "its attention_fn is not Flax's dot_product_attention: left as it is"
+MASKED = ("a mask, left to the attention pattern (which recognises a causal one, so the "
+          "causal kernels apply)")
 
 
 @dataclasses.dataclass
@@ -144,8 +147,9 @@ class TunedAttentionFn:
   """
 
   def __init__(self, original: Callable[..., Any], record: _Record, lock: threading.Lock,
-               kind: str):
+               kind: str, defer_masked: bool = False):
     self.original, self.record, self._lock, self.kind = original, record, lock, kind
+    self.defer_masked = defer_masked  # tj.jit's route: masked calls to the pattern
     self._accepts = frozenset(inspect.signature(original).parameters)
 
   def __call__(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
@@ -165,6 +169,8 @@ class TunedAttentionFn:
       q, k, v = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     reason = _fallback_reason(q, v, dropout_rate=dropout_rate, deterministic=deterministic,
                               module=module, precision=precision, extras=extras)
+    if reason is None and self.defer_masked and mask is not None:
+      reason = MASKED
     if reason is None:
       # force_fp32_for_softmax needs nothing: tunedjax.attention's softmax is float32.
       return _tuned_call(self.record, self._lock, q, k, v, bias, mask, is_causal)
@@ -334,6 +340,7 @@ class AttentionSwap:
       cm = nn.intercept_methods(self._intercept)
       cm.__enter__()
       stack.append(cm)
+      _swapping.depth = getattr(_swapping, "depth", 0) + 1  # the route leaves it to us
     else:
       stack.append(None)
     return self
@@ -341,6 +348,7 @@ class AttentionSwap:
   def __exit__(self, *exc: object) -> None:
     cm = self._local.stack.pop()
     if cm is not None:
+      _swapping.depth -= 1
       cm.__exit__(*exc)
 
 
@@ -388,6 +396,109 @@ def use_tuned_attention(model: Any) -> AttentionSwap:
     return AttentionSwap("linen")
   raise TunedJaxError(f"use_tuned_attention(model): model must be a flax nnx.Module or "
                       f"linen.Module, got {show_value(model)} (type {type(model).__name__}).")
+
+
+# -- the route: tunedjax.jit's programs, with no model object at hand ----------------------------
+
+_swapping = threading.local()  # depth of explicit linen swaps entered in this thread
+_route_local = threading.local()  # depth of routes entered in this thread
+_route_lock = threading.Lock()
+_route_installed: dict[str, Any] = {"count": 0, "original": None}
+# What the route's calls did, for all programs (`route_record`).
+_ROUTE_RECORD = _Record("tunedjax.jit", "route")
+_ROUTE_RECORD_LOCK = threading.Lock()
+
+
+def _route_active() -> bool:
+  """Inside `route_attention` in this thread, with kernel selection active."""
+  if not getattr(_route_local, "depth", 0):
+    return False
+  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
+  return _select.active_selection() is not None
+
+
+def _nnx_routed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+  """``nnx.MultiHeadAttention.__call__`` while routed: Flax's default
+  ``attention_fn`` becomes the tuned one for this call."""
+  original = _route_installed["original"]
+  fn = self.attention_fn
+  if fn is not nnx.dot_product_attention or not _route_active():
+    return original(self, *args, **kwargs)
+  # attention_fn is a static attribute (graph definition, not state): set for this call only.
+  object.__setattr__(self, "attention_fn",
+                     TunedAttentionFn(fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "nnx",
+                                      defer_masked=True))
+  try:
+    return original(self, *args, **kwargs)
+  finally:
+    object.__setattr__(self, "attention_fn", fn)
+
+
+def _linen_route(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+  module = context.module
+  if (not isinstance(module, nn.MultiHeadDotProductAttention)
+      or context.method_name != "__call__" or module.attention_fn is not nn.dot_product_attention
+      or getattr(_swapping, "depth", 0) or not _route_active()):
+    return next_fun(*args, **kwargs)
+  tuned = TunedAttentionFn(module.attention_fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "linen",
+                           defer_masked=True)
+  object.__setattr__(module, "attention_fn", tuned)
+  try:
+    return next_fun(*args, **kwargs)
+  finally:
+    object.__setattr__(module, "attention_fn", nn.dot_product_attention)
+
+
+@contextlib.contextmanager
+def route_attention() -> Iterator[None]:
+  """Flax's attention modules on `tunedjax.attention` while a program is traced.
+
+  The ``"attention"`` family's route (`tunedjax.autotune._routes`): inside it,
+  with kernel selection active (`tunedjax.jit` with ``kernel.enable`` enters
+  it around each trace), every ``nnx.MultiHeadAttention`` and linen
+  ``MultiHeadDotProductAttention`` whose ``attention_fn`` is Flax's default
+  computes its attention with `tunedjax.attention`, as `use_tuned_attention`
+  makes it, without a model object: nnx by a wrapper on the class's
+  ``__call__`` (installed while any thread is inside, acting only in
+  threads that are), linen by an interceptor. A module swapped by
+  `use_tuned_attention` keeps its swap, and calls `tunedjax.attention`
+  cannot take keep Flax's function, as there. A call with a mask keeps
+  Flax's function too: its attention is then found in the jaxpr by the
+  family's pattern, which tells a causal mask (``make_causal_mask``) from a
+  general one, so the causal kernels apply.
+
+  Example:
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> layer = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False,
+    ...                                rngs=nnx.Rngs(0))
+    >>> with route_attention():  # kernel selection is off here: Flax's own function
+    ...   y = layer(jnp.ones((1, 4, 8)))
+    >>> y.shape
+    (1, 4, 8)
+  """
+  with _route_lock:
+    if _route_installed["count"] == 0:
+      _route_installed["original"] = nnx.MultiHeadAttention.__call__
+      nnx.MultiHeadAttention.__call__ = _nnx_routed_call
+    _route_installed["count"] += 1
+  _route_local.depth = getattr(_route_local, "depth", 0) + 1
+  try:
+    with nn.intercept_methods(_linen_route):
+      yield
+  finally:
+    _route_local.depth -= 1
+    with _route_lock:
+      _route_installed["count"] -= 1
+      if _route_installed["count"] == 0:
+        nnx.MultiHeadAttention.__call__ = _route_installed["original"]
+
+
+def route_record() -> dict[str, Any]:
+  """What `route_attention`'s calls did so far in this process: whether one ran
+  tuned, and the reasons calls kept Flax's function."""
+  with _ROUTE_RECORD_LOCK:
+    return {"tuned": _ROUTE_RECORD.tuned, "fallbacks": tuple(_ROUTE_RECORD.fallbacks)}
 
 
 def trainer_swap(model: Any, config: Any) -> AttentionSwap | None:

@@ -233,7 +233,7 @@ class _Blocked:
     """The constants for key blocks of `block` in `spec`."""
     dt = logits_dtype(spec.dtype)
     return cls(block=block, spec=spec, n_blocks=-(-spec.kv_len // block), dt=dt,
-               scale=jnp.asarray(spec.scale, dt),
+               scale=np.asarray(spec.scale, np.dtype(dt)),  # NumPy: see _CausalBlocks.of
                bias_split=spec.has_bias and spec.bias_shape[3] != 1,
                mask_split=spec.has_mask and spec.mask_shape[3] != 1)
 
@@ -479,8 +479,10 @@ class _CausalBlocks:
     nq, nk = -(-spec.q_len // block), -(-kv_used // block)
     dt = logits_dtype(spec.dtype)
     return cls(block=block, spec=spec, kv_used=kv_used, nq=nq, nk=nk, dt=dt,
-               scale=jnp.asarray(spec.scale, dt), schedule=_causal_schedule(nq, nk),
-               inside=jnp.arange(block)[:, None] >= jnp.arange(block)[None, :])
+               # NumPy, not jax arrays: made while a program is traced, a jax array
+               # would be that trace's tracer, closed over by the custom VJP's rules.
+               scale=np.asarray(spec.scale, np.dtype(dt)), schedule=_causal_schedule(nq, nk),
+               inside=np.arange(block)[:, None] >= np.arange(block)[None, :])
 
   def split(self, q, k, v):
     """q ``[b, K, G, nq, B, h]``; k, v ``[b, K, nk, B, h]`` (zero-padded)."""

@@ -14,6 +14,7 @@ Example:
   (8, 4, 4, 3)
 """
 
+from tunedjax.autotune import _routes
 from tunedjax.ops.batch_norm import _family
 from tunedjax.ops.batch_norm._family import batch_norm as batch_norm
 from tunedjax.ops.batch_norm._family import batch_norm_stats as batch_norm_stats
@@ -21,5 +22,6 @@ from tunedjax.ops.batch_norm._flax import route_batch_norm as route_batch_norm
 from tunedjax.ops.batch_norm._spec import BatchNormSpec as BatchNormSpec
 
 _family.register()
+_routes.register_route(_family.NAME, route_batch_norm, replace=True)
 
 __all__ = ["BatchNormSpec", "batch_norm", "batch_norm_stats", "route_batch_norm"]

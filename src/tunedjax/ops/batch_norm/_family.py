@@ -38,6 +38,7 @@ from tunedjax._tuning import random_array
 from tunedjax import autotune
 from tunedjax.ops.batch_norm import _kernels as _bn_kernels
 from tunedjax.ops.batch_norm import _native_kernel
+from tunedjax.ops.batch_norm import _pattern as _bn_pattern
 from tunedjax.ops.batch_norm._spec import BatchNormSpec
 from tunedjax.autotune._bucket import pow2
 
@@ -97,7 +98,8 @@ def bn_features(key: Mapping[str, Any]) -> dict[str, float]:
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=BatchNormSpec, key=bn_key, operands=bn_operands, default="xla",
     describe=describe_bn, timed="forward+backward",  # the kernels differ in their backward
-    features=bn_features, priors=pathlib.Path(__file__).resolve().parent / "priors")
+    features=bn_features, priors=pathlib.Path(__file__).resolve().parent / "priors",
+    patterns=(_bn_pattern.find,))  # batch norm written out in primitives
 
 
 def register() -> None:
