@@ -144,35 +144,36 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
   matched = _matched_by_bucket(selection)
-  store = selection.cache
-  rows = []
-  for name, (key, candidates, count) in found.items():
-    op = key["op"]
-    default = _registry.op_family(op).default
-    names = tuple(k.name for k in candidates)
-    if names == (default,):
-      rows.append(BucketChoice(name, count, names, default, reason=f"only {default} applies",
-                               op=op, matched=tuple(matched.get(name, ()))))
-      continue
-    value = _tuning.current_session().lookup(store, op, key)
-    if value is None:
-      rows.append(BucketChoice(name, count, names, None, reason="not in the cache", op=op,
-                               matched=tuple(matched.get(name, ()))))
-      continue
-    winner, timings = value["winner"], value.get("timings", {})
-    base = timings.get(default) or ()
-    won = timings.get(winner) or ()
-    ratio = value.get("ratios", {}).get(winner)
-    rows.append(BucketChoice(
-        name, count, names, winner,
-        xla_ms=(1e3 * value["payback"]["default_s"] if _kept_for(value) is not None
-                else 1e3 * statistics.median(base) if base else None),
-        kernel_ms=1e3 * statistics.median(won) if won else None,
-        speedup=(1.0 / ratio) if ratio else None,
-        tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
-        temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
-        decided=_result.decided(value), regret=_result.regret(value),
-        compiled=len(value["compile_s"]) if value.get("compile_s") else None,
-        compile_s=float(sum((value.get("compile_s") or {}).values())),
-        matched=tuple(matched.get(name, ()))))
-  return rows
+  return [_bucket_row(name, key, candidates, count, tuple(matched.get(name, ())),
+                      selection.cache)
+          for name, (key, candidates, count) in found.items()]
+
+
+def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
+                matched: tuple[str, ...], store: Any) -> BucketChoice:
+  """One bucket's `BucketChoice`: what the cache holds for it, if anything."""
+  op = key["op"]
+  default = _registry.op_family(op).default
+  names = tuple(k.name for k in candidates)
+  if names == (default,):
+    return BucketChoice(name, count, names, default, reason=f"only {default} applies",
+                        op=op, matched=matched)
+  value = _tuning.current_session().lookup(store, op, key)
+  if value is None:
+    return BucketChoice(name, count, names, None, reason="not in the cache", op=op,
+                        matched=matched)
+  winner, timings = value["winner"], value.get("timings", {})
+  base = timings.get(default) or ()
+  won = timings.get(winner) or ()
+  ratio = value.get("ratios", {}).get(winner)
+  return BucketChoice(
+      name, count, names, winner,
+      xla_ms=(1e3 * value["payback"]["default_s"] if _kept_for(value) is not None
+              else 1e3 * statistics.median(base) if base else None),
+      kernel_ms=1e3 * statistics.median(won) if won else None,
+      speedup=(1.0 / ratio) if ratio else None,
+      tuning_s=float(value.get("tuning_s", 0.0)), reason=value.get("reason", ""), op=op,
+      temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
+      decided=_result.decided(value), regret=_result.regret(value),
+      compiled=len(value["compile_s"]) if value.get("compile_s") else None,
+      compile_s=float(sum((value.get("compile_s") or {}).values())), matched=matched)
