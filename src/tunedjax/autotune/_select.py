@@ -49,6 +49,7 @@ from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import _hints, _multihost, _payback, _registry, _report, _tuner
+from tunedjax.autotune import _verdict
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -77,6 +78,17 @@ class Selection:
     sites: ``{bucket key as JSON: sites decided so far}`` in this trace:
       the calls of a bucket per run of the program, as known when a site is
       decided (for the tuning horizon's payback check).
+    seen: sites met in this trace, whatever was decided (0: the program does
+      not depend on the phase, hints or verdicts).
+    untuned: every site runs its family's default (hints still apply): the
+      untuned program of the whole-program check (`_verify`).
+    vetoed: bucket ids (`_verdict.bucket_id`) that run their default in this
+      variant of the program (reason ``"verifying"``).
+    context: the program context verdicts are keyed by
+      (`_verdict.context_key`); None: verdicts are not looked up.
+    decisions: ``{bucket id: (family, label, kernel)}`` of every site whose
+      tuned kernel is not the default (hints excepted): what the
+      whole-program check verifies.
   """
 
   platform: str
@@ -88,6 +100,11 @@ class Selection:
   explain_only: bool = False
   buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
   sites: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+  seen: int = 0
+  untuned: bool = False
+  vetoed: frozenset[str] = frozenset()
+  context: dict[str, str] | None = None
+  decisions: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
@@ -145,6 +162,7 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     that platform's timings: the default).
   """
   config, session, default = selection.config, selection.session, family.default
+  selection.seen += 1
   candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
   names = [k.name for k in candidates]
   objective = config.kernel.objective
@@ -166,20 +184,40 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   phase = session.phase(config)
   if phase == _tuning.OBSERVE:
     return default, _report.OBSERVE
+  if selection.untuned:
+    return default, _report.VERIFYING
   # By the full key: two buckets can share a label (a convolution and its input
   # gradient differ only in their dimension numbers).
   bucket = json.dumps(key, sort_keys=True, default=str)
+  verdict_id = _verdict.bucket_id(family.name, key)
+  if verdict_id in selection.vetoed:
+    return default, _report.VERIFYING
   selection.sites[bucket] += 1
   site = _Site(family, spec, tuple(candidates), key, label, selection.sites[bucket],
                session.horizon if config.kernel.payback else None, phase)
   why: dict[str, Any] = {}
   all_names = sorted(k.name for k in _registry.kernels(family.name))
-  name = _multihost.agree(lambda: _leader_decides(site, selection, why), all_names)
+  name = _multihost.agree(lambda: _in_context(site, selection, why, verdict_id), all_names)
   if name not in names:
     return default, _report.NOT_APPLICABLE
   if "temp_bytes" in why:
     selection.tally.add_temporaries(label, name, why["temp_bytes"], default)
-  return name, why.get("why", _report.RECEIVED)
+  reason = why.get("why", _report.RECEIVED)
+  if name != default and reason in (_report.HIT, _report.TUNED, _report.RECEIVED):
+    selection.decisions[verdict_id] = (family.name, label, name)
+  return name, reason
+
+
+def _in_context(site: _Site, selection: Selection, why: dict[str, Any], bucket: str) -> str:
+  """`_leader_decides`, then the default where a cached verdict says the chosen
+  kernel makes this program slower (reason ``"loses in context"``)."""
+  name = _leader_decides(site, selection, why)
+  if name != site.family.default and _verdict.loses(
+      selection.session, selection.cache, selection.context, bucket, name):
+    why["why"] = _report.LOSES_IN_CONTEXT
+    why.pop("temp_bytes", None)
+    return site.family.default
+  return name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -277,8 +277,9 @@ class Trainer:
     self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
                                session=self.session)
                         if self.steps_per_execution > 1 else None)
+    # Evaluation runs too rarely to compare programs on (the whole-program check).
     self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
-                             session=self.session)
+                             session=self.session, verify=False)
     self._predictors: dict[Any, Any] = {}
 
   def _stored(self, fn: Callable[..., Any], *, step: bool = False) -> Callable[..., Any]:
@@ -554,7 +555,7 @@ class Trainer:
     key = fn
     if key not in self._predictors:
       self._predictors[key] = tj_jit(self._stored(_step.make_predict(self.adapter, fn)),
-                                     session=self.session)
+                                     session=self.session, verify=False)
     predict = self._predictors[key]
     outs = []
     with self._running():
