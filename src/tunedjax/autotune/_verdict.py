@@ -63,7 +63,7 @@ def bucket_id(family: str, key: Mapping[str, Any]) -> str:
 
   Example:
     >>> bucket_id("conv", {"op": "conv", "lhs_shape": [1, 2]})
-    'conv:e2a1e3cf6b1c8a5a'
+    'conv:7937b248c64efb2a'
   """
   text = json.dumps(key, sort_keys=True, default=str)
   return f"{family}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"

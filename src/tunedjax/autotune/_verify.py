@@ -57,7 +57,7 @@ FASTER, SLOWER, TIE = "faster", "slower", "tie"
 VERIFIED = "verified"  # the tuned program beat the untuned one
 FOUND_LOSERS = "found losers"  # some decisions lose in context; the rest kept
 UNTUNED_KEPT = "untuned kept"  # no decision could be kept: the untuned program runs
-TIE_KEPT = "tie: tuned kept"  # no faster, no slower; the search cannot pay back
+TIE_KEPT = "tie: tuned kept"  # no faster, no slower; nothing to search, or it cannot pay back
 SKIPPED = "skipped: cannot pay back"  # too few calls left to gain from checking
 
 
@@ -221,13 +221,19 @@ class Verifier:
     self.ratio = ratio
     if verdict == FASTER:
       return self._finish(VERIFIED)
+    self._tie = verdict == TIE
+    if len(self.all) == 1:  # the first trial was the only one to make
+      if self._tie:
+        return self._finish(TIE_KEPT)
+      self.lost = {next(iter(self.all)): "alone"}
+      self.best = self.all
+      return self._done_searching()
     self.best = self.all  # build up from the untuned program
     families: dict[str, list[str]] = {}
     for bucket, family in sorted(self.decisions.items()):
       families.setdefault(family, []).append(bucket)
     groups = [tuple(v) for v in families.values()]
     self._queue = groups if len(groups) > 1 else _halves(groups[0])
-    self._tie = verdict == TIE
     self._next_group()
 
   def _after_group(self, trial: Trial, verdict: str) -> None:
@@ -269,10 +275,12 @@ class Verifier:
   def _done_searching(self) -> None:
     for bucket in self.best:
       self.lost.setdefault(bucket, "program" if self.best == self.all else "group")
-    if self.best == self.all:
+    if not self.best:
+      self._finish(VERIFIED)
+    elif all(how == "program" for how in self.lost.values()):
       self._finish(UNTUNED_KEPT)
     else:
-      self._finish(FOUND_LOSERS if self.best else VERIFIED)
+      self._finish(FOUND_LOSERS)
 
   def summary(self) -> dict[str, Any]:
     """What the search did, as plain values (for reports and ``History.tuning``)."""
