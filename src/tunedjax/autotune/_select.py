@@ -25,6 +25,13 @@ reuses it (a hit, no cost); a longer horizon, a None one, or a further site
 of the same bucket in the program that makes tuning pay, tunes the bucket
 then (sites of this trace already decided keep the default).
 
+After step 3 or 4, a kernel that a cached verdict of the whole-program
+check (`_verdict`) says makes this program slower gets the default (reason
+``"loses in context"``); and in a variant of the program that check compares
+(`Selection.untuned`, `Selection.vetoed`) a vetoed site gets its default
+(reason ``"verifying"``). The other non-default choices are recorded in
+`Selection.decisions` for that check.
+
 In a multi-process job, steps 3 and 4 happen on process 0 only and the
 others receive its choice. What is decided is counted in the active
 `Selection`'s tally (a typed `KernelReport`) and in its `TuningSession`.
