@@ -31,7 +31,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
@@ -479,6 +479,9 @@ class Jitted(Generic[P, R]):
     self._kept: dict[Hashable, Any] = {}  # select state -> the variant the check kept
     self._checked: set[Hashable] = set()
     self._verification: dict[str, Any] | None = None
+    self._paused = False  # `checks_paused`: calls run the tuned program, untimed
+    # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
+    self._runs_per_call = 1
     functools.update_wrapper(self, fun)
 
   def __repr__(self) -> str:
@@ -491,7 +494,7 @@ class Jitted(Generic[P, R]):
   # -- calling ------------------------------------------------------------------
 
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-    if self._check is not None:  # the whole-program check times this call
+    if self._check is not None and not self._paused:  # the whole-program check times it
       return self._check.call(args, kwargs)
     fn = self._jitted()
     start = _verify.clock()
@@ -671,7 +674,8 @@ class Jitted(Generic[P, R]):
     else:
       untuned = select_state[:3] + ("observe",) + select_state[4:] + (frozenset(),)
       verifier = _verify.Verifier(
-          {k: v[0] for k, v in decisions.items()}, calls_left=session.horizon - 1,
+          {k: v[0] for k, v in decisions.items()},
+          calls_left=max(session.horizon // self._runs_per_call - 1, 0),
           compile_s=compile_s,
           compiled=frozenset({frozenset(decisions)}) if untuned in self._compiled
           else frozenset())
@@ -679,6 +683,25 @@ class Jitted(Generic[P, R]):
       return
     self._verification = summary
     logger.info("tunedjax.jit(%s): whole-program check: %s", self._name, summary["outcome"])
+
+  @contextlib.contextmanager
+  def checks_paused(self) -> Iterator[None]:
+    """Inside the block, calls run the program in use, untimed, and the
+    whole-program check waits (for calls that are not real steps, such as a
+    loader measuring its throughput against this function).
+
+    Example:
+      >>> import jax.numpy as jnp, tunedjax as tj
+      >>> f = tj.jit(lambda x: x + 1)
+      >>> with f.checks_paused():
+      ...   f(jnp.ones(2)).tolist()
+      [2.0, 2.0]
+    """
+    before, self._paused = self._paused, True
+    try:
+      yield
+    finally:
+      self._paused = before
 
   def verification(self) -> dict[str, Any] | None:
     """What the whole-program check found for the tuned program (None: no check yet).

@@ -151,3 +151,17 @@ def test_a_kernel_faster_alone_that_loses_in_the_program_is_undone_and_cached(
   assert any(FAST in k for k in counts) and not any(SLOW in k for k in counts)
   # Step 0 observes (xla: BASE_S), the other 19 run the kept program.
   assert CLOCK.now - start == pytest.approx(BASE_S + 19 * (BASE_S - FAST_S))
+
+
+def test_with_k_steps_per_call_the_k_steps_program_is_checked(kernels, tmp_path):
+  config = {"kernel": {"enable": True, "tuning_range": [1, 10]},
+            "cache": {"dir": str(tmp_path)}, "dataloader": {"enable": False},
+            "layout": {"enable": False}, "mixed_precision": {"enable": False}}
+  trainer = Trainer(_Net(), optax.sgd(0.01), _loss, autotune=config, progress=False,
+                    steps_per_execution=4,
+                    mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+  history = trainer.fit(_data(400), batch_size=8, steps=400)
+  check = history.tuning["verification"]
+  assert check["outcome"] == _verify.FOUND_LOSERS and list(check["lost"].values()) == ["alone"]
+  assert trainer._train_step.verification() is None  # the one-step program: not checked
+  assert np.isfinite(history.losses).all()

@@ -273,10 +273,15 @@ class Trainer:
   def _compile_steps(self) -> None:
     """The compiled steps, for the state as `_weights` stores it."""
     step = self._stored(self._step_fn, step=True)
-    self._train_step = tj_jit(step, donate_argnums=0, session=self.session)
+    k = self.steps_per_execution
+    # The whole-program check runs on the program that runs the fit's steps:
+    # with k > 1 the k-steps one (one call: k steps of the horizon); the
+    # one-step program then only runs leftovers.
+    self._train_step = tj_jit(step, donate_argnums=0, session=self.session, verify=k == 1)
     self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
-                               session=self.session)
-                        if self.steps_per_execution > 1 else None)
+                               session=self.session) if k > 1 else None)
+    if self._multi_step is not None:
+      self._multi_step._runs_per_call = k  # pylint: disable=protected-access
     # Evaluation runs too rarely to compare programs on (the whole-program check).
     self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
                              session=self.session, verify=False)
@@ -443,6 +448,8 @@ class Trainer:
                    eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
       loop.run()
       self.history.tuning.update(jit_summary(self._train_step))
+      if self._multi_step is not None:
+        self.history.tuning["verification"] = self._multi_step.verification()
       if self.attention is not None:
         self.history.tuning["attention"] = self.attention.summary(session=self.session)
       if self.checkpointer is not None:
@@ -476,7 +483,9 @@ class Trainer:
     self.session.step(index=self.step)
     if self.config.kernel.enable:
       self.session.end_observe()
-    result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
+    # Measured against the tuned step: the whole-program check waits for real steps.
+    with self._train_step.checks_paused():
+      result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
       bar.message(f"Trainer: loader uses {result.worker_count} workers, "
