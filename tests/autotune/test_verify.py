@@ -195,12 +195,42 @@ def test_a_corrupt_verdict_warns_and_reads_as_none(tmp_path, value):
   cache.path.write_text(json.dumps(raw))
   with pytest.warns(CacheWarning, match="verdict"):
     found = _verdict.load(_tuning.TuningSession(), _tuning.Cache(tmp_path), ctx)
-  assert found is None
-  assert not _verdict.loses(_tuning.TuningSession(), _tuning.Cache(tmp_path), ctx,
-                            "conv:1", "k")
+    loses = _verdict.loses(_tuning.TuningSession(), _tuning.Cache(tmp_path), ctx,
+                           "conv:1", "k")
+  assert found is None and not loses
 
 
 def test_bucket_ids_follow_the_full_key():
   a = _verdict.bucket_id("conv", {"op": "conv", "lhs_shape": [1, 2], "candidates": {"x": "1"}})
   b = _verdict.bucket_id("conv", {"op": "conv", "lhs_shape": [1, 2], "candidates": {"x": "2"}})
   assert a != b and a.startswith("conv:")
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(costs=st.lists(st.floats(-0.2, 0.2), min_size=1, max_size=7),
+       families=st.lists(st.sampled_from(["conv", "norm", "attention"]), min_size=7,
+                         max_size=7),
+       pair=st.floats(-0.3, 0.3), calls_left=st.one_of(st.none(), st.integers(5, 400)),
+       compile_s=st.floats(0.0, 20.0))
+def test_the_program_kept_is_never_slower_than_the_untuned_one_beyond_the_margin(
+    costs, families, pair, calls_left, compile_s):
+  # Additive costs per decision, and an interaction between the first two.
+  names = [f"d{i}" for i in range(len(costs))]
+
+  def step(vetoed):
+    t = 1.0 + sum(c for n, c in zip(names, costs) if n not in vetoed)
+    if len(names) > 1 and not {"d0", "d1"} & vetoed:
+      t += pair
+    return max(t, 0.05)
+
+  v = _verify.Verifier(dict(zip(names, families)), calls_left=calls_left,
+                       compile_s=compile_s, compiled=frozenset({frozenset(names)}))
+  _run(v, step)
+  assert v.done
+  untuned = step(frozenset(names))
+  if v.outcome != _verify.SKIPPED:
+    assert step(v.final) <= untuned * (1 + v.margin) + 1e-9
+  if calls_left is not None:
+    assert v.calls <= calls_left  # every run was one the program makes anyway

@@ -266,11 +266,13 @@ class Verifier:
     self._done_searching()
 
   def _give_up(self) -> None:
-    """The next trial cannot pay back: keep the best program seen."""
+    """The next trial cannot pay back: keep the best program seen (checked
+    against the untuned one, which needs no compile)."""
+    self._queue = []
     if self.best == self.all and self._tie and not self.lost:
       self.best = frozenset()  # nothing attributed, and the tuned program is no slower
       return self._finish(TIE_KEPT)
-    self._done_searching()
+    self._next_group()
 
   def _done_searching(self) -> None:
     for bucket in self.best:
