@@ -44,7 +44,9 @@ def clock(monkeypatch, tmp_path):
   monkeypatch.setattr(_tuning, "time_interleaved", lambda runners, rounds=5, **kw: {
       n: [0.001 if n == SLOW else 0.010] * max(rounds, 1) for n in runners})
   monkeypatch.setattr(_verify, "_clock", fake)
-  with tj.config_context({"kernel": {"enable": True}, "layout": {"enable": False},
+  # payback off: whether tuning pays back depends on real compile times.
+  with tj.config_context({"kernel": {"enable": True, "payback": False},
+                          "layout": {"enable": False},
                           "cache": {"dir": str(tmp_path / "cache")}}):
     yield fake
   _registry.unregister_kernel("conv", SLOW)
@@ -144,3 +146,18 @@ def test_a_site_found_later_in_a_shared_program_is_tuned_in_its_own(tmp_path, cl
     assert float(g(x4, w)) == pytest.approx(out, rel=1e-5)
   last = g.report(memory=False).last.kernels
   assert any(SLOW in k for k in last), last
+
+
+def test_calls_with_the_check_paused_run_the_tuned_program_untimed(clock):
+  f = tj.jit(_conv_fn(clock), session=_tuning.TuningSession(horizon=100))
+  x, w = _args()
+  f(x, w)  # traces and tunes; the check starts with the next call
+  with f.checks_paused():
+    for _ in range(4):
+      start = clock.now
+      f(x, w)
+      assert clock.now - start == pytest.approx(0.15)  # the tuned program
+  assert f.verification()["outcome"] == "checking" and f.verification()["runs"] == 0
+  for _ in range(30):
+    f(x, w)
+  assert f.verification()["outcome"] == _verify.FOUND_LOSERS
