@@ -161,3 +161,21 @@ def test_calls_with_the_check_paused_run_the_tuned_program_untimed(clock):
   for _ in range(30):
     f(x, w)
   assert f.verification()["outcome"] == _verify.FOUND_LOSERS
+
+
+def test_a_warm_cache_compiles_one_program_for_the_observe_and_tune_phases(clock):
+  x, w = _args()
+  with tj.config_context({"kernel": {"tuning_range": [1, 3]}}):
+    cold = _tuning.TuningSession()
+    f = tj.jit(_conv_fn(clock), session=cold)
+    for _ in range(3):
+      cold.step()
+      f(x, w)  # observe (xla), then tuned: two programs
+    assert len(f.report(memory=False)) == 2
+    warm = _tuning.TuningSession()
+    g = tj.jit(_conv_fn(clock), session=warm)
+    for _ in range(3):
+      warm.step()
+      g(x, w)
+  (only,) = g.report(memory=False)  # the observe phase found every winner cached
+  assert any(SLOW in k and "(hit)" in k for k in only.kernels), only.kernels

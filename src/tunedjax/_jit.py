@@ -337,7 +337,7 @@ def _signature(dyn_args: Any, dyn_kwargs: Any, static: Mapping[Any, Any]) -> str
   return ", ".join(parts)
 
 
-_UNTUNED = "untuned"  # the variant with every decision on its default
+_UNTUNED = "untuned"  # the variant with every decision on its default (its phase key)
 
 
 def _base(state: Hashable) -> Hashable | None:
@@ -407,6 +407,8 @@ class _ProgramCheck:
     with jitted._lock:
       if variant is not None:
         jitted._kept[self.select_state] = variant
+        if self.select_state in jitted._warm:  # the observe phase runs the same program
+          jitted._kept[jitted._warm[self.select_state]] = variant
       jitted._last_state = None
       jitted._check = None
     lost = {b: {"kernel": self.decisions[b][2], "label": self.decisions[b][1], "how": how}
@@ -478,6 +480,8 @@ class Jitted(Generic[P, R]):
     self._forced: Any = None  # the variant a checked call runs
     self._kept: dict[Hashable, Any] = {}  # select state -> the variant the check kept
     self._checked: set[Hashable] = set()
+    self._untuned_fn: dict[Hashable, Any] = {}  # an observe program with every default
+    self._warm: dict[Hashable, Hashable] = {}  # select state -> observe state, same program
     self._verification: dict[str, Any] | None = None
     self._paused = False  # `checks_paused`: calls run the tuned program, untimed
     # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
@@ -515,7 +519,8 @@ class Jitted(Generic[P, R]):
     """The level, and what the compiled program depends on: ``(level, config,
     session, phase key, hints, native suspended, vetoed buckets)`` with kernel
     selection on. The whole-program check's untuned variant has the phase key
-    ``"observe"`` (the program of the observe phase: every site on its default)."""
+    ``"untuned"`` (it shares the observe phase's program when that one has every
+    site on its default)."""
     config = get_config()
     level = self.level or config.level
     if level == "O0":
@@ -526,12 +531,12 @@ class Jitted(Generic[P, R]):
     state = (level, config, session, session.phase_key(config),
              _hints.active_hints(config), _native.is_suspended())
     variant = self._forced
-    if variant is None and self._kept and state[3] != "observe":
+    if variant is None and self._kept:
       variant = self._kept.get(state)
     if variant is None:
       return level, state + (frozenset(),)
     if variant == _UNTUNED:
-      return level, state[:3] + ("observe",) + state[4:] + (frozenset(),)
+      return level, state[:3] + (_UNTUNED,) + state[4:] + (frozenset(),)
     return level, state + (variant,)
 
   def _jitted(self) -> Any:
@@ -549,6 +554,8 @@ class Jitted(Generic[P, R]):
       if fn is None:
         base = _base(state)
         fn = self._base_fn.get(base) if self._site_free.get(base) else None
+        if fn is None and state[3] == _UNTUNED and not state[6]:
+          fn = self._untuned_fn.get(state[:3] + state[4:6])
         if fn is None:
           fn, new = self._build(level, state), True
           if base is not None:
@@ -635,7 +642,7 @@ class Jitted(Generic[P, R]):
                        dyn: Any) -> None:
     """The variant `state` runs (untuned, or buckets vetoed) and the program
     context its verdicts are looked up under."""
-    selection.untuned = state[3] == "observe"
+    selection.untuned = state[3] == _UNTUNED
     selection.vetoed = state[6]
     platform = self._platform or jax.default_backend()
     selection.context = _verdict.context_key(
@@ -653,10 +660,22 @@ class Jitted(Generic[P, R]):
         self._compiled = {k: v for k, v in self._compiled.items() if v is not shared}
         self._last_state = None
       self._site_free[base] = self._site_free.get(base, True) and free
-      if (selection.decisions and state[3] != "observe" and not state[6]
-          and state[:6] not in self._checked and self._verify):
-        self._checked.add(state[:6])
-        self._pending = (state[:6], selection)
+      select_key = state[:3] + ("select",) + state[4:6]
+      warm = False
+      if state[3] == "observe" and not state[6]:
+        fn = self._compiled.get(state)
+        if not selection.decisions:  # every site on its default: the untuned program
+          self._untuned_fn.setdefault(state[:3] + state[4:6], fn)
+        # Every site found its final kernel in the cache: the tune phase's
+        # program is this one (compiled once for both phases).
+        warm = selection.seen > 0 and selection.observed == 0
+        if warm and fn is not None:
+          self._compiled.setdefault(select_key + (frozenset(),), fn)
+          self._warm[select_key] = state[:6]
+      if (selection.decisions and (state[3] == "select" or warm) and not state[6]
+          and select_key not in self._checked and self._verify):
+        self._checked.add(select_key)
+        self._pending = (select_key, selection)
 
   def _start_check(self, pending: tuple[Any, ...], compile_s: float, args_key: Any) -> None:
     """Starts the whole-program check of a tuned program (when it can pay back)."""
@@ -675,13 +694,14 @@ class Jitted(Generic[P, R]):
     elif jax.process_count() > 1:
       summary.update(outcome="not checked: several processes")
     else:
-      untuned = select_state[:3] + ("observe",) + select_state[4:] + (frozenset(),)
+      untuned = select_state[:3] + (_UNTUNED,) + select_state[4:] + (frozenset(),)
+      compiled = untuned in self._compiled or (select_state[:3] + select_state[4:6]
+                                                in self._untuned_fn)
       verifier = _verify.Verifier(
           {k: v[0] for k, v in decisions.items()},
           calls_left=max(session.horizon // self._runs_per_call - 1, 0),
           compile_s=compile_s,
-          compiled=frozenset({frozenset(decisions)}) if untuned in self._compiled
-          else frozenset())
+          compiled=frozenset({frozenset(decisions)}) if compiled else frozenset())
       self._check = _ProgramCheck(self, verifier, select_state, selection, args_key)
       return
     self._verification = summary

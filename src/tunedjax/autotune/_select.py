@@ -8,8 +8,9 @@ convolutions as equations of their own, so each is a bucket of its own. For
 every site `decide` chooses, in this order:
 
 1. a user's hint (`hint`, or ``kernel.hints`` keyed by family) that applies;
-2. the family's default (``xla``) in the observe phase (see
-   `TuningSession`), or when nothing else applies;
+2. in the observe phase (see `TuningSession`) the bucket's cached winner if
+   the cache has one (nothing is tuned), else the family's default (``xla``),
+   which is also what runs when nothing else applies;
 3. the cached winner of its bucket (a hit);
 4. on a miss: in the tune phase (or before any step) tune the bucket now,
    store the result and use its winner; in the apply phase use the default.
@@ -87,6 +88,9 @@ class Selection:
       decided (for the tuning horizon's payback check).
     seen: sites met in this trace, whatever was decided (0: the program does
       not depend on the phase, hints or verdicts).
+    observed: sites that got their default only because of the observe
+      phase (no final cached winner); 0 in an observe-phase trace: the
+      program is the one the tune phase would trace.
     untuned: every site runs its family's default (hints still apply): the
       untuned program of the whole-program check (`_verify`).
     vetoed: bucket ids (`_verdict.bucket_id`) that run their default in this
@@ -108,6 +112,7 @@ class Selection:
   buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
   sites: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
   seen: int = 0
+  observed: int = 0
   untuned: bool = False
   vetoed: frozenset[str] = frozenset()
   context: dict[str, str] | None = None
@@ -188,9 +193,6 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     return default, _report.ONLY_DEFAULT
   if not _measurable(selection.platform):  # rewriting for another machine (an export)
     return default, f"no {selection.platform} here"
-  phase = session.phase(config)
-  if phase == _tuning.OBSERVE:
-    return default, _report.OBSERVE
   if selection.untuned:
     return default, _report.VERIFYING
   # By the full key: two buckets can share a label (a convolution and its input
@@ -199,6 +201,9 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   verdict_id = _verdict.bucket_id(family.name, key)
   if verdict_id in selection.vetoed:
     return default, _report.VERIFYING
+  phase = session.phase(config)
+  if phase == _tuning.OBSERVE:
+    return _observe(family, key, label, names, selection, verdict_id)
   selection.sites[bucket] += 1
   site = _Site(family, spec, tuple(candidates), key, label, selection.sites[bucket],
                session.horizon if config.kernel.payback else None, phase)
@@ -213,6 +218,36 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if name != default and reason in (_report.HIT, _report.TUNED, _report.RECEIVED):
     selection.decisions[verdict_id] = (family.name, label, name)
   return name, reason
+
+
+def _observe(family: _registry.OpFamily, key: dict[str, Any], label: str, names: list[str],
+             selection: Selection, bucket: str) -> tuple[str, str]:
+  """The observe phase tunes nothing: the bucket's cached winner when the cache
+  has a final one (a hit; a cached verdict still applies), else the default.
+
+  With a warm cache the observe phase's program is then the tuned one, and
+  `tunedjax.jit` compiles it once for both phases (`Selection.observed`: the
+  sites that got the default only because of the phase). In a multi-process
+  job nothing is looked up before the tuning window (every process must
+  compile the same program): the default.
+  """
+  default, session = family.default, selection.session
+  value = None
+  if jax.process_count() == 1:
+    value = session.lookup(selection.cache, family.name, key)
+  if (value is None or value.get("payback", {}).get("kept")
+      or value.get("winner") not in names):
+    selection.observed += 1
+    return default, _report.OBSERVE
+  name = value["winner"]
+  session.record(hit=True, config=selection.config)
+  if name == default:
+    return name, _report.HIT
+  if _verdict.loses(session, selection.cache, selection.context, bucket, name):
+    return default, _report.LOSES_IN_CONTEXT
+  selection.decisions[bucket] = (family.name, label, name)
+  selection.tally.add_temporaries(label, name, value.get("temp_bytes", {}), default)
+  return name, _report.HIT
 
 
 def _in_context(site: _Site, selection: Selection, why: dict[str, Any], bucket: str) -> str:
