@@ -147,15 +147,21 @@ def steady_state(case: Case, rounds: int, warm: int) -> dict[str, Any]:
           "tuning_s": history.tuning.get("tuning_s", 0.0)}
 
 
-def whole_fit(rounds: int) -> _harness.Timings:
-  """A fresh Trainer's whole fit (README example scaled: 320 steps), warm cache."""
-  data = _mlp_data(4096)
+def whole_fit(rounds: int, case: str = "mlp") -> _harness.Timings:
+  """A fresh Trainer's whole fit on a warm cache: the README example scaled
+  (``"mlp"``: 320 steps), or the MobileNet-style CNN (``"cnn"``: 2 epochs of
+  24 batches of 16)."""
+  if case == "mlp":
+    data, model, loss, batch, epochs = _mlp_data(4096), _mlp, _mlp_loss, 64, 5
+  else:
+    images = _images(1, 16 * 24, 32)[0]
+    data, model, loss, batch, epochs = images, MobileNet, _image_loss, 16, 2
 
   def fit(autotune: bool) -> Callable[[], None]:
     def run():
-      trainer = Trainer(_mlp(), optax.adam(1e-2), _mlp_loss, autotune=autotune,
-                        progress=False)
-      trainer.fit(data, batch_size=64, epochs=5)
+      trainer = Trainer(model(), optax.adam(1e-2), loss, autotune=autotune,
+                        progress=False, mesh=_mesh())
+      trainer.fit(data, batch_size=batch, epochs=epochs)
       jax.block_until_ready(trainer.state)
     return run
 
@@ -218,6 +224,17 @@ def lines_for(results: list[tuple[Case, dict[str, Any]]], fit_t: _harness.Timing
   return out
 
 
+def cnn_lines(t: _harness.Timings) -> list[str]:
+  name = ON + " (warm cache)"
+  out = ["", "### Fixed cost with kernels to tune: the MobileNet-style CNN, a fresh Trainer, "
+         "a whole fit on a warm cache (48 steps)", "",
+         "| variant | median s per fit | ratio (range) |", "|---|---|---|"]
+  for v in (OFF, _harness.CONTROL, name):
+    lo, hi = t.spread(v)
+    out.append(f"| {v} | {t.median(v):.3f} | {t.ratio(v):.3f} ({lo:.2f}-{hi:.2f}) |")
+  return out
+
+
 def main(args: Any, *, rounds: int) -> int:
   os.environ.setdefault("TUNEDJAX_CACHE_DIR", tempfile.mkdtemp(prefix="tunedjax-bench-"))
   warm = 24 if args.quick else WARM_STEPS
@@ -229,10 +246,11 @@ def main(args: Any, *, rounds: int) -> int:
           f"{r['t'].ratio(_harness.CONTROL):.3f}; {_check_text(r['check'])}", file=sys.stderr)
     results.append((case, r))
   fit_t = whole_fit(rounds)
+  cnn_t = whole_fit(rounds, "cnn")
   command = "benchmarks/trainer.py --only autotune" + (f" --rounds {args.rounds}"
                                                        if args.rounds else "")
   body = "\n".join(lines_for(results, fit_t, rounds, (load_before, os.getloadavg()[0]),
-                             command))
+                             command) + cnn_lines(cnn_t))
   print(body)
   if args.write:
     _harness.write_section("trainer-autotune", body)

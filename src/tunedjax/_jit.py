@@ -554,7 +554,7 @@ class Jitted(Generic[P, R]):
       if fn is None:
         base = _base(state)
         fn = self._base_fn.get(base) if self._site_free.get(base) else None
-        if fn is None and state[3] == _UNTUNED and not state[6]:
+        if fn is None and base is not None and state[3] == _UNTUNED and not state[6]:
           fn = self._untuned_fn.get(state[:3] + state[4:6])
         if fn is None:
           fn, new = self._build(level, state), True

@@ -127,7 +127,9 @@ def test_a_kernel_faster_alone_that_loses_in_the_program_is_undone_and_cached(
   assert check["tuned_over_untuned"] == pytest.approx(1.2)
   assert list(check["lost"].values()) == ["alone"] and len(check["lost"]) == 1
   assert check["vetoed"] == 1 and check["decisions"] == 2
-  assert check["compiles"] == 2  # the untuned program is the observe phase's: no compile
+  # The untuned program is the observe phase's (no compile); at most the two
+  # variants of the bisection are (which first depends on the buckets' ids).
+  assert check["compiles"] in (1, 2)
   # The best program it saw runs from then on: FAST kept, SLOW undone.
   last = [CLOCK.now]
   batch = {"x": _data(1)["x"], "y": _data(1)["y"]}

@@ -202,11 +202,11 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if verdict_id in selection.vetoed:
     return default, _report.VERIFYING
   phase = session.phase(config)
-  if phase == _tuning.OBSERVE:
-    return _observe(family, key, label, names, selection, verdict_id)
   selection.sites[bucket] += 1
   site = _Site(family, spec, tuple(candidates), key, label, selection.sites[bucket],
                session.horizon if config.kernel.payback else None, phase)
+  if phase == _tuning.OBSERVE:
+    return _observe(site, names, selection, verdict_id)
   why: dict[str, Any] = {}
   all_names = sorted(k.name for k in _registry.kernels(family.name))
   name = _multihost.agree(lambda: _in_context(site, selection, why, verdict_id), all_names)
@@ -220,8 +220,8 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   return name, reason
 
 
-def _observe(family: _registry.OpFamily, key: dict[str, Any], label: str, names: list[str],
-             selection: Selection, bucket: str) -> tuple[str, str]:
+def _observe(site: _Site, names: list[str], selection: Selection, bucket: str
+             ) -> tuple[str, str]:
   """The observe phase tunes nothing: the bucket's cached winner when the cache
   has a final one (a hit; a cached verdict still applies), else the default.
 
@@ -231,12 +231,15 @@ def _observe(family: _registry.OpFamily, key: dict[str, Any], label: str, names:
   job nothing is looked up before the tuning window (every process must
   compile the same program): the default.
   """
-  default, session = family.default, selection.session
+  family, label, session = site.family, site.label, selection.session
+  default = family.default
   value = None
   if jax.process_count() == 1:
-    value = session.lookup(selection.cache, family.name, key)
-  if (value is None or value.get("payback", {}).get("kept")
-      or value.get("winner") not in names):
+    value = session.lookup(selection.cache, family.name, site.key)
+  final = value is not None and value.get("winner") in names and (
+      not value.get("payback", {}).get("kept")  # kept untuned: final if the tune phase keeps it
+      or _payback.still_cannot_pay_back(value, horizon=site.horizon, sites=site.sites))
+  if not final:
     selection.observed += 1
     return default, _report.OBSERVE
   name = value["winner"]
