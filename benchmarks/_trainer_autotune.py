@@ -174,7 +174,7 @@ def _check_text(check: dict[str, Any]) -> str:
   if not check:
     return "no kernel decision to check"
   ratio = check.get("tuned_over_untuned")
-  lost = ", ".join(check.get("lost", {})) or "none"
+  lost = ", ".join(f"{d['bucket']} ({d['kernel']})" for d in check.get("lost", [])) or "none"
   text = check.get("outcome", "?")
   if ratio is not None:
     text += f" (tuned/untuned {ratio:.3f}; {check.get('runs', 0)} runs, " \

@@ -418,13 +418,15 @@ class _ProgramCheck:
       _verdict.store(selection.session, selection.cache, selection.context, lost=lost,
                      kept=kept, outcome=verifier.outcome)
     summary = verifier.summary()
-    summary["lost"] = {self.decisions[b][1]: how for b, how in sorted(verifier.lost.items())}
+    # A list: a convolution and its input gradient can share a label.
+    summary["lost"] = [{"bucket": self.decisions[b][1], "kernel": self.decisions[b][2],
+                        "how": how} for b, how in sorted(verifier.lost.items())]
     summary["from_cache"] = False
     jitted._verification = summary
     logger.info("tunedjax.jit(%s): whole-program check: %s (tuned/untuned %s, %d runs, "
                 "%d compiles); lose in context: %s", jitted._name, summary["outcome"],
                 summary["tuned_over_untuned"], summary["runs"], summary["compiles"],
-                ", ".join(summary["lost"]) or "none")
+                ", ".join(f"{d['bucket']} ({d['kernel']})" for d in summary["lost"]) or "none")
 
 
 def _selecting(selection: Any) -> Any:
@@ -739,7 +741,8 @@ class Jitted(Generic[P, R]):
       ``"found losers"``, ``"untuned kept"``, ``"tie: tuned kept"``,
       ``"skipped: cannot pay back"``, ``"verified earlier (cached)"``, or
       ``"checking"`` while it runs), the tuned/untuned step-time ratio, trials,
-      runs, compiles and the buckets that lose in context (``"lost"``, labels).
+      runs, compiles and the buckets that lose in context (``"lost"``: a list of
+      ``{"bucket": label, "kernel", "how"}``).
     """
     check = self._check
     if check is not None:
