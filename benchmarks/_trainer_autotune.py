@@ -104,7 +104,7 @@ class Case:
 
 CASES = (
     Case("MLP 8-32-1, batch 64", _mlp, _mlp_loss,
-         lambda n: _split(_mlp_data(64 * n), 64), 100),
+         lambda n: _split(_mlp_data(64 * n), 64), 400),
     Case("MobileNet-style CNN, 32x32, batch 16", MobileNet, _image_loss,
          lambda n: _images(n, 16, 32), 12),
     Case("DemoNet (width 16), 32x32, batch 16", lambda: DemoNet(10, width=16), _image_loss,
