@@ -172,3 +172,22 @@ def test_with_k_steps_per_call_the_k_steps_program_is_checked(kernels, tmp_path)
   assert [(d["kernel"], d["how"]) for d in check["lost"]] == [(SLOW, "alone")]
   assert trainer._train_step.verification() is None  # the one-step program: not checked
   assert np.isfinite(history.losses).all()
+
+
+def test_the_attention_summary_is_worked_out_again_only_after_a_new_trace(tmp_path):
+  from tunedjax.demo import TransformerLM, lm_data, lm_loss
+  config = {"kernel": {"enable": True, "tuning_range": [1, 10]},
+            "cache": {"dir": str(tmp_path)}, "dataloader": {"enable": False},
+            "layout": {"enable": False}}
+  trainer = Trainer(TransformerLM(vocab=32, tokens=8, width=16, layers=1, heads=2),
+                    optax.sgd(0.05), lm_loss, autotune=config, progress=False,
+                    mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+  calls = []
+  summary = trainer.attention.summary
+  trainer.attention.summary = lambda **kw: calls.append(1) or summary(**kw)
+  data = [{"ids": r} for r in lm_data(1, 2 * 12, 8, vocab=32)["ids"].reshape(12, 2, 9)]
+  first = trainer.fit(data, steps=4).tuning["attention"]
+  assert calls == [1] and first["modules"]
+  for steps in (6, 8):  # no new trace: the summary (an explain, a trace) is reused
+    assert trainer.fit(data, steps=steps).tuning["attention"] == first
+  assert calls == [1]
