@@ -166,16 +166,38 @@ def test_calls_with_the_check_paused_run_the_tuned_program_untimed(clock):
 def test_a_warm_cache_compiles_one_program_for_the_observe_and_tune_phases(clock):
   x, w = _args()
   with tj.config_context({"kernel": {"tuning_range": [1, 3]}}):
-    cold = _tuning.TuningSession()
+    cold = _tuning.TuningSession(horizon=100)
     f = tj.jit(_conv_fn(clock), session=cold)
     for _ in range(3):
       cold.step()
-      f(x, w)  # observe (xla), then tuned: two programs
+      f(x, w)  # observe (xla: the untuned program), then tuned: two programs
     assert len(f.report(memory=False)) == 2
-    warm = _tuning.TuningSession()
+    for _ in range(30):
+      cold.step()
+      f(x, w)  # the check: SLOW loses in context, a verdict for this program
+    assert f.verification()["outcome"] == _verify.FOUND_LOSERS
+    warm = _tuning.TuningSession(horizon=100)
     g = tj.jit(_conv_fn(clock), session=warm)
     for _ in range(3):
       warm.step()
       g(x, w)
-  (only,) = g.report(memory=False)  # the observe phase found every winner cached
-  assert any(SLOW in k and "(hit)" in k for k in only.kernels), only.kernels
+  # A program checked before: its observe phase found every final choice in
+  # the cache (SLOW's verdict included), and nothing is checked again.
+  (only,) = g.report(memory=False)
+  assert only.kernels == {"conv xla (loses in context)": 1}, only.kernels
+  assert g.verification() is None  # no decision left to check
+
+
+def test_a_program_seen_for_the_first_time_observes_on_defaults(clock):
+  x, w = _args()
+  with tj.config_context({"kernel": {"tuning_range": [1, 3]}}):
+    first = _tuning.TuningSession()
+    f = tj.jit(_conv_fn(clock), session=first)
+    for _ in range(3):
+      first.step()
+      f(x, w)
+    again = _tuning.TuningSession()  # no check ran (no horizon): no verdict entry
+    g = tj.jit(_conv_fn(clock), session=again)
+    again.step()
+    g(x, w)
+  assert g.report(memory=False).last.kernels == {"conv xla (observe)": 1}

@@ -414,7 +414,9 @@ class _ProgramCheck:
     lost = {b: {"kernel": self.decisions[b][2], "label": self.decisions[b][1], "how": how}
             for b, how in verifier.lost.items()}
     kept = {b: d[2] for b, d in self.decisions.items() if b not in final}
-    if verifier.outcome != _verify.SKIPPED and selection.context is not None:
+    if verifier.outcome == _verify.SKIPPED:  # seen, nothing verified: a later run checks again
+      lost, kept = {}, {}
+    if selection.context is not None:
       _verdict.store(selection.session, selection.cache, selection.context, lost=lost,
                      kept=kept, outcome=verifier.outcome)
     summary = verifier.summary()

@@ -3,9 +3,10 @@
 As in Paddle's kernel auto-tuning, a step counter splits a run into three
 phases by the config's ``kernel.tuning_range = [start, stop)``:
 
-* **observe** (steps before ``start``): nothing is tuned: a kernel site uses
-  its bucket's cached winner if the cache has one, else its family's default
-  (``xla``); the first steps compile and warm up without tuning;
+* **observe** (steps before ``start``): nothing is tuned: every kernel site
+  uses its family's default (``xla``), or, in a program the whole-program
+  check has seen before, its bucket's cached winner; the first steps compile
+  and warm up without tuning;
 * **tune** (``start <= step < stop``): a site whose bucket is not in the
   cache is tuned and the winner stored;
 * **apply** (``step >= stop``): cached winners are used; a miss uses the default.

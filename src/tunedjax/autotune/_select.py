@@ -222,19 +222,24 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
 
 def _observe(site: _Site, names: list[str], selection: Selection, bucket: str
              ) -> tuple[str, str]:
-  """The observe phase tunes nothing: the bucket's cached winner when the cache
-  has a final one (a hit; a cached verdict still applies), else the default.
+  """The observe phase tunes nothing: the default, or, in a program the
+  whole-program check has seen before (its context has a `_verdict` entry),
+  the bucket's cached winner when the cache has a final one (a hit; a cached
+  verdict still applies).
 
   With a warm cache the observe phase's program is then the tuned one, and
   `tunedjax.jit` compiles it once for both phases (`Selection.observed`: the
-  sites that got the default only because of the phase). In a multi-process
-  job nothing is looked up before the tuning window (every process must
-  compile the same program): the default.
+  sites that got the default only because of the phase). A program seen for
+  the first time observes on defaults: that program is the untuned one the
+  check compares with, compiled already. In a multi-process job nothing is
+  looked up before the tuning window (every process must compile the same
+  program): the default.
   """
   family, label, session = site.family, site.label, selection.session
   default = family.default
   value = None
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 and _verdict.load(session, selection.cache,
+                                                selection.context) is not None:
     value = session.lookup(selection.cache, family.name, site.key)
   final = value is not None and value.get("winner") in names and (
       not value.get("payback", {}).get("kept")  # kept untuned: final if the tune phase keeps it
