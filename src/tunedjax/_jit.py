@@ -410,6 +410,7 @@ class _ProgramCheck:
         if self.select_state in jitted._warm:  # the observe phase runs the same program
           jitted._kept[jitted._warm[self.select_state]] = variant
       jitted._last_state = None
+      jitted._state_memo = None  # the kept variant changes the state
       jitted._check = None
     lost = {b: {"kernel": self.decisions[b][2], "label": self.decisions[b][1], "how": how}
             for b, how in verifier.lost.items()}
@@ -488,6 +489,7 @@ class Jitted(Generic[P, R]):
     self._warm: dict[Hashable, Hashable] = {}  # select state -> observe state, same program
     self._verification: dict[str, Any] | None = None
     self._paused = False  # `checks_paused`: calls run the tuned program, untimed
+    self._state_memo: tuple[Any, Hashable] | None = None  # (what it depends on, state)
     # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
     self._runs_per_call = 1
     functools.update_wrapper(self, fun)
@@ -532,16 +534,28 @@ class Jitted(Generic[P, R]):
     if not config.kernel.enable:  # the phase and hints only matter to kernel selection
       return level, (level, config)
     session = self._session or _tuning.current_session()
+    # Working the state out costs microseconds (hints, phase): a call whose
+    # inputs to it did not move reuses the last one.
+    token = (level, config, session, session.quick_phase_key(config), _hints.hint_blocks(),
+             _native.is_suspended(), self._forced)
+    memo = self._state_memo
+    if memo is not None and memo[0] == token:
+      return level, memo[1]
+    state = self._kernel_state(level, config, session)
+    self._state_memo = (token, state)
+    return level, state
+
+  def _kernel_state(self, level: str, config: Config, session: Any) -> Hashable:
     state = (level, config, session, session.phase_key(config),
              _hints.active_hints(config), _native.is_suspended())
     variant = self._forced
     if variant is None and self._kept:
       variant = self._kept.get(state)
     if variant is None:
-      return level, state + (frozenset(),)
+      return state + (frozenset(),)
     if variant == _UNTUNED:
-      return level, state[:3] + (_UNTUNED,) + state[4:] + (frozenset(),)
-    return level, state + (variant,)
+      return state[:3] + (_UNTUNED,) + state[4:] + (frozenset(),)
+    return state + (variant,)
 
   def _jitted(self) -> Any:
     return self._jitted_new()[0]

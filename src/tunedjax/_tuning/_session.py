@@ -281,6 +281,21 @@ class TuningSession:
     with self._lock:
       self._observe_done = True
 
+  def quick_phase_key(self, config: Any) -> str:
+    """`phase_key`, read without the lock (`tunedjax.jit` asks on every call).
+
+    Example:
+      >>> import tunedjax as tj
+      >>> s = TuningSession()
+      >>> with tj.config_context({"kernel": {"tuning_range": [1, 3]}}) as cfg:
+      ...   [(s.step(), s.quick_phase_key(cfg))[1] for _ in range(3)]
+      ['observe', 'select', 'select']
+    """
+    step = self._step
+    observing = (step is not None and step < config.kernel.tuning_range[0]
+                 and not self._observe_done)
+    return "observe" if observing else "select"
+
   def phase_key(self, config: Any = None) -> str:
     """What a traced program depends on: ``"observe"`` (all defaults) or ``"select"``.
 
