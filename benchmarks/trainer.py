@@ -35,8 +35,22 @@ baseline timed twice):
    charged to them. Target (the callbacks issue): the TensorBoard callback
    within 3%.
 
+4. (``--only autotune``, its own section) ``Trainer(autotune=True)`` against
+   ``autotune=False`` in steady state, on an MLP, a MobileNet-style CNN, the
+   demo network (`tunedjax.demo.DemoNet`) and the Transformer LM: each pair
+   of Trainers first fits `WARM_STEPS` steps (the tuning, and the
+   whole-program check of the tuned step, happen there: the horizon is that
+   fit's), then each timed run is `fit` of N more steps. Target (never
+   slower): at most 1.0x within noise (the A/A control). And the fixed cost
+   where nothing can be gained: the README's Trainer example scaled up (an
+   MLP, 4096 records, batch 64, 5 epochs: 320 steps), a fresh Trainer and a
+   whole `fit` per run, ``autotune=True`` with a warm tuning cache against
+   ``autotune=False``. Target: within 5% + 0.1 s.
+
 Run: `.venv/bin/python benchmarks/trainer.py [--quick] [--write] [--rounds N]
-[--only logging]` (``--only logging``: table 3 alone, printed, never written).
+[--only logging|autotune]` (``--only logging``: table 3 alone, printed, never
+written; ``--only autotune``: table 4 alone, written with ``--write`` to its own
+section).
 """
 
 from __future__ import annotations
@@ -57,6 +71,7 @@ import optax
 from flax import nnx
 
 import _harness
+import _trainer_autotune as _autotune
 from tunedjax.callbacks import CSVLogger, TensorBoard
 from tunedjax.trainer import Trainer
 
@@ -405,11 +420,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--batch", type=int, default=32, help="CNN batch size")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--only", choices=("all", "logging"), default="all",
-                      help="'logging': the logging table alone (printed, not written)")
+  parser.add_argument("--only", choices=("all", "logging", "autotune"), default="all",
+                      help="'logging': the logging table alone (printed, not written); "
+                           "'autotune': autotune on against off (its own section)")
   args = parser.parse_args(argv)
-  if args.only != "all" and args.write:
-    parser.error("--write needs every table: drop --only")
+  if args.only == "logging" and args.write:
+    parser.error("--write needs every table: drop --only logging")
   return args
 
 
@@ -417,6 +433,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   rounds = args.rounds or (2 if args.quick else 17)
   log_steps = 8 if args.quick else 100
+  if args.only == "autotune":
+    return _autotune.main(args, rounds=args.rounds or (2 if args.quick else 7))
   if args.only == "logging":
     table3, s3 = logging_overhead(rounds, log_steps, LOG_BATCH, LOG_IMAGE)
     print(f"{_harness.machine_line()} Load average {os.getloadavg()[0]:.1f} after.\n")

@@ -400,7 +400,10 @@ def test_the_kernel_phase_retraces_only_when_kernel_selection_is_on():
       for index in (0, 5):
         tj.autotune.step(index=index)
         f(jnp.ones(2))
-    assert len(f.report(memory=False)) == 3  # one program per phase of selection
+    # x * 2 has no kernel site: the program traced in the observe phase serves
+    # the tune phase too (tests/test_jit_verification.py: a program with sites
+    # is traced once per phase).
+    assert len(f.report(memory=False)) == 2
   finally:
     tj.autotune.default_session().reset()
 

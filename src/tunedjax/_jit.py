@@ -31,7 +31,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
@@ -47,6 +47,8 @@ from tunedjax._config import get_config
 from tunedjax.autotune import _hints
 from tunedjax.autotune import _routes
 from tunedjax.autotune import _select
+from tunedjax.autotune import _verdict
+from tunedjax.autotune import _verify
 from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
 from tunedjax.rewrite import _compat
@@ -337,6 +339,101 @@ def _signature(dyn_args: Any, dyn_kwargs: Any, static: Mapping[Any, Any]) -> str
   return ", ".join(parts)
 
 
+_UNTUNED = "untuned"  # the variant with every decision on its default (its phase key)
+
+
+def _base(state: Hashable) -> Hashable | None:
+  """A kernel-selection state less what only kernel sites depend on (phase,
+  hints, vetoed buckets); None for other states."""
+  if not isinstance(state, tuple) or len(state) != 7:
+    return None
+  return (state[0], state[1], state[2], state[5])
+
+
+def _arg_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+  """The structure, shapes and dtypes of a call's arguments: calls with the
+  same key run the same program (only those are compared)."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  return treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
+                        for x in leaves)
+
+
+class _ProgramCheck:
+  """The whole-program check of one tuned program, run on the calls it makes anyway.
+
+  Each call with the checked program's arguments runs the variant the
+  `_verify.Verifier` asks for, timed to the end of its run; every variant
+  computes the same function (only kernels differ), so the calls' results
+  are the program's. Calls with other arguments run the tuned program.
+  When the search ends, the program it kept runs from then on and the
+  verdicts are cached (`_verdict`).
+  """
+
+  def __init__(self, jitted: Jitted, verifier: _verify.Verifier, select_state: Hashable,
+               selection: Any, args_key: Hashable):
+    self.jitted, self.verifier, self.select_state = jitted, verifier, select_state
+    self.selection, self.args_key = selection, args_key
+    self.decisions = dict(selection.decisions)
+
+  def _as_variant(self, vetoed: frozenset[str]) -> Any:
+    if not vetoed:
+      return None
+    return _UNTUNED if vetoed == self.verifier.all else vetoed
+
+  def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    jitted, verifier = self.jitted, self.verifier
+    variant = verifier.next_variant()
+    if variant is None or _arg_key(args, kwargs) != self.args_key:
+      if variant is None:
+        self.finish()
+      return jitted._jitted()(*args, **kwargs)
+    jitted._forced = self._as_variant(variant)
+    try:
+      fn, new = jitted._jitted_new()
+      traces = jitted._traces
+      start = _verify.clock()
+      out = jax.block_until_ready(fn(*args, **kwargs))
+      took = _verify.clock() - start
+    finally:
+      jitted._forced = None
+    verifier.record(variant, took, compiled=not new and traces == jitted._traces)
+    if verifier.next_variant() is None:
+      self.finish()
+    return out
+
+  def finish(self) -> None:
+    """Keeps the program the search chose and caches the verdicts."""
+    jitted, verifier, selection = self.jitted, self.verifier, self.selection
+    final = verifier.final
+    variant = self._as_variant(final)
+    with jitted._lock:
+      if variant is not None:
+        jitted._kept[self.select_state] = variant
+        if self.select_state in jitted._warm:  # the observe phase runs the same program
+          jitted._kept[jitted._warm[self.select_state]] = variant
+      jitted._last_state = None
+      jitted._state_memo = None  # the kept variant changes the state
+      jitted._check = None
+    lost = {b: {"kernel": self.decisions[b][2], "label": self.decisions[b][1], "how": how}
+            for b, how in verifier.lost.items()}
+    kept = {b: d[2] for b, d in self.decisions.items() if b not in final}
+    if verifier.outcome == _verify.SKIPPED:  # seen, nothing verified: a later run checks again
+      lost, kept = {}, {}
+    if selection.context is not None:
+      _verdict.store(selection.session, selection.cache, selection.context, lost=lost,
+                     kept=kept, outcome=verifier.outcome)
+    summary = verifier.summary()
+    # A list: a convolution and its input gradient can share a label.
+    summary["lost"] = [{"bucket": self.decisions[b][1], "kernel": self.decisions[b][2],
+                        "how": how} for b, how in sorted(verifier.lost.items())]
+    summary["from_cache"] = False
+    jitted._verification = summary
+    logger.info("tunedjax.jit(%s): whole-program check: %s (tuned/untuned %s, %d runs, "
+                "%d compiles); lose in context: %s", jitted._name, summary["outcome"],
+                summary["tuned_over_untuned"], summary["runs"], summary["compiles"],
+                ", ".join(f"{d['bucket']} ({d['kernel']})" for d in summary["lost"]) or "none")
+
+
 def _selecting(selection: Any) -> Any:
   """`_select.selecting(selection)`, or nothing when kernel selection is off."""
   return contextlib.nullcontext() if selection is None else _select.selecting(selection)
@@ -360,7 +457,8 @@ class Jitted(Generic[P, R]):
   def __init__(self, fun: Callable[P, R], *, level: str | None,
                static_argnums: tuple[int, ...], static_argnames: tuple[str, ...],
                donate_argnums: tuple[int, ...], donate_argnames: tuple[str, ...],
-               platform: str | None, session: _tuning.TuningSession | None = None):
+               platform: str | None, session: _tuning.TuningSession | None = None,
+               verify: bool = True):
     self.__wrapped__ = fun
     self.level = level
     # As jax.jit does: a static name passed by position is static too, and back.
@@ -383,6 +481,26 @@ class Jitted(Generic[P, R]):
     # Per (compiled program state, signature): a config change is a new entry.
     self._reports: dict[tuple[Hashable, str], SignatureReport] = {}
     self._abstract: dict[tuple[Hashable, str], tuple[Hashable, tuple[Any, Any]]] = {}
+    # Programs with no kernel site do not depend on the phase, hints or verdicts:
+    # per state less those (`_base`), whether every trace so far found no site,
+    # and the program built first, which serves every such state.
+    self._site_free: dict[Hashable, bool] = {}
+    self._base_fn: dict[Hashable, Any] = {}
+    self._traces = 0
+    # The whole-program check (`_ProgramCheck`): on when the session has a horizon.
+    self._verify = bool(verify)
+    self._pending: tuple[Any, ...] | None = None  # a tuned trace to check after its call
+    self._check: _ProgramCheck | None = None
+    self._forced: Any = None  # the variant a checked call runs
+    self._kept: dict[Hashable, Any] = {}  # select state -> the variant the check kept
+    self._checked: set[Hashable] = set()
+    self._untuned_fn: dict[Hashable, Any] = {}  # an observe program with every default
+    self._warm: dict[Hashable, Hashable] = {}  # select state -> observe state, same program
+    self._verification: dict[str, Any] | None = None
+    self._paused = False  # `checks_paused`: calls run the tuned program, untimed
+    self._state_memo: tuple[Any, Hashable] | None = None  # (what it depends on, state)
+    # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
+    self._runs_per_call = 1
     functools.update_wrapper(self, fun)
     # Host memory (auto mode): a few early calls measured for page faults, then None.
     self._probe = _host_memory.CallProbe(self._name) if _host_memory.measuring() else None
@@ -397,13 +515,23 @@ class Jitted(Generic[P, R]):
   # -- calling ------------------------------------------------------------------
 
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-    if self._probe is not None:
-      return self._probed_call(args, kwargs)
-    return self._jitted()(*args, **kwargs)
+    if self._check is not None and not self._paused:  # the whole-program check times it
+      return self._check.call(args, kwargs)
+    fn = self._jitted()
+    start = _verify.clock()
+    out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)
+    if self._pending is not None:  # this call traced (and compiled) a tuned program
+      with self._lock:
+        pending, self._pending = self._pending, None
+      if pending is not None:
+        self._start_check(pending, _verify.clock() - start, _arg_key(args, kwargs))
+    return out
 
-  def _probed_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A call while the host-memory probe is on (`_host_memory.CallProbe`): CPU programs only."""
-    fn, probe = self._jitted(), self._probe
+  def _probed_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+    """A call of `fn` while the host-memory probe is on (`_host_memory.CallProbe`): CPU
+    programs only."""
+    probe = self._probe
     if (probe is None or probe.done or not _host_memory.measuring()
         or self._platform not in (None, "cpu") or jax.default_backend() != "cpu"):
       self._probe = None
@@ -416,6 +544,11 @@ class Jitted(Generic[P, R]):
     return functools.partial(self, obj)
 
   def _state(self) -> tuple[str, Hashable]:
+    """The level, and what the compiled program depends on: ``(level, config,
+    session, phase key, hints, native suspended, vetoed buckets)`` with kernel
+    selection on. The whole-program check's untuned variant has the phase key
+    ``"untuned"`` (it shares the observe phase's program when that one has every
+    site on its default)."""
     config = get_config()
     level = self.level or config.level
     if level == "O0":
@@ -423,20 +556,53 @@ class Jitted(Generic[P, R]):
     if not config.kernel.enable:  # the phase and hints only matter to kernel selection
       return level, (level, config)
     session = self._session or _tuning.current_session()
-    return level, (level, config, session, session.phase_key(config),
-                   _hints.active_hints(config), _native.is_suspended())
+    # Working the state out costs microseconds (hints, phase): a call whose
+    # inputs to it did not move reuses the last one.
+    token = (level, config, session, session.quick_phase_key(config), _hints.hint_blocks(),
+             _native.is_suspended(), self._forced)
+    memo = self._state_memo
+    if memo is not None and memo[0] == token:
+      return level, memo[1]
+    state = self._kernel_state(level, config, session)
+    self._state_memo = (token, state)
+    return level, state
+
+  def _kernel_state(self, level: str, config: Config, session: Any) -> Hashable:
+    state = (level, config, session, session.phase_key(config),
+             _hints.active_hints(config), _native.is_suspended())
+    variant = self._forced
+    if variant is None and self._kept:
+      variant = self._kept.get(state)
+    if variant is None:
+      return state + (frozenset(),)
+    if variant == _UNTUNED:
+      return state[:3] + (_UNTUNED,) + state[4:] + (frozenset(),)
+    return state + (variant,)
 
   def _jitted(self) -> Any:
+    return self._jitted_new()[0]
+
+  def _jitted_new(self) -> tuple[Any, bool]:
+    """The compiled function for the state now, and whether it was built just now."""
     level, state = self._state()
     last = self._last_state
     if last is not None and last[0] == state:
-      return last[1]
+      return last[1], False
+    new = False
     with self._lock:
       fn = self._compiled.get(state)
       if fn is None:
-        fn = self._compiled[state] = self._build(level, state)
+        base = _base(state)
+        fn = self._base_fn.get(base) if self._site_free.get(base) else None
+        if fn is None and base is not None and state[3] == _UNTUNED and not state[6]:
+          fn = self._untuned_fn.get(state[:3] + state[4:6])
+        if fn is None:
+          fn, new = self._build(level, state), True
+          if base is not None:
+            self._base_fn.setdefault(base, fn)
+        self._compiled[state] = fn
       self._last_state = (state, fn)
-    return fn
+    return fn, new
 
   def _build(self, level: str, state: Hashable) -> Any:
     if level == "O0":
@@ -483,16 +649,19 @@ class Jitted(Generic[P, R]):
       for stage in stages:
         program = stage.apply(program, platform)
       selection = None
+      signature = _signature(dyn_args, dyn_kwargs, static)
       kernel_stages = [s for s in stages if isinstance(s, _pipeline.KernelStage)]
       if kernel_stages:
         selection = kernel_stages[0].selection = _select.new_selection(
             platform=platform, config=config, session=session)
+        self._shape_selection(selection, state, signature, (dyn_args, dyn_kwargs))
       # Python's garbage collector paused while tracing and rewriting, for at
       # most `_gc.LIMIT_S` (a full collection costs about the whole trace).
       with _tuning.using_session(session), _selecting(selection), _routing(selection), \
           _gc.paused():
         out = program(*dyn_args, **dyn_kwargs)
-      signature = _signature(dyn_args, dyn_kwargs, static)
+      if selection is not None:
+        self._after_trace(selection, state)
       report = SignatureReport(
           signature=signature, level=level,
           reports=tuple(r for stage in stages for r in stage.reports()),
@@ -509,6 +678,115 @@ class Jitted(Generic[P, R]):
       return out
 
     return rewritten
+
+  def _shape_selection(self, selection: Any, state: Hashable, signature: str,
+                       dyn: Any) -> None:
+    """The variant `state` runs (untuned, or buckets vetoed) and the program
+    context its verdicts are looked up under."""
+    selection.untuned = state[3] == _UNTUNED
+    selection.vetoed = state[6]
+    platform = self._platform or jax.default_backend()
+    selection.context = _verdict.context_key(
+        self._name, str(jax.tree_util.tree_structure(dyn)), signature, platform)
+
+  def _after_trace(self, selection: Any, state: Hashable) -> None:
+    """Bookkeeping after a trace with kernel selection: site-free programs,
+    and a tuned program for the whole-program check to verify."""
+    base = _base(state)
+    with self._lock:
+      self._traces += 1
+      free = selection.seen == 0
+      if not free and self._site_free.get(base):  # a state may share this program: no more
+        shared = self._base_fn.pop(base, None)
+        self._compiled = {k: v for k, v in self._compiled.items() if v is not shared}
+        self._last_state = None
+      self._site_free[base] = self._site_free.get(base, True) and free
+      select_key = state[:3] + ("select",) + state[4:6]
+      warm = False
+      if state[3] == "observe" and not state[6]:
+        fn = self._compiled.get(state)
+        if not selection.decisions:  # every site on its default: the untuned program
+          self._untuned_fn.setdefault(state[:3] + state[4:6], fn)
+        # Every site found its final kernel in the cache: the tune phase's
+        # program is this one (compiled once for both phases).
+        warm = selection.seen > 0 and selection.observed == 0
+        if warm and fn is not None:
+          self._compiled.setdefault(select_key + (frozenset(),), fn)
+          self._warm[select_key] = state[:6]
+      if (selection.decisions and (state[3] == "select" or warm) and not state[6]
+          and select_key not in self._checked and self._verify):
+        self._checked.add(select_key)
+        self._pending = (select_key, selection)
+
+  def _start_check(self, pending: tuple[Any, ...], compile_s: float, args_key: Any) -> None:
+    """Starts the whole-program check of a tuned program (when it can pay back)."""
+    select_state, selection = pending
+    session, decisions = selection.session, dict(selection.decisions)
+    # What compiling a variant costs: the call that traced the tuned program,
+    # less the kernel tuning it did while tracing.
+    compile_s = max(compile_s - selection.tally.report().tuning_s, 0.0)
+    summary: dict[str, Any] = {"decisions": len(decisions)}
+    entry = _verdict.load(session, selection.cache, selection.context)
+    kernels = {k: v[2] for k, v in decisions.items()}
+    if entry is not None and entry["kept"] == kernels:
+      summary.update(outcome="verified earlier (cached)", from_cache=True)
+    elif session.horizon is None:
+      summary.update(outcome="not checked: no horizon")
+    elif jax.process_count() > 1:
+      summary.update(outcome="not checked: several processes")
+    else:
+      untuned = select_state[:3] + (_UNTUNED,) + select_state[4:] + (frozenset(),)
+      compiled = untuned in self._compiled or (select_state[:3] + select_state[4:6]
+                                                in self._untuned_fn)
+      verifier = _verify.Verifier(
+          {k: v[0] for k, v in decisions.items()},
+          calls_left=max(session.horizon // self._runs_per_call - 1, 0),
+          compile_s=compile_s,
+          compiled=frozenset({frozenset(decisions)}) if compiled else frozenset())
+      self._check = _ProgramCheck(self, verifier, select_state, selection, args_key)
+      return
+    self._verification = summary
+    logger.info("tunedjax.jit(%s): whole-program check: %s", self._name, summary["outcome"])
+
+  @contextlib.contextmanager
+  def checks_paused(self) -> Iterator[None]:
+    """Inside the block, calls run the program in use, untimed, and the
+    whole-program check waits (for calls that are not real steps, such as a
+    loader measuring its throughput against this function).
+
+    Example:
+      >>> import jax.numpy as jnp, tunedjax as tj
+      >>> f = tj.jit(lambda x: x + 1)
+      >>> with f.checks_paused():
+      ...   f(jnp.ones(2)).tolist()
+      [2.0, 2.0]
+    """
+    before, self._paused = self._paused, True
+    try:
+      yield
+    finally:
+      self._paused = before
+
+  def verification(self) -> dict[str, Any] | None:
+    """What the whole-program check found for the tuned program (None: no check yet).
+
+    With kernel selection and a session horizon (`TuningSession.horizon`;
+    the `Trainer` sets it), the first tuned program whose kernels are not
+    all defaults is compared with the untuned one on its next calls, and
+    decisions that make it slower are undone and cached (see docs/jit.md).
+
+    Returns:
+      ``{"outcome", "decisions", ...}``: the outcome (``"verified"``,
+      ``"found losers"``, ``"untuned kept"``, ``"tie: tuned kept"``,
+      ``"skipped: cannot pay back"``, ``"verified earlier (cached)"``, or
+      ``"checking"`` while it runs), the tuned/untuned step-time ratio, trials,
+      runs, compiles and the buckets that lose in context (``"lost"``: a list of
+      ``{"bucket": label, "kernel", "how"}``).
+    """
+    check = self._check
+    if check is not None:
+      return {**check.verifier.summary(), "outcome": "checking"}
+    return None if self._verification is None else dict(self._verification)
 
   # -- introspection ------------------------------------------------------------
 
@@ -638,7 +916,7 @@ def jit(fun: Callable[P, R], *, level: str | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         platform: str | None = None,
-        session: _tuning.TuningSession | None = None) -> Jitted[P, R]: ...
+        session: _tuning.TuningSession | None = None, verify: bool = True) -> Jitted[P, R]: ...
 
 
 @overload
@@ -648,7 +926,7 @@ def jit(fun: None = None, *, level: str | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         platform: str | None = None,
-        session: _tuning.TuningSession | None = None,
+        session: _tuning.TuningSession | None = None, verify: bool = True,
         ) -> Callable[[Callable[P, R]], Jitted[P, R]]: ...
 
 
@@ -658,7 +936,7 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         platform: str | None = None,
-        session: _tuning.TuningSession | None = None) -> Any:
+        session: _tuning.TuningSession | None = None, verify: bool = True) -> Any:
   """Compiles `fun` like `jax.jit`, with the tuners' passes the config enables.
 
   Use it bare (``@tj.jit``) or with options (``@tj.jit(level="O2",
@@ -713,6 +991,9 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
     if session is not None and not isinstance(session, _tuning.TuningSession):
       raise TypeError(f"tunedjax.jit(session=...) must be a tunedjax.autotune.TuningSession "
                       f"or None, got {session!r}.")
-    return Jitted(f, level=level, platform=platform, session=session, **options)
+    if not isinstance(verify, bool):
+      raise TypeError(f"tunedjax.jit(verify=...) must be True or False, got {verify!r}.")
+    return Jitted(f, level=level, platform=platform, session=session, verify=verify,
+                  **options)
 
   return decorate if fun is None else decorate(fun)

@@ -3,8 +3,10 @@
 As in Paddle's kernel auto-tuning, a step counter splits a run into three
 phases by the config's ``kernel.tuning_range = [start, stop)``:
 
-* **observe** (steps before ``start``): every kernel site uses its family's
-  default (``xla``); the first steps compile and warm up without tuning;
+* **observe** (steps before ``start``): nothing is tuned: every kernel site
+  uses its family's default (``xla``), or, in a program the whole-program
+  check has seen before, its bucket's cached winner; the first steps compile
+  and warm up without tuning;
 * **tune** (``start <= step < stop``): a site whose bucket is not in the
   cache is tuned and the winner stored;
 * **apply** (``step >= stop``): cached winners are used; a miss uses the default.
@@ -278,6 +280,21 @@ class TuningSession:
     """
     with self._lock:
       self._observe_done = True
+
+  def quick_phase_key(self, config: Any) -> str:
+    """`phase_key`, read without the lock (`tunedjax.jit` asks on every call).
+
+    Example:
+      >>> import tunedjax as tj
+      >>> s = TuningSession()
+      >>> with tj.config_context({"kernel": {"tuning_range": [1, 3]}}) as cfg:
+      ...   [(s.step(), s.quick_phase_key(cfg))[1] for _ in range(3)]
+      ['observe', 'select', 'select']
+    """
+    step = self._step
+    observing = (step is not None and step < config.kernel.tuning_range[0]
+                 and not self._observe_done)
+    return "observe" if observing else "select"
 
   def phase_key(self, config: Any = None) -> str:
     """What a traced program depends on: ``"observe"`` (all defaults) or ``"select"``.

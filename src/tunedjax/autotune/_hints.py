@@ -99,6 +99,18 @@ def hint(**kernels: str) -> Iterator[FrozenDict]:
     _HINTS.reset(token)
 
 
+def hint_blocks() -> FrozenDict:
+  """The hints of the `hint` blocks in force (not the config's): a new object
+  whenever a block is entered or left, so a caller can tell by identity.
+
+  Example:
+    >>> with hint(conv="xla"):
+    ...   dict(hint_blocks())
+    {'conv': 'xla'}
+  """
+  return _HINTS.get()
+
+
 def active_hints(config: Any = None) -> FrozenDict:
   """The hints in force: the config's ``kernel.hints`` overlaid by `hint` blocks.
 

@@ -19,8 +19,11 @@ HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED 
     "hint", "only xla", "observe", "hit", "tuned", "miss", "not applicable", "received",
     "failed at trace")
 CANNOT_PAY_BACK = "cannot pay back"
+# The whole-program check (`_verify`): a bucket whose kernel made the program
+# slower (cached), and a bucket run on its default in a variant being compared.
+LOSES_IN_CONTEXT, VERIFYING = "loses in context", "verifying"
 REASONS = (HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED,
-           CANNOT_PAY_BACK)
+           CANNOT_PAY_BACK, LOSES_IN_CONTEXT, VERIFYING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +40,10 @@ class KernelChoice:
       ``"cannot pay back"`` (not in the cache, and tuning it could not pay
       back within the session's horizon: the default, untuned, its
       decision cached with the horizon; a later trace reusing that
-      decision counts as a ``"hit"``).
+      decision counts as a ``"hit"``), ``"loses in context"`` (the whole-program
+      check found its tuned kernel makes this program slower: the default,
+      from a cached verdict), or ``"verifying"`` (the default, in a variant
+      of the program the whole-program check compares).
     count: how many sites.
   """
 

@@ -8,8 +8,9 @@ convolutions as equations of their own, so each is a bucket of its own. For
 every site `decide` chooses, in this order:
 
 1. a user's hint (`hint`, or ``kernel.hints`` keyed by family) that applies;
-2. the family's default (``xla``) in the observe phase (see
-   `TuningSession`), or when nothing else applies;
+2. in the observe phase (see `TuningSession`) the bucket's cached winner if
+   the cache has one (nothing is tuned), else the family's default (``xla``),
+   which is also what runs when nothing else applies;
 3. the cached winner of its bucket (a hit);
 4. on a miss: in the tune phase (or before any step) tune the bucket now,
    store the result and use its winner; in the apply phase use the default.
@@ -24,6 +25,13 @@ numbers it was made from: a later lookup with an equal or shorter horizon
 reuses it (a hit, no cost); a longer horizon, a None one, or a further site
 of the same bucket in the program that makes tuning pay, tunes the bucket
 then (sites of this trace already decided keep the default).
+
+After step 3 or 4, a kernel that a cached verdict of the whole-program
+check (`_verdict`) says makes this program slower gets the default (reason
+``"loses in context"``); and in a variant of the program that check compares
+(`Selection.untuned`, `Selection.vetoed`) a vetoed site gets its default
+(reason ``"verifying"``). The other non-default choices are recorded in
+`Selection.decisions` for that check.
 
 In a multi-process job, steps 3 and 4 happen on process 0 only and the
 others receive its choice. What is decided is counted in the active
@@ -49,7 +57,7 @@ from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError
 from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _registry, _report,
-                               _sites, _tuner)
+                               _sites, _tuner, _verdict)
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -80,6 +88,20 @@ class Selection:
       decided (for the tuning horizon's payback check).
     measured: ``(bucket key, value)`` of the buckets tuned in this trace,
       for predicting the next ones where there is no cache to read them from.
+    seen: sites met in this trace, whatever was decided (0: the program does
+      not depend on the phase, hints or verdicts).
+    observed: sites that got their default only because of the observe
+      phase (no final cached winner); 0 in an observe-phase trace: the
+      program is the one the tune phase would trace.
+    untuned: every site runs its family's default (hints still apply): the
+      untuned program of the whole-program check (`_verify`).
+    vetoed: bucket ids (`_verdict.bucket_id`) that run their default in this
+      variant of the program (reason ``"verifying"``).
+    context: the program context verdicts are keyed by
+      (`_verdict.context_key`); None: verdicts are not looked up.
+    decisions: ``{bucket id: (family, label, kernel)}`` of every site whose
+      tuned kernel is not the default (hints excepted): what the
+      whole-program check verifies.
   """
 
   platform: str
@@ -92,6 +114,12 @@ class Selection:
   buckets: dict[str, Any] = dataclasses.field(default_factory=dict)
   sites: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
   measured: list[tuple[dict[str, Any], dict[str, Any]]] = dataclasses.field(default_factory=list)
+  seen: int = 0
+  observed: int = 0
+  untuned: bool = False
+  vetoed: frozenset[str] = frozenset()
+  context: dict[str, str] | None = None
+  decisions: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
@@ -149,6 +177,7 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     that platform's timings: the default).
   """
   config, session, default = selection.config, selection.session, family.default
+  selection.seen += 1
   candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
   names = [k.name for k in candidates]
   objective = config.kernel.objective
@@ -167,23 +196,81 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
     return default, _report.ONLY_DEFAULT
   if not _measurable(selection.platform):  # rewriting for another machine (an export)
     return default, f"no {selection.platform} here"
-  phase = session.phase(config)
-  if phase == _tuning.OBSERVE:
-    return default, _report.OBSERVE
+  if selection.untuned:
+    return default, _report.VERIFYING
   # By the full key: two buckets can share a label (a convolution and its input
   # gradient differ only in their dimension numbers).
   bucket = json.dumps(key, sort_keys=True, default=str)
+  verdict_id = _verdict.bucket_id(family.name, key)
+  if verdict_id in selection.vetoed:
+    return default, _report.VERIFYING
+  phase = session.phase(config)
   selection.sites[bucket] += 1
   site = _Site(family, spec, tuple(candidates), key, label, selection.sites[bucket],
                session.horizon if config.kernel.payback else None, phase)
+  if phase == _tuning.OBSERVE:
+    return _observe(site, names, selection, verdict_id)
   why: dict[str, Any] = {}
   all_names = sorted(k.name for k in _registry.kernels(family.name))
-  name = _multihost.agree(lambda: _leader_decides(site, selection, why), all_names)
+  name = _multihost.agree(lambda: _in_context(site, selection, why, verdict_id), all_names)
   if name not in names:
     return default, _report.NOT_APPLICABLE
   if "temp_bytes" in why:
     selection.tally.add_temporaries(label, name, why["temp_bytes"], default)
-  return name, why.get("why", _report.RECEIVED)
+  reason = why.get("why", _report.RECEIVED)
+  if name != default and reason in (_report.HIT, _report.TUNED, _report.RECEIVED):
+    selection.decisions[verdict_id] = (family.name, label, name)
+  return name, reason
+
+
+def _observe(site: _Site, names: list[str], selection: Selection, bucket: str
+             ) -> tuple[str, str]:
+  """The observe phase tunes nothing: the default, or, in a program the
+  whole-program check has seen before (its context has a `_verdict` entry),
+  the bucket's cached winner when the cache has a final one (a hit; a cached
+  verdict still applies).
+
+  With a warm cache the observe phase's program is then the tuned one, and
+  `tunedjax.jit` compiles it once for both phases (`Selection.observed`: the
+  sites that got the default only because of the phase). A program seen for
+  the first time observes on defaults: that program is the untuned one the
+  check compares with, compiled already. In a multi-process job nothing is
+  looked up before the tuning window (every process must compile the same
+  program): the default.
+  """
+  family, label, session = site.family, site.label, selection.session
+  default = family.default
+  value = None
+  if jax.process_count() == 1 and _verdict.load(session, selection.cache,
+                                                selection.context) is not None:
+    value = session.lookup(selection.cache, family.name, site.key)
+  final = value is not None and value.get("winner") in names and (
+      not value.get("payback", {}).get("kept")  # kept untuned: final if the tune phase keeps it
+      or _payback.still_cannot_pay_back(value, horizon=site.horizon, sites=site.sites))
+  if not final:
+    selection.observed += 1
+    return default, _report.OBSERVE
+  name = value["winner"]
+  session.record(hit=True, config=selection.config)
+  if name == default:
+    return name, _report.HIT
+  if _verdict.loses(session, selection.cache, selection.context, bucket, name):
+    return default, _report.LOSES_IN_CONTEXT
+  selection.decisions[bucket] = (family.name, label, name)
+  selection.tally.add_temporaries(label, name, value.get("temp_bytes", {}), default)
+  return name, _report.HIT
+
+
+def _in_context(site: _Site, selection: Selection, why: dict[str, Any], bucket: str) -> str:
+  """`_leader_decides`, then the default where a cached verdict says the chosen
+  kernel makes this program slower (reason ``"loses in context"``)."""
+  name = _leader_decides(site, selection, why)
+  if name != site.family.default and _verdict.loses(
+      selection.session, selection.cache, selection.context, bucket, name):
+    why["why"] = _report.LOSES_IN_CONTEXT
+    why.pop("temp_bytes", None)
+    return site.family.default
+  return name
 
 
 @dataclasses.dataclass(frozen=True)

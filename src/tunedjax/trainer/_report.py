@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunedjax.autotune._report import VERIFYING
 from tunedjax.input_pipeline import TuningResult
 
 
@@ -32,15 +33,18 @@ def jit_summary(jitted: Any) -> dict[str, Any]:
   """What `tunedjax.jit` did to the training step's latest signature.
 
   Of the programs compiled for it, the latest outside kernel selection's
-  observe phase (which runs xla everywhere before tuning starts).
+  observe phase (which runs xla everywhere before tuning starts) and the
+  variants the whole-program check compared; ``"verification"`` says what
+  that check found (`Jitted.verification`): decisions it undid run their
+  default although ``"kernels"`` lists the tuned program's choices.
   """
   report = jitted.report(memory=False)
   if not len(report):
     return {}
   # The program the run ends with: not the observe phase's (all xla), even
   # when that one was compiled last (the loader's tuning compiles ahead).
-  selected = [r for r in report
-              if r.kernel_report is None or not r.kernel_report.observed]
+  selected = [r for r in report if r.kernel_report is None or not (
+      r.kernel_report.observed or any(c.why == VERIFYING for c in r.kernel_report.choices))]
   last = selected[-1] if selected else report.last
   layout = last.layout
   return {
@@ -54,4 +58,5 @@ def jit_summary(jitted: Any) -> dict[str, Any]:
                                              "reason": layout.reason},
       "casts": dict(last.casts),
       "tuning_s": last.tuning_s,
+      "verification": jitted.verification(),
   }

@@ -10,6 +10,7 @@ the checkpoints, tqdm shows the progress.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import logging
 import time
@@ -231,6 +232,7 @@ class Trainer:
 
     # Flax attention modules on tunedjax.attention while kernel selection is on.
     self.attention = _attention_flax.trainer_swap(model, self.config)
+    self._attention_seen: tuple[Any, dict[str, Any]] | None = None
     self.adapter = adapt(model, self._with_metrics(loss_fn), example_batch=example_batch,
                          rng_streams=rng_streams)
     self.model = model
@@ -276,12 +278,18 @@ class Trainer:
   def _compile_steps(self) -> None:
     """The compiled steps, for the state as `_weights` stores it."""
     step = self._stored(self._step_fn, step=True)
-    self._train_step = tj_jit(step, donate_argnums=0, session=self.session)
+    k = self.steps_per_execution
+    # The whole-program check runs on the program that runs the fit's steps:
+    # with k > 1 the k-steps one (one call: k steps of the horizon); the
+    # one-step program then only runs leftovers.
+    self._train_step = tj_jit(step, donate_argnums=0, session=self.session, verify=k == 1)
     self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
-                               session=self.session)
-                        if self.steps_per_execution > 1 else None)
+                               session=self.session) if k > 1 else None)
+    if self._multi_step is not None:
+      self._multi_step._runs_per_call = k  # pylint: disable=protected-access
+    # Evaluation runs too rarely to compare programs on (the whole-program check).
     self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
-                             session=self.session)
+                             session=self.session, verify=False)
     self._predictors: dict[Any, Any] = {}
 
   def _stored(self, fn: Callable[..., Any], *, step: bool = False) -> Callable[..., Any]:
@@ -445,14 +453,30 @@ class Trainer:
                    eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
       loop.run()
       self.history.tuning.update(jit_summary(self._train_step))
+      if self._multi_step is not None:
+        self.history.tuning["verification"] = self._multi_step.verification()
       if self.attention is not None:
-        self.history.tuning["attention"] = self.attention.summary(session=self.session)
+        self.history.tuning["attention"] = self._attention_summary()
       if self.checkpointer is not None:
         self.save(stream, force=True)
         self.checkpointer.wait()  # on disk when fit returns; periodic saves overlap steps
       self._sync_model()
       callbacks.on_fit_end(self, self.history)
     return self.history
+
+  def _attention_summary(self) -> dict[str, Any]:
+    """``history.tuning["attention"]``, worked out again only after a new trace.
+
+    Its buckets come from `autotune.explain`, which traces the attention calls
+    (tens of ms for a small Transformer): at the end of every `fit` that would
+    be a fixed cost of each fit. The buckets and their kernels change only
+    when the steps are traced again (their kernels are decided then).
+    """
+    steps = [j for j in (self._train_step, self._multi_step, self._eval_step) if j is not None]
+    key = tuple((id(j), j._traces) for j in steps)  # pylint: disable=protected-access
+    if self._attention_seen is None or self._attention_seen[0] != key:
+      self._attention_seen = (key, self.attention.summary(session=self.session))
+    return copy.deepcopy(self._attention_seen[1])
 
   def _tune_loader(self, stream: BatchStream, bar: Progress, total: int | None) -> None:
     """Tunes a Loader's workers with the training step as the consumer."""
@@ -478,7 +502,9 @@ class Trainer:
     self.session.step(index=self.step)
     if self.config.kernel.enable:
       self.session.end_observe()
-    result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
+    # Measured against the tuned step: the whole-program check waits for real steps.
+    with self._train_step.checks_paused():
+      result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
       bar.message(f"Trainer: loader uses {result.worker_count} workers, "
@@ -557,7 +583,7 @@ class Trainer:
     key = fn
     if key not in self._predictors:
       self._predictors[key] = tj_jit(self._stored(_step.make_predict(self.adapter, fn)),
-                                     session=self.session)
+                                     session=self.session, verify=False)
     predict = self._predictors[key]
     outs = []
     with self._running():
