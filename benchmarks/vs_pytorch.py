@@ -76,10 +76,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-# First, before torch or JAX start threads: tunedjax's opt-in host-memory settings
-# (glibc malloc; `TUNEDJAX_HOST_MEMORY=retain` unless the caller set the variable)
-# apply to the whole process, so both sides run with them.
-os.environ.setdefault("TUNEDJAX_HOST_MEMORY", "retain")
+# First, before torch or JAX start threads: tunedjax's host-memory settings (glibc
+# malloc) apply at import to the whole process, so both sides run with them when they
+# do. The environment decides, as for a user: by default (`auto`) they apply from the
+# run after one that measured them paying; `TUNEDJAX_HOST_MEMORY=retain` forces them.
 import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import _host_memory  # pylint: disable=wrong-import-position
 
@@ -812,8 +812,8 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
       f"(largest relative error, bound {AGREEMENT_BOUND:g}). Load average "
       f"{load[0]:.1f} before, {load[1]:.1f} after. " + _harness.machine_line(),
       "",
-      (f"Host memory (opt-in `TUNEDJAX_HOST_MEMORY=retain`, which this script sets unless "
-       "the variable is set; `tunedjax.host_memory_status()`, one process for both sides): "
+      (f"Host memory (`TUNEDJAX_HOST_MEMORY={tj.host_memory_status().mode}`; "
+       "`tunedjax.host_memory_status()`, one process for both sides): "
        f"{_host_memory_line()}. Page faults per step: the process's minor page faults per "
        "call of the variant, over 3 calls after the timing."),
   ]

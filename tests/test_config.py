@@ -83,7 +83,8 @@ def test_to_dict_is_plain_json_in_schema_shape():
   d = cfg.to_dict()
   assert d == {
       "kernel": {"enable": False, "tuning_range": [1, 10], "bucket": "exact",
-                 "hints": {"conv": "im2col"}, "objective": "time", "payback": True},
+                 "hints": {"conv": "im2col"}, "objective": "time", "payback": True,
+                 "predict": True},
       "layout": {"enable": False, "mode": "heuristic"},
       "dataloader": {"enable": False, "tuning_steps": 500,
                      "max_workers": None},
@@ -212,7 +213,7 @@ BAD_INPUTS = [
     ({"cache": {"dir": ""}}, ["'cache.dir'", "''", "non-empty path"]),
     ({"kernel": {"tuning_rnage": [1, 10]}},
      ["'kernel.tuning_rnage'", "did you mean 'tuning_range'",
-      "'enable', 'tuning_range', 'bucket', 'hints', 'objective' or 'payback'"]),
+      "'enable', 'tuning_range', 'bucket', 'hints', 'objective', 'payback' or 'predict'"]),
     ({"kernal": {"enable": True}},
      ["'kernal'", "did you mean 'kernel'", "'mixed_precision'", "'level'"]),
     ({"dataloader": {"workers": 2}},
