@@ -244,7 +244,7 @@ def test_a_paying_decision_after_jax_started_warns_and_leaves_malloc_alone(monke
   monkeypatch.setattr(_decisions, "workload", lambda: "script /train.py")
   _decisions.store(tmp_path, _paying_record())
   with pytest.warns(tj.HostMemoryWarning, match="they pay for this workload"):
-    _decide(monkeypatch, tmp_path)  # (the helper says no backend started: say it did)
+    _decide(monkeypatch, tmp_path)  # sets the environment; JAX's backend is then reported started
     monkeypatch.setattr(_host_memory, "_STATUS", None)
     monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: "cpu")
     status = _host_memory.configure()

@@ -16,25 +16,17 @@ import pytest
 import tunedjax as tj
 from tunedjax import _tuning
 from tunedjax.autotune import _registry, _verify
+from tests.autotune.selection_helpers import StepClock
 
 SLOW = "t_slow_in_program"
 
 
-class _Clock:
-  def __init__(self):
-    self.now = 0.0
-
-  def advance(self, seconds):
-    self.now += float(seconds)
-
-  def __call__(self):
-    return self.now
 
 
 @pytest.fixture
 def clock(monkeypatch, tmp_path):
   """A fake clock; `SLOW`, 10x faster than xla alone and 0.05 s slower in the program."""
-  fake = _Clock()
+  fake = StepClock()
 
   def slow(lhs, rhs, spec):
     jax.debug.callback(lambda: fake.advance(0.05))

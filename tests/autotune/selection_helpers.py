@@ -158,3 +158,21 @@ def isolated_selection(tmp_path: Any, **config: Any) -> contextlib.AbstractConte
       _tuning.default_session().forget_measured()
 
   return scope()
+
+
+class StepClock:
+  """Seconds that pass only when the code under test says so (`advance`).
+
+  Example:
+    >>> c = StepClock(); c.advance(0.5); c()
+    0.5
+  """
+
+  def __init__(self):
+    self.now = 0.0
+
+  def advance(self, seconds):
+    self.now += float(seconds)
+
+  def __call__(self):
+    return self.now

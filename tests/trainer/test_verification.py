@@ -22,26 +22,16 @@ from flax import nnx
 from tunedjax import _tuning
 from tunedjax.autotune import _registry, _verdict, _verify
 from tunedjax.trainer import Trainer
+from tests.autotune.selection_helpers import StepClock
 
 BASE_S, SLOW_S, FAST_S = 0.100, 0.030, 0.010
 SLOW, FAST = "t_slow_in_program", "t_fast_in_program"
 STEPS = 150
 
 
-class _Clock:
-  """Seconds that pass only when the program says so."""
-
-  def __init__(self):
-    self.now = 0.0
-
-  def advance(self, seconds):
-    self.now += float(seconds)
-
-  def __call__(self):
-    return self.now
 
 
-CLOCK = _Clock()
+CLOCK = StepClock()
 
 
 def _xla(lhs, rhs, spec):
