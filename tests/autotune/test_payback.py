@@ -115,6 +115,29 @@ def test_a_short_first_call_is_confirmed_before_tuning(monkeypatch):
   assert list(result.timings) == ["xla"] and list(result.timings["xla"]) == [0.05, 0.001]
 
 
+def test_a_first_call_that_pays_back_even_if_mostly_warm_up_is_not_confirmed(monkeypatch):
+  # xla's first call took 50 ms. With 100 runs even a quarter of it (12.5 ms)
+  # saves far more than tuning costs (~0.1 s): a second call could not change
+  # the decision, so none is made.
+  spec = _spec()
+  FakeClock(monkeypatch, compile_s=0.05)
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(sorted(runners))
+    return {n: [0.05 if n == "xla" else 0.001] * rounds for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=1),
+                                payback=_tuner.Payback(horizon=100))
+  # xla once (its first call), then the candidate's screening call: no second xla call.
+  assert calls[:2] == [["xla"], ["t_transposed"]] and not result.kept
+  assert result.payback["default_s"] == pytest.approx(0.05)
+  assert result.winner == "t_transposed"
+
+
 def test_without_a_horizon_every_candidate_compiles_at_once(monkeypatch):
   spec = _spec()
   clock = FakeClock(monkeypatch, compile_s=0.05)

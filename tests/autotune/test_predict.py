@@ -82,6 +82,20 @@ def test_compile_time_counts_within_a_horizon():
   assert pred.could_win(margin=0.1, horizon_s=1000.0)[0] == ["xla", "a"]
 
 
+
+def test_within_a_horizon_a_second_candidate_must_pay_its_own_compile():
+  # Both far ahead of xla, uncertain which is faster (no pair timed). The best
+  # is compiled anyway; the other could save at most horizon x (the best's
+  # pessimistic ratio - its own optimistic one) beyond it.
+  pred = Prediction("xla", {"a": Estimate(0.10, 0.4, compile_s=0.3),
+                            "b": Estimate(0.12, 0.4, compile_s=0.3)})
+  assert pred.could_win(margin=0.1)[0] == ["xla", "a", "b"]  # unbounded: both
+  # 1 s of xla's time in the horizon: b could save ~0.15 s over a, not its 0.3 s compile.
+  kept, pruned = pred.could_win(margin=0.1, horizon_s=1.0)
+  assert kept == ["xla", "a"] and list(pruned) == ["b"]
+  # 20 s: it could save ~3 s over a, which pays its compile.
+  assert pred.could_win(margin=0.1, horizon_s=20.0)[0] == ["xla", "a", "b"]
+
 def test_conv_features_keep_depthwise_and_dense_buckets_apart():
   dense = ConvSpec.from_arrays(np.ones((8, 16, 16, 32), np.float32),
                                np.ones((3, 3, 32, 32), np.float32), padding="SAME",

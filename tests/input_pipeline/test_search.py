@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 
@@ -382,8 +383,8 @@ def test_workers_are_searched_where_they_pay_and_the_start_kept_unless_beaten():
 def test_seed_settings_default_to_the_cores_this_process_may_use(monkeypatch):
   """Without `cpus`, seeds fit the process's CPU affinity, not the machine's cores."""
   space = _settings.search_space(S(), maxima={"worker_count": 8, "read_threads": 16})
-  monkeypatch.setattr(_search.os, "cpu_count", lambda: 64)
-  monkeypatch.setattr(_search.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+  monkeypatch.setattr(os, "cpu_count", lambda: 64)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
   assert _search.usable_cores() == 2
   got = [(s.worker_count, s.read_threads) for s in _search.seed_settings(S(), space)]
   assert got == [(w, t) for w, t in

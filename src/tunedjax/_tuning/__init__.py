@@ -13,7 +13,7 @@ names below, never another tuner's private modules.
   `warn_unusable`: the one decision on a folder that cannot be used (missing,
   under a file, read-only, full), warned once, the tuner carrying on in memory.
 - **What a result depends on**: `device_fingerprint`, `host_cpu`,
-  `canonical_platform`.
+  `canonical_platform`, `usable_cores` (the cores this process may run on).
 - **How to measure**: `time_interleaved` (rotated rounds, GC off), `median`,
   `random_array`/`random_inputs` (never zeros), `relative_error`.
 - **Who is tuning**: `TuningSession` (phase, step counter, statistics, and
@@ -47,6 +47,7 @@ from tunedjax._tuning._inputs import random_inputs as random_inputs
 from tunedjax._tuning._inputs import relative_error as relative_error
 from tunedjax._tuning._platform import PLATFORMS as PLATFORMS
 from tunedjax._tuning._platform import canonical_platform as canonical_platform
+from tunedjax._tuning._platform import usable_cores as usable_cores
 from tunedjax._tuning._session import APPLY as APPLY
 from tunedjax._tuning._session import OBSERVE as OBSERVE
 from tunedjax._tuning._session import TUNE as TUNE

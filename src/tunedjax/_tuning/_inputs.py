@@ -10,15 +10,68 @@ Example:
   (dtype('float32'), True)
   >>> relative_error(x, x)
   0.0
+
+Drawing is deterministic in the generator's state, and a tuning run draws the
+same large operands again and again (every bucket starts from the same seed,
+and buckets share shapes), so large draws are remembered (`_Drawn`): the same
+state, shape and dtype give the same array, read-only, and leave the
+generator where drawing would have.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+# Draws of at least this many bytes are remembered, up to _DRAWN_BYTES in all.
+_REMEMBER_BYTES = 1 << 20
+_DRAWN_BYTES = 128 << 20
+
+
+class _Drawn:
+  """The last large draws: ``(state, shape, dtype, integers) -> (array, state after)``,
+  least recently used first out once they pass `_DRAWN_BYTES`."""
+
+  def __init__(self, limit: int):
+    self.limit = limit
+    self.entries: collections.OrderedDict[Any, tuple[np.ndarray, Any]] = (
+        collections.OrderedDict())
+    self.bytes = 0
+    self.lock = threading.Lock()
+
+  def get(self, key: Any) -> tuple[np.ndarray, Any] | None:
+    with self.lock:
+      hit = self.entries.get(key)
+      if hit is not None:
+        self.entries.move_to_end(key)
+      return hit
+
+  def put(self, key: Any, array: np.ndarray, after: Any) -> None:
+    with self.lock:
+      if key in self.entries or array.nbytes > self.limit:
+        return
+      self.entries[key] = (array, after)
+      self.bytes += array.nbytes
+      while self.bytes > self.limit:
+        _, (old, _) = self.entries.popitem(last=False)
+        self.bytes -= old.nbytes
+
+
+_drawn = _Drawn(_DRAWN_BYTES)
+
+
+def _state_key(rng: Any) -> Any:
+  """A hashable form of a NumPy generator's state, or None (not remembered)."""
+  try:
+    state = rng.bit_generator.state
+  except AttributeError:
+    return None
+  return repr(sorted(state.items())) if isinstance(state, dict) else None
 
 
 def random_array(shape: Sequence[int], dtype: Any, rng: np.random.Generator,
@@ -34,9 +87,29 @@ def random_array(shape: Sequence[int], dtype: Any, rng: np.random.Generator,
 
   Returns:
     Normal floats (complex: normal real and imaginary parts), or integers.
+    An array of 1 MiB or more is read-only: the same draw returns it again.
   """
   dtype = np.dtype(dtype)
   shape = tuple(int(d) for d in shape)
+  if math.prod(shape) * dtype.itemsize < _REMEMBER_BYTES:
+    return _draw(shape, dtype, rng, integers)
+  state = _state_key(rng)
+  if state is None:
+    return _draw(shape, dtype, rng, integers)
+  key = (state, shape, dtype.str, integers)
+  hit = _drawn.get(key)
+  if hit is not None:
+    array, after = hit
+    rng.bit_generator.state = after
+    return array
+  array = _draw(shape, dtype, rng, integers)
+  array.setflags(write=False)
+  _drawn.put(key, array, rng.bit_generator.state)
+  return array
+
+
+def _draw(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator,
+          integers: str) -> np.ndarray:
   if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
     if integers == "zeros" or dtype == np.bool_:
       return np.zeros(shape, dtype)
@@ -58,15 +131,27 @@ def random_inputs(avals: Sequence[Any], seed: int = 0) -> list[np.ndarray]:
   return [random_array(a.shape, a.dtype, rng, integers="zeros") for a in avals]
 
 
+def _narrow_float(x: Any) -> bool:
+  """Whether `x` holds real floats of at most 32 bits (bfloat16 and float8 included)."""
+  dtype = np.dtype(getattr(x, "dtype", np.float64))
+  return dtype.itemsize <= 4 and (np.issubdtype(dtype, np.floating)
+                                  or dtype.name.startswith(("bfloat16", "float8")))
+
+
 def relative_error(out: Any, ref: Any) -> float:
-  """max |out - ref| / max |ref| in float64 (inf for a shape mismatch or NaN).
+  """max |out - ref| / max |ref| (inf for a shape mismatch or NaN).
+
+  Computed in float32 where both are real floats of at most 32 bits (the
+  difference of two close float32 values is exact, and a far one is far
+  beyond any tolerance), else in float64.
 
   Example:
     >>> relative_error(np.array([1.0, 3.0]), np.array([1.0, 2.0]))
     0.5
   """
-  out = np.asarray(out, dtype=np.float64)
-  ref = np.asarray(ref, dtype=np.float64)
+  wide = np.float32 if _narrow_float(out) and _narrow_float(ref) else np.float64
+  out = np.asarray(out, dtype=wide)
+  ref = np.asarray(ref, dtype=wide)
   if out.shape != ref.shape:
     return math.inf
   scale = float(np.max(np.abs(ref))) if ref.size else 0.0

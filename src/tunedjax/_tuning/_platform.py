@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from tunedjax import _errors
@@ -44,3 +46,16 @@ def canonical_platform(platform: str | None = None) -> str:
         f"Unknown platform {platform!r}{_errors.did_you_mean(name, PLATFORMS)}. "
         f"Valid platforms: {_errors.format_choices(PLATFORMS + tuple(_ALIASES))}.")
   return name
+
+
+def usable_cores() -> int:
+  """The cores this process may run on (its CPU affinity), not the machine's count.
+
+  Example:
+    >>> usable_cores() >= 1
+    True
+  """
+  try:
+    return len(os.sched_getaffinity(0)) or 1
+  except (AttributeError, OSError):  # no affinity on this platform
+    return os.cpu_count() or 1

@@ -179,14 +179,16 @@ class Prediction:
     """
     threshold = 1.0 / (1.0 + margin)
 
+    def compile_of(name: str) -> float:
+      if horizon_s is None or name == self.default:
+        return 0.0
+      est = self.estimates.get(name)
+      return est.compile_s if est is not None and est.compile_s is not None else default_compile_s
+
     def value(name: str, ratio: float) -> float:  # higher is better
       if horizon_s is None:
         return -ratio
-      est = self.estimates.get(name)
-      compile_s = 0.0 if name == self.default else (
-          est.compile_s if est is not None and est.compile_s is not None
-          else default_compile_s)
-      return horizon_s * (1.0 - ratio) - compile_s
+      return horizon_s * (1.0 - ratio) - compile_of(name)
 
     # The best: the fastest, or within a horizon the one that saves the most
     # after its compile.
@@ -211,7 +213,7 @@ class Prediction:
                           f" cannot save its compile ({est.compile_s or default_compile_s:.2g}"
                           " s) within the horizon")
         continue
-      if self._worth(name, best, value, threshold):
+      if self._worth(name, best, value, threshold, best_compile_s=compile_of(best)):
         kept.append(name)
       else:
         pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best {est.low:.2g}x), "
@@ -220,9 +222,13 @@ class Prediction:
 
 
   def _worth(self, name: str, best: str, value: Callable[[str, float], float],
-             threshold: float) -> bool:
+             threshold: float, *, best_compile_s: float = 0.0) -> bool:
     """Whether candidate `name` could beat the predicted `best` by more than
-    `TOLERANCE`, or win where the best might not beat the default."""
+    `TOLERANCE`, or win where the best might not beat the default.
+
+    Within a horizon the best is compiled anyway: `name` is worth its own
+    compile only if what it could save beyond the best's time pays for it
+    (``value(name, low) >= value(best, high) + best_compile_s``)."""
     est, best_est = self.estimates[name], self.estimates[best]
     pair = self.pairs.get((name, best))
     if pair is not None:  # timed side by side before: their ratio to each other
@@ -234,7 +240,7 @@ class Prediction:
       high = min(best_est.ratio * math.exp(both * best_est.spread
                                            / (est.spread + best_est.spread)), 1.0)
     floor = value(self.default, 1.0)
-    if value(name, low * (1.0 + TOLERANCE)) >= max(value(best, high), floor):
+    if value(name, low * (1.0 + TOLERANCE)) >= max(value(best, high) + best_compile_s, floor):
       return True
     # The best itself may fail to beat the default: then this one is a second chance.
     return best_est.high > threshold and est.low < threshold and value(name, est.low) >= floor

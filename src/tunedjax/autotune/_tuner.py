@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +66,10 @@ DECISIVE_RATIO = 0.1
 # process's first convolution). Below this many seconds of xla's call the
 # round drops nothing and decides nothing: every candidate gets timed rounds.
 SCREEN_MIN_S = 0.1
+# A first call below SCREEN_MIN_S is confirmed by a second before tuning is
+# paid for, unless tuning would pay back even if only this share of it were
+# the kernel's own time (the rest one-time costs).
+WARM_SHARE = 0.25
 # The clock the tuner's own bookkeeping reads (tests replace it).
 _clock = time.perf_counter
 
@@ -313,7 +316,7 @@ def _compile_all(functions: Mapping[str, Callable[..., Any]],
     finally:
       times[name] = time.perf_counter() - start
 
-  workers = max(1, min(len(functions), os.cpu_count() or 1))
+  workers = max(1, min(len(functions), _tuning.usable_cores()))
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     return dict(zip(functions, pool.map(compile_one, functions.items())))
 
@@ -520,7 +523,8 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
       {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
   cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
-  if default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound:
+  if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
+      and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
     calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
@@ -543,6 +547,17 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
       f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+
+
+def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: float,
+                                default_s: float) -> bool:
+  """Whether tuning pays back even if only `WARM_SHARE` of the default's first
+  call was its own time: then a second call could not change the decision."""
+  low = default_s * WARM_SHARE
+  cost, compile_bound = _expected_cost(bucket, payback, compile_s, low)
+  pays = payback.pays(low, cost) and not compile_bound
+  _expected_cost(bucket, payback, compile_s, default_s)  # the candidates in play at default_s
+  return pays
 
 
 def _plan(bucket: _Bucket, payback: Payback | None

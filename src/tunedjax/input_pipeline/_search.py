@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from tunedjax._tuning import usable_cores
 from tunedjax.input_pipeline._result import Trial
 from tunedjax.input_pipeline._result import TuningResult
 from tunedjax.input_pipeline._result import describe
@@ -254,19 +254,6 @@ def thread_neighbours(settings: LoaderSettings, ladder: Sequence[int]) -> list[L
   i = ladder.index(settings.read_threads)
   return [settings.replace(read_threads=ladder[j]) for j in (i - 1, i + 1)
           if 0 <= j < len(ladder)]
-
-
-def usable_cores() -> int:
-  """The cores this process may run on (its CPU affinity), not the machine's count.
-
-  Example:
-    >>> usable_cores() >= 1
-    True
-  """
-  try:
-    return len(os.sched_getaffinity(0)) or 1
-  except (AttributeError, OSError):  # no affinity on this platform
-    return os.cpu_count() or 1
 
 
 def seed_settings(start: LoaderSettings, space: Space, *,
