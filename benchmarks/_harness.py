@@ -50,7 +50,8 @@ class Timings:
 
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
-                rounds: int = 7, warmup: int = 1, prime: bool = False) -> Timings:
+                rounds: int = 7, warmup: int = 1, prime: bool | int = False,
+                burst: int = 1) -> Timings:
   """Times each variant once per round, rotating the order each round.
 
   The baseline is also timed a second time under the name `CONTROL`, as an
@@ -62,10 +63,13 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
     baseline: the name ratios are taken against.
     rounds: timed rounds.
     warmup: untimed rounds first (compilation, caches).
-    prime: call each variant once, untimed, right before timing it, so that it
-      is timed as the second of two consecutive calls (a training loop's steady
-      state) and not charged for what the previous variant left running (after
-      a PyTorch step its OpenMP threads spin for a few ms on the same cores).
+    prime: call each variant once (or this many times), untimed, right
+      before timing it, so that it is timed as part of a run of consecutive
+      calls (a training loop's steady state) and not charged for what the
+      previous variant left behind (after a PyTorch step its OpenMP threads
+      spin for a few ms on the same cores; after 0.1 s without work, XLA:CPU's
+      next few calls run up to 1.6x slower on these machines).
+    burst: consecutive calls timed per round; the round's time is their mean.
   """
   names = [*variants, CONTROL]
   fns = {**variants, CONTROL: variants[baseline]}
@@ -74,11 +78,12 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
     order = names[r % len(names):] + names[:r % len(names)]
     for name in order:
       gc.collect()  # a collection triggered by an earlier variant is not charged to this one
-      if prime:
+      for _ in range(int(prime)):
         fns[name]()
       start = time.perf_counter()
-      fns[name]()
-      elapsed = time.perf_counter() - start
+      for _ in range(burst):
+        fns[name]()
+      elapsed = (time.perf_counter() - start) / burst
       if r >= warmup:
         runs[name].append(elapsed)
   return Timings(runs, baseline)

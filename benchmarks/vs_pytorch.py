@@ -32,7 +32,11 @@ of each PyTorch variant and of tunedjax against `jax.jit` (relative error =
 max |a - b| / max |b| per tensor, with 1e-3 of the largest gradient as the
 least scale: see `agreement`; the largest reported, bound 2e-2). Then it
 times the variants interleaved in rounds (`_harness.interleaved`: rotated
-order, the baseline timed twice as an A/A control), quoting medians and the
+order, the baseline timed twice as an A/A control; in each round a variant
+runs `--prime` untimed steps, 3, then `--steps` timed ones, 5, whose mean is
+its time: a training loop's steady state, not the slow first calls of an
+XLA program whose threads sat idle while the other variants ran, which
+`after_idle.py` measures), quoting medians and the
 median of per-round ratios against PyTorch eager channels_last. Then the
 per-op breakdown: `torch.profiler` for PyTorch (self CPU time per aten op),
 and for JAX the thunk times of the compiled program from `jax.profiler`
@@ -763,7 +767,7 @@ def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
     raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
   baseline = BASELINE if BASELINE in variants else "jax.jit"
   timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1,
-                                 prime=not args.no_prime)
+                                 prime=args.prime, burst=args.steps)
   faults = {name: page_faults_per_step(fn) for name, fn in variants.items()}
 
   with tj.config_context(config):
@@ -792,9 +796,12 @@ def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float
            ) -> str:
   torch_line = (f"PyTorch {torch.__version__} ({args.threads} threads)" if torch is not None
                 else "PyTorch not installed: JAX side only")
-  primed = ("" if args.no_prime else
-            ", each timed step right after an untimed step of the same variant (the steady "
-            "state of a training loop; not charged for the previous variant's spinning threads)")
+  primed = ("" if not args.prime else
+            f", each variant's {args.steps} timed step(s) (their mean) right after "
+            f"{args.prime} untimed step(s) of the same variant (the steady state of a training "
+            "loop: not charged for the previous variant's spinning threads, nor for the slow "
+            "first calls of an XLA program whose threads sat idle while the other variants ran; "
+            "see BENCHMARKS.md, after idle)")
   title = "## tunedjax against PyTorch on CPU"
   if args.net == "mobilenet-plain":
     title += (f": the step in plain JAX, host memory "
@@ -878,14 +885,24 @@ def main(argv=None) -> int:
                       help="both: mobilenet and demo; all: and mobilenet-plain (the step "
                            "written in plain JAX, its batch norms found as patterns)")
   parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  parser.add_argument("--prime", type=int, default=3,
+                      help="untimed steps of a variant right before its timed ones (1 and "
+                           "--steps 1: the timing used 2026-11-24 to 26)")
+  parser.add_argument("--steps", type=int, default=5,
+                      help="consecutive steps timed per variant and round (their mean)")
   parser.add_argument("--no-prime", action="store_true",
-                      help="time each variant's step right after the previous variant's "
-                           "(the timing used before 2026-11-24: charges a JAX step for PyTorch's spinning threads)")
+                      help="one step timed right after the previous variant's (the timing used "
+                           "before 2026-11-24: charges a JAX step for PyTorch's spinning "
+                           "threads); same as --prime 0 --steps 1")
   parser.add_argument("--profile-steps", type=int, default=None)
   parser.add_argument("--bf16", action="store_true",
                       help="also time tunedjax with the mixed-precision policy (bf16 compute)")
   args = parser.parse_args(argv)
   args.rounds = args.rounds or (2 if args.quick else 9)
+  if args.no_prime:
+    args.prime, args.steps = 0, 1
+  if args.prime < 0 or args.steps < 1:
+    parser.error(f"--prime must be >= 0 and --steps >= 1, got {args.prime} and {args.steps}")
   args.profile_steps = args.profile_steps or (1 if args.quick else 3)
   if torch is None:
     print("torch is not installed: timing the JAX side only (see this script's docstring "
