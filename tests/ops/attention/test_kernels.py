@@ -73,7 +73,7 @@ def test_kernels_match_float64(causal, bias_axes, mask_axes, rng):
 
 
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=7, deadline=None)
 @given(data=st.data(), b=st.integers(1, 2), t=st.integers(1, 40), s=st.integers(1, 40),
        kv_heads=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2, 4]),
        h=st.sampled_from([4, 8]), causal=st.booleans(),

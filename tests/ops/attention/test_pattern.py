@@ -188,7 +188,7 @@ def test_each_spelling_and_mask_found_and_equal(spelling, kind):
 
 
 @pytest.mark.slow
-@hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
                      phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate))
 @hypothesis.given(spelling=st.sampled_from(sorted(SPELLINGS)), kind=st.sampled_from(MASKS),
                   b=st.integers(1, 2), t=st.integers(1, 9), extra_s=st.integers(0, 3),

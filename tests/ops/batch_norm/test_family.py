@@ -48,7 +48,7 @@ def _draw(rng, shape, offset):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(shape=st.tuples(st.integers(4, 8), st.integers(2, 5), st.integers(2, 5),
                        st.integers(1, 9)),
        offset=st.sampled_from([0.0, 3.0, 30.0]), seed=st.integers(0, 2**16),
