@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+import _workers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VARIANTS = {"retain": {"TUNEDJAX_HOST_MEMORY": "retain"}, "auto, first process": {},
             "auto, next process": {}, "opt-out": {"TUNEDJAX_HOST_MEMORY": "default"},
@@ -64,8 +66,7 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   import vs_pytorch  # pylint: disable=import-outside-toplevel
 
   if net == "mlp":  # host-bound: what one arena costs a small step's dispatch, if anything
-    import jit_overhead  # pylint: disable=import-outside-toplevel
-    step, args = jit_overhead.mlp_problem()
+    step, args = _workers.mlp_problem()
     reps *= 40
   else:
     step, args = vs_pytorch.net_problem(net, quick)[:2]
@@ -116,31 +117,24 @@ def _spawn(net: str, cache_dir: str, args: argparse.Namespace, extra_env: dict[s
                           env=env)
 
 
-def _reply(proc: subprocess.Popen) -> dict:
-  line = proc.stdout.readline()
-  if not line:
-    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
-  return json.loads(line)
-
-
 def measure(net: str, args: argparse.Namespace) -> dict:
   """Tunes `net` once, then times every variant's worker in rotated rounds."""
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-host-memory-")
   tuner = _spawn(net, cache_dir, args, VARIANTS["retain"])  # tunes into the cache, then exits
-  status = _reply(tuner)["ready"]
+  status = _workers.reply(tuner)["ready"]
   tuner.communicate("")
   decisions = tempfile.mkdtemp(prefix="tunedjax-host-memory-decisions-")
   procs, statuses = {}, {}
   for name, env in VARIANTS.items():  # one at a time: the next auto process reads the first's
     procs[name] = _spawn(net, cache_dir, args, env, decisions if name in DECIDING else None)
-    statuses[name] = _reply(procs[name])["ready"]
+    statuses[name] = _workers.reply(procs[name])["ready"]
   names = list(procs)
   runs: dict[str, list[dict]] = {n: [] for n in names}
   for r in range(args.rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
       procs[name].stdin.write("run\n")
       procs[name].stdin.flush()
-      runs[name].append(_reply(procs[name]))
+      runs[name].append(_workers.reply(procs[name]))
   for p in procs.values():
     p.communicate("")
   return {"net": net, "runs": runs, "statuses": statuses, "tuner": status}

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+import _workers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLS = 200  # jit_overhead.CALLS_PER_RUN
 BATCHES = 5  # a run: the median of 5 batches of CALLS calls
@@ -47,32 +49,11 @@ VARIANTS = {  # name: (imports tunedjax, program, cache holds another workload's
 SECTION = "import_dispatch"
 
 
-def mlp_problem(width: int = 64, batch: int = 32):
-  """`jit_overhead.mlp_problem`, here so that a worker can run it without tunedjax."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(0)
-  params = {"w1": jnp.asarray(rng.normal(size=(width, width)) * 0.1, jnp.float32),
-            "w2": jnp.asarray(rng.normal(size=(width, 1)) * 0.1, jnp.float32)}
-  x = jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32)
-
-  def loss(params, x, y):
-    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
-
-  def step(params, x, y):
-    value, grads = jax.value_and_grad(loss)(params, x, y)
-    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
-
-  return step, (params, x, y)
-
-
 def worker(imports_tunedjax: bool, program: str) -> None:
   if imports_tunedjax:
     import tunedjax as tj  # pylint: disable=import-outside-toplevel  # first, as users do
   import jax  # pylint: disable=import-outside-toplevel
-  step, args = mlp_problem()
+  step, args = _workers.mlp_problem()
   fn = tj.jit(step) if program == "tj.jit" else jax.jit(step)
 
   def run():
@@ -117,13 +98,6 @@ def _spawn(name: str, folders: dict[bool, str]) -> subprocess.Popen:
                           env=env)
 
 
-def _reply(proc: subprocess.Popen) -> dict:
-  line = proc.stdout.readline()
-  if not line:
-    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
-  return json.loads(line)
-
-
 def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]]:
   folders = {False: tempfile.mkdtemp(prefix="tunedjax-dispatch-"),
              True: tempfile.mkdtemp(prefix="tunedjax-dispatch-decided-")}
@@ -131,14 +105,14 @@ def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]
   procs, statuses = {}, {}
   for name in VARIANTS:
     procs[name] = _spawn(name, folders)
-    statuses[name] = _reply(procs[name])["ready"]
+    statuses[name] = _workers.reply(procs[name])["ready"]
   names = list(procs)
   runs: dict[str, list[float]] = {n: [] for n in names}
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
       procs[name].stdin.write("run\n")
       procs[name].stdin.flush()
-      runs[name].append(_reply(procs[name])["us"])
+      runs[name].append(_workers.reply(procs[name])["us"])
   for p in procs.values():
     p.communicate("")
   return runs, statuses

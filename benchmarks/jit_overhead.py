@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _harness
+from _workers import mlp_problem
 import kernels as kernels_bench
 import layout as layout_bench
 import tunedjax as tj
@@ -48,23 +49,6 @@ TUNERS = {
     "every tuner (+ mixed bf16)": {"layout": {"enable": True}, "kernel": {"enable": True},
                                    "mixed_precision": {"enable": True}},
 }
-
-
-def mlp_problem(width: int = 64, batch: int = 32):
-  rng = np.random.default_rng(0)
-  params = {"w1": jnp.asarray(rng.normal(size=(width, width)) * 0.1, jnp.float32),
-            "w2": jnp.asarray(rng.normal(size=(width, 1)) * 0.1, jnp.float32)}
-  x = jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32)
-
-  def loss(params, x, y):
-    return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
-
-  def step(params, x, y):
-    value, grads = jax.value_and_grad(loss)(params, x, y)
-    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
-
-  return step, (params, x, y)
 
 
 def resnet_problem(image: int, batch: int = 8, *, quick: bool = False):

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+import _workers
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 VARIANTS = {
@@ -75,7 +77,7 @@ def worker(kind: str, cache_dir: str, quick: bool) -> None:
       return out
   else:
     import jit_overhead  # pylint: disable=import-outside-toplevel
-    step, args = jit_overhead.mlp_problem()
+    step, args = _workers.mlp_problem()
     fn, calls, batches = jax.jit(step), jit_overhead.CALLS_PER_RUN, 5
 
     def run():
@@ -113,27 +115,20 @@ def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def _reply(proc: subprocess.Popen) -> dict:
-  line = proc.stdout.readline()
-  if not line:
-    raise SystemExit(f"a worker ended early (exit code {proc.wait()})")
-  return json.loads(line)
-
-
 def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str,
             quick: bool = False) -> dict[str, list[dict]]:
   """One worker per variant (started one at a time), timed in rotated rounds."""
   procs = {}
   for name, env in variants.items():
     procs[name] = _spawn(kind, cache_dir, env, quick)
-    _reply(procs[name])
+    _workers.reply(procs[name])
   names = list(procs)
   runs: dict[str, list[dict]] = {n: [] for n in names}
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
       procs[name].stdin.write("run\n")
       procs[name].stdin.flush()
-      runs[name].append(_reply(procs[name]))
+      runs[name].append(_workers.reply(procs[name]))
   for p in procs.values():
     p.communicate("")
   return runs
@@ -188,7 +183,7 @@ def main(argv=None) -> int:
   load0 = os.getloadavg()[0]
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
   tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
-  _reply(tuner)
+  _workers.reply(tuner)
   tuner.communicate("")
   dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
   step = measure("step", variants, args.rounds, cache_dir, args.quick)

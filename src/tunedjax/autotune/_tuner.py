@@ -554,10 +554,10 @@ def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: fl
   """Whether tuning pays back even if only `WARM_SHARE` of the default's first
   call was its own time: then a second call could not change the decision."""
   low = default_s * WARM_SHARE
+  in_play = bucket.functions, bucket.pruned  # `_expected_cost` prunes for the time it is given
   cost, compile_bound = _expected_cost(bucket, payback, compile_s, low)
-  pays = payback.pays(low, cost) and not compile_bound
-  _expected_cost(bucket, payback, compile_s, default_s)  # the candidates in play at default_s
-  return pays
+  bucket.functions, bucket.pruned = in_play
+  return payback.pays(low, cost) and not compile_bound
 
 
 def _plan(bucket: _Bucket, payback: Payback | None
