@@ -7,10 +7,15 @@ STAMP := $(VENV)/.tunedjax-installed
 .PHONY: test test-py312 test-native-sanitize demo notebooks bench bench-smoke device-wheels \
   clean-venv
 
+# The install builds the native CPU kernels for this machine too (once; into
+# ~/.cache/tunedjax/native), as a package with C extensions would: the first
+# `make demo` then does not pay for the C++ build. Without a compiler it says so
+# and goes on (tunedjax runs without them).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(VENV)/bin/tunedjax native build || echo "native kernels not built; tunedjax works without them"
 	@touch $(STAMP)
 
 test: $(STAMP)

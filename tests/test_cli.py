@@ -73,6 +73,32 @@ def test_info_says_when_native_kernels_are_off_and_what_is_built(capsys, cache_d
   _native.reset()
 
 
+def test_native_build_builds_reports_and_fails_clearly(capsys, tmp_path, monkeypatch):
+  from tunedjax import _native
+  if _native.find_compiler() is None:
+    pytest.skip("no C++ compiler on this machine")
+  folder = tmp_path / "csrc"
+  folder.mkdir()
+  (folder / "tiny.cc").write_text('extern "C" int tj_answer() { return 42; }\n')
+  monkeypatch.setattr(_native, "HEADER_DIR", folder)
+  monkeypatch.setattr(_native, "_SOURCES", {"tiny": folder / "tiny.cc"})
+  monkeypatch.setenv(_native.DIR_ENV_VAR, str(tmp_path / "native"))
+  monkeypatch.delenv(_native.ENV_VAR, raising=False)
+  assert cli.main(["native", "build"]) == 0
+  assert re.fullmatch(rf"tiny +built in \d+\.\d s: {re.escape(str(tmp_path))}/native/\w+/tiny\.so\n",
+                      capsys.readouterr().out)
+  assert cli.main(["native", "build"]) == 0
+  assert "tiny         already built: " in capsys.readouterr().out
+  (folder / "broken.cc").write_text("not C++\n")
+  _native.register_source(folder / "broken.cc")
+  assert cli.main(["native", "build"]) == 1
+  assert re.search(r"broken +failed: .*not C\+\+", capsys.readouterr().err, re.S)
+  monkeypatch.setenv(_native.ENV_VAR, "0")
+  assert cli.main(["native", "build"]) == 1
+  assert "native kernels are off ($TUNEDJAX_NATIVE=0)" in capsys.readouterr().err
+  assert cli.main(["native"]) == 2  # the action is required
+
+
 def test_info_json(capsys, cache_dir, monkeypatch):
   from tunedjax import _host_memory
   monkeypatch.setattr(_host_memory, "_FOLDER", cache_dir)  # the decisions' folder: at import

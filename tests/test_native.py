@@ -25,12 +25,14 @@ from tunedjax._errors import CacheWarning
 from tunedjax._tuning import CpuInfo
 
 TINY = 'extern "C" int tj_answer() { return 42; }\n'
+USER_DEFAULT_DIR = _native.DEFAULT_DIR
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch, tmp_path):
-  """Each test: its own cache folder, native kernels on, nothing loaded or warned yet."""
+  """Each test: its own native folder, native kernels on, nothing loaded or warned yet."""
   monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(_native, "DEFAULT_DIR", str(tmp_path / "native"))
   monkeypatch.delenv(_native.ENV_VAR, raising=False)
   monkeypatch.delenv(_native.DIR_ENV_VAR, raising=False)
   _native.reset()
@@ -55,7 +57,7 @@ def needs_compiler():
 
 
 def built(tmp_path: pathlib.Path) -> list[pathlib.Path]:
-  return sorted((tmp_path / "cache" / "native").glob("*/*"))
+  return sorted((tmp_path / "native").glob("*/*"))
 
 
 def test_builds_loads_and_caches_a_library(sources, tmp_path):
@@ -173,7 +175,7 @@ def test_a_corrupt_library_is_rebuilt_with_a_cache_warning(sources, tmp_path):
   # A file under the final name that is not a library (a process loads a path
   # once, so the corrupt file is there before the first load).
   digest = _native.build_digest("tiny", _native.find_compiler())
-  target = tmp_path / "cache" / "native" / digest / "tiny.so"
+  target = tmp_path / "native" / digest / "tiny.so"
   target.parent.mkdir(parents=True)
   target.write_bytes(b"not a shared object")
   with pytest.warns(CacheWarning, match="did not load"):
@@ -191,11 +193,61 @@ def test_the_native_dir_variable_moves_the_libraries(sources, tmp_path, monkeypa
   assert _native.status()["folder"] == str(tmp_path / "elsewhere")
 
 
-def test_an_unusable_cache_folder_builds_in_a_temporary_one(sources, tmp_path, monkeypatch):
+def test_the_libraries_are_not_under_the_tuning_cache(sources, tmp_path, monkeypatch):
+  """A fresh tuning cache re-tunes; it does not rebuild the C++ (the default folder stays)."""
+  needs_compiler()
+  assert _native.library("tiny").tj_answer() == 42
+  monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(tmp_path / "another-cache"))
+  _native.reset()
+  monkeypatch.setattr(_native, "_compile", lambda *args: pytest.fail("rebuilt"))
+  assert _native.library("tiny").tj_answer() == 42
+  assert not (tmp_path / "cache").exists() and not (tmp_path / "another-cache").exists()
+  assert _native.status()["folder"] == str(tmp_path / "native")
+
+
+def test_the_default_folder_is_the_user_s():
+  assert USER_DEFAULT_DIR == "~/.cache/tunedjax/native"  # the fixture moves it per test
+
+
+def test_build_all_builds_each_source_once_and_reports_it(sources, tmp_path):
+  needs_compiler()
+  (sources / "second.cc").write_text(TINY.replace("tj_answer", "tj_second"))
+  _native.register_source(sources / "second.cc")
+  first = _native.build_all()
+  assert [(b.source, b.error) for b in first] == [("second", None), ("tiny", None)]
+  assert all(b.seconds > 0 and b.path.exists() for b in first)
+  assert sorted(f.name for f in built(tmp_path)) == ["second.so", "tiny.so"]
+  again = _native.build_all()
+  assert [(b.source, b.path, b.seconds) for b in again] == [
+      (b.source, b.path, 0.0) for b in first]
+  assert _native.library("tiny").tj_answer() == 42  # loaded from what build_all built
+
+
+def test_build_all_reports_a_failed_source_and_builds_the_others(sources, tmp_path):
+  needs_compiler()
+  (sources / "broken.cc").write_text("this is not C++;\n")
+  _native.register_source(sources / "broken.cc")
+  report = {b.source: b for b in _native.build_all()}
+  assert "not C++" in report["broken"].error and not report["broken"].path.exists()
+  assert report["tiny"].error is None and report["tiny"].path.exists()
+
+
+def test_build_all_says_why_it_cannot_build(sources, monkeypatch):
+  monkeypatch.setenv(_native.ENV_VAR, "off")
+  with pytest.raises(_native.NativeBuildError, match=r"native kernels are off \(\$TUNEDJAX_NATIVE=off\)"):
+    _native.build_all()
+  monkeypatch.delenv(_native.ENV_VAR)
+  monkeypatch.delenv(_native.NATIVE_CXX_ENV_VAR, raising=False)
+  monkeypatch.setenv("CXX", "/nonexistent/c++")
+  with pytest.raises(_native.NativeBuildError, match=r"no C\+\+ compiler found.*nonexistent"):
+    _native.build_all()
+
+
+def test_an_unusable_native_folder_builds_in_a_temporary_one(sources, tmp_path, monkeypatch):
   needs_compiler()
   blocker = tmp_path / "a-file"
   blocker.write_text("")
-  monkeypatch.setenv("TUNEDJAX_CACHE_DIR", str(blocker / "cache"))
+  monkeypatch.setattr(_native, "DEFAULT_DIR", str(blocker / "native"))
   with pytest.warns(UserWarning, match="native kernel folder"):
     lib = _native.library("tiny")
   assert lib.tj_answer() == 42

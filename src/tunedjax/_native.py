@@ -4,12 +4,15 @@ tunedjax ships a few kernels as C++ sources that XLA calls through its FFI,
 for work XLA:CPU compiles poorly (a depthwise convolution's weight gradient, batch norm's statistics). They are built the
 first time a kernel needs them, with the host's C++ compiler
 (``$TUNEDJAX_NATIVE_CXX``, else ``$CXX``, else ``c++``, ``g++`` or
-``clang++``) and ``-O3 -march=native``, into the cache folder
-(``<cache dir>/native/<digest>/``). The digest covers the sources, the XLA
-FFI headers of the installed jaxlib, the compiler's version and flags and the
-host CPU, so a shared cache folder serves every machine of a cluster with a
-library of its own; a later process loads the library in milliseconds.
-``$TUNEDJAX_NATIVE_DIR`` puts the libraries elsewhere.
+``clang++``) and ``-O3 -march=native``, into a folder of the machine's user
+(``~/.cache/tunedjax/native/<digest>/``), apart from the tuning cache: a
+fresh tuning cache (``$TUNEDJAX_CACHE_DIR``) re-tunes without rebuilding
+C++. The digest covers the sources, the XLA FFI headers of the installed
+jaxlib, the compiler's version and flags and the host CPU, so a shared folder
+serves every machine of a cluster with a library of its own; a later process
+loads the library in milliseconds. ``$TUNEDJAX_NATIVE_DIR`` puts the
+libraries elsewhere. `build_all` (``tunedjax native build``) builds them
+ahead, as part of an install, so that no training run pays for the build.
 
 ``TUNEDJAX_NATIVE_SANITIZE=1`` builds every source with AddressSanitizer and
 UndefinedBehaviorSanitizer (`SANITIZE_FLAGS`) into folders of their own
@@ -52,6 +55,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -59,7 +63,6 @@ from typing import NamedTuple
 import jax
 import jaxlib
 
-from tunedjax._config import get_config
 from tunedjax._errors import CacheWarning
 from tunedjax._tuning import host_cpu, usable_folder
 
@@ -67,8 +70,11 @@ ENV_VAR = "TUNEDJAX_NATIVE"
 """Set to ``0`` (or ``off``, ``false``, ``no``) to never build or use native kernels."""
 
 DIR_ENV_VAR = "TUNEDJAX_NATIVE_DIR"
-"""Where built libraries go instead of ``<cache dir>/native`` (e.g. one folder for many
-tuning caches: the test suite's subprocesses, notebooks with private caches)."""
+"""Where built libraries go instead of `DEFAULT_DIR` (e.g. a folder shared by a cluster,
+or the test suite's own)."""
+
+DEFAULT_DIR = "~/.cache/tunedjax/native"
+"""The digests' parent folder unless ``$TUNEDJAX_NATIVE_DIR`` says otherwise."""
 
 CXX_ENV_VAR = "CXX"
 NATIVE_CXX_ENV_VAR = "TUNEDJAX_NATIVE_CXX"
@@ -101,7 +107,22 @@ _SUSPENDED = contextvars.ContextVar("tunedjax_native_suspended", default=False)
 
 
 class NativeBuildError(RuntimeError):
-  """A native library could not be built or loaded (caught here, never raised to users)."""
+  """A native library could not be built or loaded.
+
+  Kernels catch it (the tuner leaves native kernels out); only `build_all`
+  raises it, for ``tunedjax native build`` to report.
+  """
+
+
+class Built(NamedTuple):
+  """What `build_all` did for one source."""
+
+  source: str
+  path: pathlib.Path
+  """The library (it exists unless `error` is set)."""
+  seconds: float
+  """How long its compile took; 0.0 when it was built already."""
+  error: str | None = None
 
 
 class Compiler(NamedTuple):
@@ -211,11 +232,12 @@ def build_digest(source: str, compiler: Compiler) -> str:
 
 
 def build_root() -> pathlib.Path:
-  """``$TUNEDJAX_NATIVE_DIR`` if set, else ``<cache dir>/native``: the digests' parent folder."""
-  chosen = os.environ.get(DIR_ENV_VAR)
-  if chosen:
-    return pathlib.Path(chosen).expanduser()
-  return get_config().cache.resolved_dir / "native"
+  """``$TUNEDJAX_NATIVE_DIR`` if set, else `DEFAULT_DIR`: the digests' parent folder.
+
+  Not under the tuning cache folder: the libraries depend on the sources,
+  compiler and CPU (the digest), never on what was tuned.
+  """
+  return pathlib.Path(os.environ.get(DIR_ENV_VAR) or DEFAULT_DIR).expanduser()
 
 
 def _build_folder(digest: str) -> pathlib.Path:
@@ -300,17 +322,23 @@ def _check_sanitizer_runtime() -> None:
         "test-native-sanitize` does), or unset it")
 
 
-def _load(source: str) -> ctypes.CDLL:
-  """Builds (unless cached) and loads the library of `source`."""
-  path = source_path(source)
-  if path is None or not path.exists():
-    raise NativeBuildError(f"no native source {source!r}; available: {sources()}")
+def _require_compiler() -> Compiler:
+  """`find_compiler`'s compiler; raises `NativeBuildError` naming what was looked for."""
   compiler = find_compiler()
   if compiler is None:
     wanted = (os.environ.get(NATIVE_CXX_ENV_VAR) or os.environ.get(CXX_ENV_VAR)
               or " / ".join(COMPILERS))
     raise NativeBuildError(f"no C++ compiler found (looked for {wanted}; set "
                            f"${NATIVE_CXX_ENV_VAR} or ${CXX_ENV_VAR})")
+  return compiler
+
+
+def _load(source: str) -> ctypes.CDLL:
+  """Builds (unless cached) and loads the library of `source`."""
+  path = source_path(source)
+  if path is None or not path.exists():
+    raise NativeBuildError(f"no native source {source!r}; available: {sources()}")
+  compiler = _require_compiler()
   _check_sanitizer_runtime()
   target = _build_folder(build_digest(source, compiler)) / f"{source}.so"
   if not target.exists():
@@ -331,14 +359,38 @@ def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) ->
     warnings.warn(message, category, stacklevel=3)
 
 
+def _compile_side_by_side(compiler: Compiler,
+                          jobs: dict[str, pathlib.Path]) -> dict[str, float | Exception]:
+  """Compiles each source of `jobs` into its target, all at once; seconds or error per source.
+
+  A compile is a subprocess, so building them together costs about the
+  time of the slowest rather than the sum.
+  """
+  outcomes: dict[str, float | Exception] = {}
+
+  def build(name: str) -> None:
+    start = time.perf_counter()
+    try:
+      _compile(name, compiler, jobs[name])
+      outcomes[name] = time.perf_counter() - start
+    except (NativeBuildError, OSError) as err:
+      outcomes[name] = err
+
+  threads = [threading.Thread(target=build, args=(name,), daemon=True) for name in jobs]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  return outcomes
+
+
 def _build_missing(requested: str) -> dict[str, Exception]:
   """Compiles `requested` and every other shipped source not built yet, side by side.
 
-  A model that needs one native kernel usually needs the others too, and a
-  compile is a subprocess, so building them together costs about the time
-  of the slowest rather than the sum (on a new machine's first run). Each
-  other source is tried here once per process; a failure is returned, and
-  raised only when that source is requested.
+  A model that needs one native kernel usually needs the others too (on a
+  new machine's first run). Each other source is tried here once per
+  process; a failure is returned, and raised only when that source is
+  requested.
   """
   compiler = find_compiler()
   if compiler is None or (sanitize() and not _sanitizer_runtime_loaded()):
@@ -351,20 +403,48 @@ def _build_missing(requested: str) -> dict[str, Exception]:
     target = _build_folder(build_digest(name, compiler)) / f"{name}.so"
     if not target.exists():
       jobs[name] = target
-  errors: dict[str, Exception] = {}
+  outcomes = _compile_side_by_side(compiler, jobs)
+  return {name: err for name, err in outcomes.items() if isinstance(err, Exception)}
 
-  def build(name: str) -> None:
-    try:
-      _compile(name, compiler, jobs[name])
-    except (NativeBuildError, OSError) as err:
-      errors[name] = err
 
-  threads = [threading.Thread(target=build, args=(name,), daemon=True) for name in jobs]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  return errors
+def build_all() -> list[Built]:
+  """Builds every registered source not built yet for this machine, side by side.
+
+  What ``tunedjax native build`` runs, and ``make``'s install step: a
+  machine whose libraries are built ahead starts its first training run with
+  them, instead of paying for the build there (several seconds on 2 cores).
+  Loads nothing into this process.
+
+  Returns:
+    One `Built` per source, in `sources` order; a failed compile has its
+    `Built.error` set (the compiler's message).
+
+  Raises:
+    NativeBuildError: native kernels are off (``$TUNEDJAX_NATIVE``), no
+      compiler was found, or sanitize mode lacks its runtime.
+
+  Example:
+    >>> [built.source for built in build_all()] == sources()  # doctest: +SKIP
+    True
+  """
+  if disabled():
+    raise NativeBuildError(f"native kernels are off (${ENV_VAR}="
+                           f"{os.environ.get(ENV_VAR)}); unset it to build them")
+  compiler = _require_compiler()
+  _check_sanitizer_runtime()
+  with _LOCK:
+    targets = {name: _build_folder(build_digest(name, compiler)) / f"{name}.so"
+               for name in sources()}
+    outcomes = _compile_side_by_side(
+        compiler, {name: t for name, t in targets.items() if not t.exists()})
+  report = []
+  for name, target in targets.items():
+    outcome = outcomes.get(name, 0.0)  # absent: built already
+    if isinstance(outcome, Exception):
+      report.append(Built(name, target, 0.0, str(outcome)))
+    else:
+      report.append(Built(name, target, outcome))
+  return report
 
 
 def library(source: str) -> ctypes.CDLL | None:

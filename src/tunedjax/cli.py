@@ -1,7 +1,8 @@
 """The ``tunedjax`` command line.
 
 One function per subcommand, ``_cmd_<name>(args) -> int``, registered in
-`_build_parser`: ``info``, ``cache show|clear|export|import`` and ``demo``.
+`_build_parser`: ``info``, ``cache show|clear|export|import``, ``native build``
+and ``demo``.
 
 Example:
   >>> main(["--version"])  # doctest: +ELLIPSIS
@@ -196,7 +197,8 @@ def format_info(info: dict[str, Any]) -> str:
   lines += ["", "Native CPU kernels"] + _table({
       "enabled": "yes" if native["enabled"] else f"no (${_native.ENV_VAR})",
       "compiler": native["compiler"] or "(none found)",
-      "built": ", ".join(native["built"]) or "(none yet: built on first use)",
+      "built": ", ".join(native["built"]) or "(none yet: `tunedjax native build`, or on "
+                                            "first use)",
       "sources": ", ".join(native["sources"]),
   })
   lines += _format_host_memory(info["host_memory"])
@@ -330,6 +332,39 @@ def _add_cache_commands(commands: Any) -> None:
   import_.set_defaults(run=_cmd_cache_import)
 
 
+def _cmd_native_build(args: argparse.Namespace) -> int:  # pylint: disable=unused-argument
+  """``tunedjax native build``: every native source for this machine, side by side.
+
+  Exits 1 when native kernels are off, no compiler was found or a source
+  failed to build (the compiler's message is printed); 0 otherwise.
+  """
+  try:
+    report = _native.build_all()
+  except _native.NativeBuildError as err:
+    print(f"tunedjax native build: {err}", file=sys.stderr)
+    return 1
+  for built in report:
+    if built.error:
+      print(f"{built.source:<12} failed: {built.error}", file=sys.stderr)
+    elif built.seconds:
+      print(f"{built.source:<12} built in {built.seconds:.1f} s: {built.path}")
+    else:
+      print(f"{built.source:<12} already built: {built.path}")
+  return 1 if any(built.error for built in report) else 0
+
+
+def _add_native_commands(commands: Any) -> None:
+  native = commands.add_parser(
+      "native", help="build the native CPU kernels ahead of the first run",
+      description="The native CPU kernels (C++ XLA FFI handlers) are built once per "
+      "machine, compiler and jaxlib, into $TUNEDJAX_NATIVE_DIR (default "
+      f"{_native.DEFAULT_DIR}). `native build` builds them now, as part of an "
+      "install, so that the first training run does not pay for it.")
+  actions = native.add_subparsers(dest="action", metavar="ACTION", required=True)
+  build = actions.add_parser("build", help="build every native source not built yet")
+  build.set_defaults(run=_cmd_native_build)
+
+
 def _build_parser() -> argparse.ArgumentParser:
   """The argument parser: one subparser per subcommand."""
   parser = argparse.ArgumentParser(
@@ -350,6 +385,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="JAX backend to describe (default: JAX's default)")
   info.set_defaults(run=_cmd_info)
   _add_cache_commands(commands)
+  _add_native_commands(commands)
   _add_demo_command(commands)
   return parser
 

@@ -71,12 +71,16 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   assert all(row["kernel"] == "xla" and row["reason"].startswith("cannot pay back")
              for row in report["kernels"] if row["horizon"] is not None)
   assert report["warm_cache"] is False and report["machine"]["device"]
+  native = report["native"]  # the suite's native folder may or may not be built yet
+  assert native["enabled"] and "depthwise" in native["built_before"] + native["not_built_before"]
+  assert ("not built on this machine yet" in out) == bool(native["not_built_before"])
   png = (tmp_path / "out" / "demo.png").read_bytes()
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
   proc, _ = _demo_quick(tmp_path, "again")  # the same cache, now warm
   again = json.loads((tmp_path / "again" / "report.json").read_text())
   assert again["warm_cache"] and "The tuning cache was warm" in proc.stdout
+  assert again["native"]["not_built_before"] == [] and "not built on" not in proc.stdout
   warm = again["runs"]["tunedjax"]
   assert warm["kernel_tuning_s"] == 0.0 and warm["kernel_cache_misses"] == 0
   assert warm["kernel_cache_hits"] > 0 and warm["loader"]["from_cache"]

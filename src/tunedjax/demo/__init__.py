@@ -26,8 +26,10 @@ from typing import Any as _Any
 
 import jax as _jax
 
+from tunedjax import _native
 from tunedjax._version import __version__ as _tunedjax_version
 from tunedjax.autotune import device_fingerprint as _device_fingerprint
+from tunedjax.autotune import op_families as _op_families
 from tunedjax.demo import _data
 from tunedjax.demo import _report
 from tunedjax.demo import _run
@@ -70,6 +72,15 @@ def _machine() -> dict[str, _Any]:
           "fingerprint": fp.digest}
 
 
+def _native_state() -> dict[str, _Any]:
+  """Which native sources were built for this machine before the runs (none: the run builds)."""
+  _op_families()  # each family registers its sources when its package loads
+  status = _native.status()
+  return {"enabled": status["enabled"], "built_before": status["built"],
+          "not_built_before": [s for s in status["sources"] if s not in status["built"]]
+                              if status["compiler"] else []}
+
+
 def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "tunedjax-demo",
              progress: bool | str = True, echo: _Any = print) -> dict[str, _Any]:
   """Trains the baseline and the tuned run, prints the table, writes the report.
@@ -93,6 +104,11 @@ def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "
   description += (f", {options.epochs} epochs of batch {options.batch_size}, "
                   f"{len(held_out)} held out")
   echo(f"tunedjax demo: {description}")
+  native = _native_state()
+  if native["enabled"] and native["not_built_before"]:
+    echo("The native CPU kernels are not built on this machine yet: run 2 builds them "
+         f"({', '.join(native['not_built_before'])}; once per machine, several seconds "
+         "of its time). `tunedjax native build` builds them ahead, as `make` does.")
   echo("run 1/2: baseline (jax.jit, float32, grain's default loader) ...")
   baseline, _ = _run.train("baseline", train_data, eval_data, options, tuned=False, progress=progress)
   echo("run 2/2: tunedjax (Trainer(autotune=True), i.e. set_config(None)) ...")
@@ -111,6 +127,7 @@ def run_demo(options: DemoOptions = DEFAULT, *, out: str | _os.PathLike[str] = "
       "options": _dataclasses.asdict(options),
       "ratios": _report.ratios(baseline, tuned),
       "warm_cache": bool(warm),
+      "native": native,
       "runs": {"baseline": _dataclasses.asdict(baseline), "tunedjax": _dataclasses.asdict(tuned)},
       "kernels": [_dataclasses.asdict(b) for b in buckets],
   }
