@@ -222,6 +222,43 @@ def test_a_config_change_takes_effect_on_the_next_call():
   assert len(reports) == 2
 
 
+def test_each_call_runs_the_program_of_its_own_scope_also_across_threads(rng):
+  """The per-call fast path (the last state's program while nothing it depends on
+  moved) never hands one scope's program to another: calls alternate between
+  float32 and a bfloat16 policy, in this thread and in two others at once."""
+  import threading
+  x = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+  f = tj.jit(lambda a, b: jnp.tanh(a @ b))
+  half = {"mixed_precision": {"enable": True, "policy": "mixed_bfloat16"}}
+  want32 = np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+
+  def check(scope_is_half: bool) -> None:
+    with tj.config_context(half if scope_is_half else {}):
+      got = np.asarray(f(x, w), np.float64)
+    error = np.abs(got - want32).max()
+    assert (error > 1e-3) if scope_is_half else (error < 1e-5), (scope_is_half, error)
+
+  for scope in (False, True, True, False, True, False, False):
+    check(scope)
+  assert len(f.report(memory=False)) == 2  # one program per scope, each traced once
+  errors = []
+
+  def worker(scope_is_half: bool) -> None:
+    try:
+      for _ in range(50):
+        check(scope_is_half)
+    except AssertionError as err:
+      errors.append(err)
+
+  threads = [threading.Thread(target=worker, args=(s,)) for s in (False, True)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors[0]
+
+
 def test_static_and_donated_arguments():
   traces = []
 

@@ -78,6 +78,22 @@ def test_a_horizon_makes_jit_check_the_tuned_program_across_its_calls(clock):
   assert g.verification() is None  # nothing left to check: every site on its default
 
 
+@pytest.mark.parametrize("lowered_first", [False, True])
+def test_the_check_s_compile_cost_is_the_tuned_program_s_first_call(clock, lowered_first):
+  """Timed from the trace's start when the call traced it, from the call's start when
+  `lower` traced it earlier: the time in between is not compiling."""
+  f = tj.jit(_conv_fn(clock), session=_tuning.TuningSession(horizon=100))
+  x, w = _args()
+  if lowered_first:
+    f.lower(x, w)
+    clock.advance(1000.0)
+  for _ in range(30):
+    f(x, w)
+  found = f.verification()
+  assert found["compile_s"] == pytest.approx(0.1)  # one run of the program (faked clock)
+  assert found["outcome"] == _verify.FOUND_LOSERS
+
+
 def test_without_a_horizon_or_with_verify_off_nothing_is_checked(clock):
   x, w = _args()
   plain = tj.jit(_conv_fn(clock), session=_tuning.TuningSession())

@@ -583,8 +583,7 @@ def get_config() -> Config:
   overlay = _overlay.get()
   if overlay is not None:
     return overlay
-  with _LOCK:
-    chosen = _chosen
+  chosen = _chosen  # one reference read: atomic, no lock needed (every tj.jit call reads it)
   return chosen if chosen is not None else _base_config()
 
 

@@ -411,7 +411,7 @@ class _ProgramCheck:
         jitted._kept[self.select_state] = variant
         if self.select_state in jitted._warm:  # the observe phase runs the same program
           jitted._kept[jitted._warm[self.select_state]] = variant
-      jitted._last_state = None
+      jitted._last_state = jitted._fast = None
       jitted._state_memo = None  # the kept variant changes the state
       jitted._check = None
     lost = {b: {"kernel": self.decisions[b][2], "label": self.decisions[b][1], "how": how}
@@ -489,7 +489,8 @@ class Jitted(Generic[P, R]):
     self._traces = 0
     # The whole-program check (`_ProgramCheck`): on when the session has a horizon.
     self._verify = bool(verify)
-    self._pending: tuple[Any, ...] | None = None  # a tuned trace to check after its call
+    # A tuned trace to check after its call: (select state, selection, trace start).
+    self._pending: tuple[Any, ...] | None = None
     self._check: _ProgramCheck | None = None
     self._forced: Any = None  # the variant a checked call runs
     self._kept: dict[Hashable, Any] = {}  # select state -> the variant the check kept
@@ -499,6 +500,7 @@ class Jitted(Generic[P, R]):
     self._verification: dict[str, Any] | None = None
     self._paused = False  # `checks_paused`: calls run the tuned program, untimed
     self._state_memo: tuple[Any, Hashable] | None = None  # (what it depends on, state)
+    self._fast: tuple[Any, Any] | None = None  # (what the state depends on, jitted): per call
     # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
     self._runs_per_call = 1
     functools.update_wrapper(self, fun)
@@ -517,14 +519,17 @@ class Jitted(Generic[P, R]):
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
     if self._check is not None and not self._paused:  # the whole-program check times it
       return self._check.call(args, kwargs)
-    fn = self._jitted()
-    start = _verify.clock()
+    fast = self._fast  # `_jitted`, inlined: every call takes this path
+    fn = fast[1] if fast is not None and fast[0] == self._token() else self._jitted_new()[0]
+    # A tuned program traced by `lower` or `trace` before this call: time the call.
+    start = None if self._pending is None else _verify.clock()
     out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)
     if self._pending is not None:  # this call traced (and compiled) a tuned program
       with self._lock:
         pending, self._pending = self._pending, None
-      if pending is not None:
-        self._start_check(pending, _verify.clock() - start, _arg_key(args, kwargs))
+      if pending is not None:  # else from the trace's start: tracing, compiling, running
+        began = pending[2] if start is None else start
+        self._start_check(pending[:2], _verify.clock() - began, _arg_key(args, kwargs))
     return out
 
   def _probed_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -543,29 +548,39 @@ class Jitted(Generic[P, R]):
       return self
     return functools.partial(self, obj)
 
-  def _state(self) -> tuple[str, Hashable]:
+  def _state(self, token: tuple[Any, ...] | None = None) -> tuple[str, Hashable]:
     """The level, and what the compiled program depends on: ``(level, config,
     session, phase key, hints, native suspended, vetoed buckets)`` with kernel
     selection on. The whole-program check's untuned variant has the phase key
     ``"untuned"`` (it shares the observe phase's program when that one has every
     site on its default)."""
-    config = get_config()
+    token = self._token() if token is None else token
+    config = token[0]
     level = self.level or config.level
     if level == "O0":
       return level, (level,)
     if not config.kernel.enable:  # the phase and hints only matter to kernel selection
       return level, (level, config)
-    session = self._session or _tuning.current_session()
     # Working the state out costs microseconds (hints, phase): a call whose
     # inputs to it did not move reuses the last one.
-    token = (level, config, session, session.quick_phase_key(config), _hints.hint_blocks(),
-             _native.is_suspended(), self._forced)
     memo = self._state_memo
     if memo is not None and memo[0] == token:
       return level, memo[1]
-    state = self._kernel_state(level, config, session)
+    state = self._kernel_state(level, config, token[1])
     self._state_memo = (token, state)
     return level, state
+
+  def _token(self) -> tuple[Any, ...]:
+    """What `_state` depends on, read cheaply (every call reads it): the config
+    and, with kernel selection on, the session, its phase, the hint blocks,
+    whether native kernels are suspended and the variant the check forces.
+    Compared element by element, by identity first."""
+    config = get_config()
+    if not config.kernel.enable:
+      return (config,)
+    session = self._session or _tuning.current_session()
+    return (config, session, session.quick_phase_key(config), _hints.hint_blocks(),
+            _native.is_suspended(), self._forced)
 
   def _kernel_state(self, level: str, config: Config, session: Any) -> Hashable:
     state = (level, config, session, session.phase_key(config),
@@ -580,13 +595,20 @@ class Jitted(Generic[P, R]):
     return state + (variant,)
 
   def _jitted(self) -> Any:
+    """The compiled function for the state now; a call whose `_token` did not
+    move since the last one takes it without working the state out."""
+    fast = self._fast
+    if fast is not None and fast[0] == self._token():
+      return fast[1]
     return self._jitted_new()[0]
 
   def _jitted_new(self) -> tuple[Any, bool]:
     """The compiled function for the state now, and whether it was built just now."""
-    level, state = self._state()
+    token = self._token()
+    level, state = self._state(token)
     last = self._last_state
     if last is not None and last[0] == state:
+      self._fast = (token, last[1])
       return last[1], False
     new = False
     with self._lock:
@@ -602,6 +624,7 @@ class Jitted(Generic[P, R]):
             self._base_fn.setdefault(base, fn)
         self._compiled[state] = fn
       self._last_state = (state, fn)
+      self._fast = (token, fn)
     return fn, new
 
   def _build(self, level: str, state: Hashable) -> Any:
@@ -637,7 +660,7 @@ class Jitted(Generic[P, R]):
     session = state[2] if len(state) > 2 else (self._session or _tuning.current_session())
 
     def rewritten(*args: Any, **kwargs: Any) -> Any:
-      start = time.perf_counter()
+      start, check_start = time.perf_counter(), _verify.clock()
       static, dyn_args, dyn_kwargs, rebuild = self._split_static(args, kwargs)
 
       def inner(*d_args: Any, **d_kwargs: Any) -> Any:
@@ -661,7 +684,7 @@ class Jitted(Generic[P, R]):
           _gc.paused():
         out = program(*dyn_args, **dyn_kwargs)
       if selection is not None:
-        self._after_trace(selection, state)
+        self._after_trace(selection, state, check_start)
       report = SignatureReport(
           signature=signature, level=level,
           reports=tuple(r for stage in stages for r in stage.reports()),
@@ -689,9 +712,10 @@ class Jitted(Generic[P, R]):
     selection.context = _verdict.context_key(
         self._name, str(jax.tree_util.tree_structure(dyn)), signature, platform)
 
-  def _after_trace(self, selection: Any, state: Hashable) -> None:
+  def _after_trace(self, selection: Any, state: Hashable, start: float) -> None:
     """Bookkeeping after a trace with kernel selection: site-free programs,
-    and a tuned program for the whole-program check to verify."""
+    and a tuned program for the whole-program check to verify (`start`: the
+    trace's start on the verification clock)."""
     base = _base(state)
     with self._lock:
       self._traces += 1
@@ -699,7 +723,7 @@ class Jitted(Generic[P, R]):
       if not free and self._site_free.get(base):  # a state may share this program: no more
         shared = self._base_fn.pop(base, None)
         self._compiled = {k: v for k, v in self._compiled.items() if v is not shared}
-        self._last_state = None
+        self._last_state = self._fast = None
       self._site_free[base] = self._site_free.get(base, True) and free
       select_key = state[:3] + ("select",) + state[4:6]
       warm = False
@@ -716,7 +740,7 @@ class Jitted(Generic[P, R]):
       if (selection.decisions and (state[3] == "select" or warm) and not state[6]
           and select_key not in self._checked and self._verify):
         self._checked.add(select_key)
-        self._pending = (select_key, selection)
+        self._pending = (select_key, selection, start)
 
   def _start_check(self, pending: tuple[Any, ...], compile_s: float, args_key: Any) -> None:
     """Starts the whole-program check of a tuned program (when it can pay back)."""

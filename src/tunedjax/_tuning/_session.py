@@ -291,9 +291,10 @@ class TuningSession:
       ...   [(s.step(), s.quick_phase_key(cfg))[1] for _ in range(3)]
       ['observe', 'select', 'select']
     """
+    if self._observe_done:
+      return "select"
     step = self._step
-    observing = (step is not None and step < config.kernel.tuning_range[0]
-                 and not self._observe_done)
+    observing = step is not None and step < config.kernel.tuning_range[0]
     return "observe" if observing else "select"
 
   def phase_key(self, config: Any = None) -> str:
