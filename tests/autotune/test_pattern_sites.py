@@ -188,3 +188,97 @@ def test_backward_that_does_not_verify_is_none():
   i, j = names.index("tanh"), names.index("mul")
   assert _backward.find_backward(jaxpr, (i, j), tuple(jaxpr.invars),
                                  (jaxpr.eqns[j].outvars[0],), {}) is None
+
+
+# -- backward checks kept: per process, and across processes in the tuning cache --------
+
+
+def _differentiated():
+  x, s = _data()
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, s: f(x, s).sum(), (0, 1)))(x, s).jaxpr
+  names = [e.primitive.name for e in jaxpr.eqns]
+  i, j = names.index("tanh"), names.index("mul")
+  return jaxpr, (i, j), (jaxpr.eqns[i].invars[0], jaxpr.invars[1]), (jaxpr.eqns[j].outvars[0],)
+
+
+class _DictStore:
+  def __init__(self):
+    self.values, self.loads = {}, 0
+
+  def load(self, digest):
+    self.loads += 1
+    return self.values.get(digest)
+
+  def save(self, digest, value):
+    self.values[digest] = value
+
+
+def _no_check(*args, **kwargs):
+  raise AssertionError("checked the region again")
+
+
+def test_a_checked_region_is_not_checked_again_in_the_process(monkeypatch):
+  _backward.forget_checks()
+  jaxpr, eqns, inputs, outputs = _differentiated()
+  first = _backward.find_backward(jaxpr, eqns, inputs, outputs, {})
+  assert first is not None
+  monkeypatch.setattr(_backward, "_verify", _no_check)
+  again = _backward.find_backward(*_differentiated(), {})  # a new trace, the same structure
+  assert again is not None and again.wrt == first.wrt and again.eqns == first.eqns
+  _backward.forget_checks()
+  with pytest.raises(AssertionError, match="checked the region again"):
+    _backward.find_backward(*_differentiated(), {})
+
+
+def test_a_stored_check_serves_a_new_process_and_a_bad_one_is_checked_again(monkeypatch):
+  _backward.forget_checks()
+  store = _DictStore()
+  first = _backward.find_backward(*_differentiated(), {}, store)
+  ((digest, value),) = store.values.items()
+  assert value["verified"] is True and len(digest) == 32
+  _backward.forget_checks()  # as a new process: only the store knows
+  with monkeypatch.context() as m:
+    m.setattr(_backward, "_verify", _no_check)
+    again = _backward.find_backward(*_differentiated(), {}, store)
+  assert (again.eqns, again.wrt) == (first.eqns, first.wrt)
+  _backward.forget_checks()
+  store.values[digest] = {"verified": True, "kept": "everything"}  # malformed: checked again
+  assert _backward.find_backward(*_differentiated(), {}, store).wrt == first.wrt
+  assert store.values[digest] == value
+
+
+def test_a_signature_naming_objects_by_address_is_never_stored():
+  assert _backward.signature_digest((("custom_jvp_call", "<function f at 0x7f00>"),)) is None
+  digest = _backward.signature_digest((("mul", "{}"),))
+  assert digest == _backward.signature_digest((("mul", "{}"),)) and len(digest) == 32
+
+
+@pytest.mark.parametrize("value", [
+    {"verified": "yes"}, {"verified": False, "kept": []}, {"verified": True, "kept": [0]},
+    {"verified": True, "kept": [], "outputs": [], "wrt": []},
+    {"verified": True, "kept": [0], "outputs": [1, 2], "wrt": [0]},
+    {"verified": True, "kept": [-1], "outputs": [1], "wrt": [0]}, [1, 2]])
+def test_a_malformed_stored_check_is_refused(value):
+  with pytest.raises(ValueError):
+    _backward.outcome_from_json(value)
+
+
+def test_kernel_selection_keeps_checks_in_the_tuning_cache(toy, tmp_path, monkeypatch):
+  """A warm tuning cache serves a new process's trace without compiling a check."""
+  x, s = _data()
+  step = jax.value_and_grad(lambda x, s: f(x, s).sum(), (0, 1))
+  _backward.forget_checks()
+  with _selecting("exp"):
+    tj.jit(step)(x, s)
+  entries = autotune.Cache(tmp_path).entries("backward")
+  assert len(entries) == 1 and entries[0].value["verified"] is True
+  _backward.forget_checks()
+  monkeypatch.setattr(_backward, "_verify", _no_check)
+  from tunedjax import _tuning  # pylint: disable=import-outside-toplevel
+  with _selecting("exp"), _tuning.using_session(_tuning.TuningSession()):  # nothing in memory
+    g = tj.jit(step)
+    got = g(x, s)
+    (site,) = _matched(g)
+  assert site.replaced == "forward+backward"
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(step(x, s))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

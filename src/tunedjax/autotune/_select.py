@@ -428,6 +428,10 @@ class _Chooser:
              ) -> tuple[str, str]:
     return decide(family, spec, self.selection(ctx))
 
+  def checks(self, ctx: _engine.Context) -> _sites.BackwardChecks:
+    selection = self.selection(ctx)
+    return _sites.BackwardChecks(selection.session, selection.cache)
+
   def record(self, ctx: _engine.Context, family: _registry.OpFamily, kernel: str, why: str,
              matched: _report.MatchedSite, spec: Any = None) -> None:
     selection = self.selection(ctx)

@@ -19,7 +19,10 @@ This module turns each site into `rewrite.Match`es, family-agnostic:
   a region that does not verify) nothing: the equations stay as written.
 
 A site is decided like any other (hint, phase, cache, tuner); when the
-default kernel is chosen its equations are evaluated as written.
+default kernel is chosen its equations are evaluated as written. A backward
+region's check is kept in the tuning cache (namespace ``"backward"``, by a
+digest of the region's structure: `BackwardChecks`), so a later process with
+a warm cache compiles no check again.
 
 Example:
   >>> site = PatternSite("batch_norm", spec=None, eqns=(0, 1), inputs=(), outputs=(),
@@ -38,6 +41,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from tunedjax import _tuning
 from tunedjax.autotune import _registry, _report
 from tunedjax.rewrite import _backward, _compat, _engine, _pattern
 
@@ -79,8 +83,45 @@ class PatternSite:
   spelling: str = ""
 
 
+NAMESPACE = "backward"
+
+
+def _validate(value: Any) -> None:
+  _backward.outcome_from_json(value)  # raises ValueError on anything malformed
+
+
+_tuning.register_validator(NAMESPACE, _validate)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardChecks:
+  """Backward regions' checks in the tuning cache (a `rewrite._backward.VerificationStore`).
+
+  Attributes:
+    session: the tuning session that reads and writes the cache.
+    cache: the tuning cache (None: the session's memory only).
+
+  Example:
+    >>> checks = BackwardChecks(_tuning.TuningSession(), None)
+    >>> checks.save("ab12", {"verified": False}); checks.load("ab12"), checks.load("cd34")
+    ({'verified': False}, None)
+  """
+
+  session: _tuning.TuningSession
+  cache: Any
+
+  def load(self, digest: str) -> dict[str, Any] | None:
+    return self.session.lookup(self.cache, NAMESPACE, {"region": digest})
+
+  def save(self, digest: str, value: Any) -> None:
+    self.session.store(self.cache, NAMESPACE, {"region": digest}, value)
+
+
 class Chooser(Protocol):
   """How kernel selection decides a site and records it (`_select` gives one)."""
+
+  def checks(self, ctx: _engine.Context) -> _backward.VerificationStore | None:
+    """Where backward regions' checks are kept across processes (None: nowhere)."""
 
   def choose(self, ctx: _engine.Context, family: _registry.OpFamily, spec: Any
              ) -> tuple[str, str]:
@@ -191,7 +232,8 @@ def site_matches(ctx: _engine.Context, jaxpr: Any, site: PatternSite,
   if _escaping(jaxpr, site.eqns) <= set(site.outputs):
     run = _SiteRun(jaxpr, site, family, chooser, None)
     return [_pattern.Match(site.eqns, site.inputs, site.outputs, run.forward, name=name)]
-  back = _backward.find_backward(jaxpr, site.eqns, site.inputs, site.outputs, ctx.memo)
+  back = _backward.find_backward(jaxpr, site.eqns, site.inputs, site.outputs, ctx.memo,
+                                 chooser.checks(ctx))
   if back is None:
     logger.debug("autotune: %s at %s left alone: its intermediates are read by "
                  "something other than a backward that verifies.", name,

@@ -24,6 +24,13 @@ cotangent. A region equation past the cotangents (a reshape of a cotangent
 for the layer upstream) that reads no forward value is trimmed off. If
 anything fails, there is no backward (the caller leaves everything alone).
 
+A check compiles a small program (about 0.1-0.2 s), so its outcome is kept by
+the structure of the forward and its region (`_signature`: primitives,
+parameters, shapes and wiring): within a trace (the caller's ``memo``), for
+the process (`_PROCESS`, the last `PROCESS_LIMIT`), and, through a
+`VerificationStore` the caller passes, across processes (kernel selection
+keeps them in the tuning cache): a warm cache checks nothing again.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> def loss(x, s):
@@ -41,10 +48,13 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import logging
-from collections.abc import MutableMapping, Sequence
-from typing import Any
+import threading
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -58,6 +68,27 @@ _QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensi
 
 # The largest relative difference between a region output and an input's cotangent.
 _TOLERANCE = {"float64": 1e-7, "float32": 2e-3, "bfloat16": 6e-2, "float16": 2e-2}
+
+
+# Verified regions of this process, by signature (the last PROCESS_LIMIT).
+PROCESS_LIMIT = 512
+_PROCESS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_PROCESS_LOCK = threading.Lock()
+_UNKNOWN = object()
+
+Verified = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None
+"""A check's outcome: the kept region equations, the output values and the
+inputs they are cotangents of, as positions; None when it did not verify."""
+
+
+class VerificationStore(Protocol):
+  """Where checks' outcomes outlive the process, by a digest of their signature."""
+
+  def load(self, digest: str) -> Mapping[str, Any] | None:
+    """The stored outcome (`outcome_to_json`'s form), or None if none is stored."""
+
+  def save(self, digest: str, value: Mapping[str, Any]) -> None:
+    """Keeps an outcome."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +263,8 @@ def _signature(jaxpr: Any, order: Sequence[int], inputs: Sequence[Any],
 
 
 def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
-                  outputs: Sequence[Any], memo: MutableMapping[Any, Any]) -> Backward | None:
+                  outputs: Sequence[Any], memo: MutableMapping[Any, Any],
+                  store: VerificationStore | None = None) -> Backward | None:
   """The verified backward region of a forward computation, or None.
 
   Args:
@@ -243,6 +275,7 @@ def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
       the backward receives, the others get zero cotangents.
     memo: where verifications are cached within a trace (`Context.memo`),
       by the structure of the forward and its region.
+    store: where they are kept across processes (None: this process only).
 
   Returns:
     A `Backward`, or None when there is none, or it does not verify.
@@ -256,9 +289,11 @@ def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
   escaping = set(_read_outside(jaxpr, fwd_vals, inside)) - set(outputs)
   if escaping:
     return None
-  key = ("backward", _signature(jaxpr, [*sorted(fwd), *region], [*inputs, ct], outputs))
+  signature = _signature(jaxpr, [*sorted(fwd), *region], [*inputs, ct], outputs)
+  key = ("backward", signature)
   if key not in memo:
-    memo[key] = _verify(jaxpr, sorted(fwd), region, inputs, outputs, ct)
+    memo[key] = _known(signature, store,
+                       lambda: _verify(jaxpr, sorted(fwd), region, inputs, outputs, ct))
   hit = memo[key]
   if hit is None:
     return None
@@ -267,6 +302,86 @@ def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
   kept_eqns = tuple(region[k] for k in kept)
   region_vars = [v for i in region for v in jaxpr.eqns[i].outvars if _is_var(v)]
   return Backward(kept_eqns, ct, tuple(region_vars[p] for p in out_positions), wrt)
+
+
+def signature_digest(signature: tuple[Any, ...]) -> str | None:
+  """A stable hash of a signature, or None when it names objects by address
+  (a custom rule's function in its parameters): those differ per process."""
+  text = repr(signature)
+  if " at 0x" in text:
+    return None
+  return hashlib.sha256(f"{jax.__version__}\n{text}".encode()).hexdigest()[:32]
+
+
+def outcome_to_json(outcome: Verified) -> dict[str, Any]:
+  """A check's outcome as the store keeps it.
+
+  Example:
+    >>> outcome_to_json(((0, 2), (1,), (0,))), outcome_to_json(None)
+    ({'verified': True, 'kept': [0, 2], 'outputs': [1], 'wrt': [0]}, {'verified': False})
+  """
+  if outcome is None:
+    return {"verified": False}
+  kept, outputs, wrt = outcome
+  return {"verified": True, "kept": list(kept), "outputs": list(outputs), "wrt": list(wrt)}
+
+
+def outcome_from_json(value: Mapping[str, Any]) -> Verified:
+  """`outcome_to_json`'s inverse; raises ValueError on anything else.
+
+  Example:
+    >>> outcome_from_json({"verified": True, "kept": [0, 2], "outputs": [1], "wrt": [0]})
+    ((0, 2), (1,), (0,))
+  """
+  if not isinstance(value, Mapping) or not isinstance(value.get("verified"), bool):
+    raise ValueError(f"a backward check's outcome must hold 'verified' (a bool): {value!r}")
+  if not value["verified"]:
+    if set(value) != {"verified"}:
+      raise ValueError(f"an unverified outcome holds 'verified' alone: {value!r}")
+    return None
+  if set(value) != {"verified", "kept", "outputs", "wrt"}:
+    raise ValueError(f"a verified outcome holds 'verified', 'kept', 'outputs' and 'wrt': "
+                     f"{value!r}")
+  parts = [value[k] for k in ("kept", "outputs", "wrt")]
+  if not all(isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                         and i >= 0 for i in p) for p in parts):
+    raise ValueError(f"'kept', 'outputs' and 'wrt' must be lists of positions: {value!r}")
+  if len(parts[1]) != len(parts[2]) or not parts[0]:
+    raise ValueError(f"one 'wrt' per output, and a region to keep: {value!r}")
+  return tuple(parts[0]), tuple(parts[1]), tuple(parts[2])
+
+
+def _known(signature: tuple[Any, ...], store: VerificationStore | None,
+           verify: Any) -> Verified:
+  """The outcome of `signature`'s check: this process's, else the store's, else `verify()`."""
+  with _PROCESS_LOCK:
+    hit = _PROCESS.get(signature, _UNKNOWN)
+    if hit is not _UNKNOWN:
+      _PROCESS.move_to_end(signature)
+      return hit
+  digest = signature_digest(signature) if store is not None else None
+  stored = store.load(digest) if digest is not None else None
+  if stored is not None:
+    try:
+      outcome = outcome_from_json(stored)
+    except ValueError as e:  # the store validates; this is the last line of defence
+      logger.debug("backward check: stored outcome ignored (%s)", e)
+      stored = None
+  if stored is None:
+    outcome = verify()
+    if digest is not None:
+      store.save(digest, outcome_to_json(outcome))
+  with _PROCESS_LOCK:
+    _PROCESS[signature] = outcome
+    while len(_PROCESS) > PROCESS_LIMIT:
+      _PROCESS.popitem(last=False)
+  return outcome
+
+
+def forget_checks() -> None:
+  """Forgets this process's verified regions (tests)."""
+  with _PROCESS_LOCK:
+    _PROCESS.clear()
 
 
 def _verify(jaxpr: Any, fwd: list[int], region: list[int], inputs: Sequence[Any],
