@@ -114,9 +114,8 @@ def test_forward_replaced_and_outer_grad_uses_the_kernel(toy):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_grad_inside_replaces_forward_and_backward(toy):
-  x, s = _data()
-  step = jax.value_and_grad(lambda x, s: f(x, s).sum(), (0, 1))
+def _check_both_replaced(step, x, s):
+  """`tj.jit(step)` with the ``exp`` kernel: forward and backward replaced, same results."""
   with _selecting("exp"):
     g = tj.jit(step)
     got = g(x, s)
@@ -124,6 +123,11 @@ def test_grad_inside_replaces_forward_and_backward(toy):
   assert site.replaced == "forward+backward"
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(step(x, s))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_grad_inside_replaces_forward_and_backward(toy):
+  x, s = _data()
+  _check_both_replaced(jax.value_and_grad(lambda x, s: f(x, s).sum(), (0, 1)), x, s)
 
 
 def test_rewritten_program_runs_the_kernel(toy, tmp_path):
@@ -275,10 +279,5 @@ def test_kernel_selection_keeps_checks_in_the_tuning_cache(toy, tmp_path, monkey
   _backward.forget_checks()
   monkeypatch.setattr(_backward, "_verify", _no_check)
   from tunedjax import _tuning  # pylint: disable=import-outside-toplevel
-  with _selecting("exp"), _tuning.using_session(_tuning.TuningSession()):  # nothing in memory
-    g = tj.jit(step)
-    got = g(x, s)
-    (site,) = _matched(g)
-  assert site.replaced == "forward+backward"
-  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(step(x, s))):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  with _tuning.using_session(_tuning.TuningSession()):  # nothing in the session's memory
+    _check_both_replaced(step, x, s)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from tunedjax import _tuning
-from tunedjax.autotune import _registry, _report
+from tunedjax.autotune import _multihost, _registry, _report
 from tunedjax.rewrite import _backward, _compat, _engine, _pattern
 
 logger = logging.getLogger("tunedjax.autotune")
@@ -114,7 +114,9 @@ class BackwardChecks:
     return self.session.lookup(self.cache, NAMESPACE, {"region": digest})
 
   def save(self, digest: str, value: Any) -> None:
-    self.session.store(self.cache, NAMESPACE, {"region": digest}, value)
+    # Only process 0 writes the cache (as kernel decisions); the others keep it in memory.
+    cache = self.cache if _multihost.is_leader() else None
+    self.session.store(cache, NAMESPACE, {"region": digest}, value)
 
 
 class Chooser(Protocol):
