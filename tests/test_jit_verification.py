@@ -90,9 +90,10 @@ def test_the_check_s_compile_cost_is_the_tuned_program_s_first_call(clock, lower
   for _ in range(30):
     f(x, w)
   found = f.verification()
-  # The first call runs the tuned program once (0.15 s on the faked clock: 0.1 s, and
-  # 0.05 s in the slow kernel), less the tuning's own seconds; never the 1000 s between.
-  assert 0.0 <= found["compile_s"] <= 0.15 + 1e-9
+  # The first call: tracing (the tuner's runs of the slow kernel move the faked clock
+  # 0.05 s each), compiling and one run (0.15 s), less the tuning's real seconds: under
+  # a second on the faked clock, and never the 1000 s between `lower` and the call.
+  assert 0.0 <= found["compile_s"] < 1.0
   assert found["outcome"] == _verify.FOUND_LOSERS
 
 
