@@ -519,8 +519,7 @@ class Jitted(Generic[P, R]):
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
     if self._check is not None and not self._paused:  # the whole-program check times it
       return self._check.call(args, kwargs)
-    fast = self._fast  # `_jitted`, inlined: every call takes this path
-    fn = fast[1] if fast is not None and fast[0] == self._token() else self._jitted_new()[0]
+    fn = self._jitted()
     # A tuned program traced by `lower` or `trace` before this call: time the call.
     start = None if self._pending is None else _verify.clock()
     out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)

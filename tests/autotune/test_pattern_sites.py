@@ -174,7 +174,7 @@ def test_backward_region_past_the_cotangents_is_trimmed():
   i, j = names.index("tanh"), names.index("mul")
   x = jaxpr.eqns[i].invars[0]
   back = _backward.find_backward(jaxpr, (i, j), (x, jaxpr.invars[1]),
-                                 (jaxpr.eqns[j].outvars[0],), {})
+                                 (jaxpr.eqns[j].outvars[0],))
   assert back is not None and sorted(back.wrt) == [0, 1]
   assert all(v.aval.shape == (6,) for v in back.outputs)  # not the reshaped (2, 3)
   kept = {jaxpr.eqns[k].primitive.name for k in back.eqns}
@@ -191,7 +191,7 @@ def test_backward_that_does_not_verify_is_none():
   names = [e.primitive.name for e in jaxpr.eqns]
   i, j = names.index("tanh"), names.index("mul")
   assert _backward.find_backward(jaxpr, (i, j), tuple(jaxpr.invars),
-                                 (jaxpr.eqns[j].outvars[0],), {}) is None
+                                 (jaxpr.eqns[j].outvars[0],)) is None
 
 
 # -- backward checks kept: per process, and across processes in the tuning cache --------
@@ -224,30 +224,30 @@ def _no_check(*args, **kwargs):
 def test_a_checked_region_is_not_checked_again_in_the_process(monkeypatch):
   _backward.forget_checks()
   jaxpr, eqns, inputs, outputs = _differentiated()
-  first = _backward.find_backward(jaxpr, eqns, inputs, outputs, {})
+  first = _backward.find_backward(jaxpr, eqns, inputs, outputs)
   assert first is not None
   monkeypatch.setattr(_backward, "_verify", _no_check)
-  again = _backward.find_backward(*_differentiated(), {})  # a new trace, the same structure
+  again = _backward.find_backward(*_differentiated())  # a new trace, the same structure
   assert again is not None and again.wrt == first.wrt and again.eqns == first.eqns
   _backward.forget_checks()
   with pytest.raises(AssertionError, match="checked the region again"):
-    _backward.find_backward(*_differentiated(), {})
+    _backward.find_backward(*_differentiated())
 
 
 def test_a_stored_check_serves_a_new_process_and_a_bad_one_is_checked_again(monkeypatch):
   _backward.forget_checks()
   store = _DictStore()
-  first = _backward.find_backward(*_differentiated(), {}, store)
+  first = _backward.find_backward(*_differentiated(), store)
   ((digest, value),) = store.values.items()
   assert value["verified"] is True and len(digest) == 32
   _backward.forget_checks()  # as a new process: only the store knows
   with monkeypatch.context() as m:
     m.setattr(_backward, "_verify", _no_check)
-    again = _backward.find_backward(*_differentiated(), {}, store)
+    again = _backward.find_backward(*_differentiated(), store)
   assert (again.eqns, again.wrt) == (first.eqns, first.wrt)
   _backward.forget_checks()
   store.values[digest] = {"verified": True, "kept": "everything"}  # malformed: checked again
-  assert _backward.find_backward(*_differentiated(), {}, store).wrt == first.wrt
+  assert _backward.find_backward(*_differentiated(), store).wrt == first.wrt
   assert store.values[digest] == value
 
 

@@ -221,7 +221,7 @@ def site_matches(ctx: _engine.Context, jaxpr: Any, site: PatternSite,
   """The matches that replace `site` (forward alone, or forward and backward), or none.
 
   Args:
-    ctx: the engine's context (its `memo` caches backward verifications).
+    ctx: the engine's context.
     jaxpr: the jaxpr the site indexes into.
     site: what the family's pattern found.
     family: its `OpFamily`.
@@ -234,7 +234,7 @@ def site_matches(ctx: _engine.Context, jaxpr: Any, site: PatternSite,
   if _escaping(jaxpr, site.eqns) <= set(site.outputs):
     run = _SiteRun(jaxpr, site, family, chooser, None)
     return [_pattern.Match(site.eqns, site.inputs, site.outputs, run.forward, name=name)]
-  back = _backward.find_backward(jaxpr, site.eqns, site.inputs, site.outputs, ctx.memo,
+  back = _backward.find_backward(jaxpr, site.eqns, site.inputs, site.outputs,
                                  chooser.checks(ctx))
   if back is None:
     logger.debug("autotune: %s at %s left alone: its intermediates are read by "

@@ -367,7 +367,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
   to compile (`_plan`: with a horizon, whether tuning can pay back from the
   default's compile and first call, `_weigh_payback`; with a `prediction`,
-  only the candidates that could win, `_prune`); compile them side by side
+  only the candidates that could win, `_pruning`); compile them side by side
   (`_compile_all`); make one call each, which both screens and checks
   (`_start`, `_screen`, `_check`); time the survivors (`_time`); choose
   (`_choose`). Runs eagerly (`jax.ensure_compile_time_eval`: callable while a
@@ -522,14 +522,15 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   screen = list(_tuning.time_interleaved(
       {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
-  cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
+  cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
   if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
     calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
-    cost, compile_bound = _expected_cost(bucket, payback, compile_s, default_s)
+    cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
+  _apply_pruning(bucket, plan)
   others = len(bucket.functions) - 1
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
@@ -554,16 +555,14 @@ def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: fl
   """Whether tuning pays back even if only `WARM_SHARE` of the default's first
   call was its own time: then a second call could not change the decision."""
   low = default_s * WARM_SHARE
-  in_play = bucket.functions, bucket.pruned  # `_expected_cost` prunes for the time it is given
-  cost, compile_bound = _expected_cost(bucket, payback, compile_s, low)
-  bucket.functions, bucket.pruned = in_play
+  cost, compile_bound, _ = _expected_cost(bucket, payback, compile_s, low)
   return payback.pays(low, cost) and not compile_bound
 
 
 def _plan(bucket: _Bucket, payback: Payback | None
           ) -> TuneResult | tuple[dict[str, Any], list[float] | None]:
   """Which candidates to compile: with a horizon, those that can pay back
-  (`_weigh_payback`), else those the prediction says could win (`_prune`).
+  (`_weigh_payback`), else those the prediction says could win (`_pruning`).
 
   Returns:
     The finished result when nothing is left to tune (kept, or no candidate
@@ -576,7 +575,7 @@ def _plan(bucket: _Bucket, payback: Payback | None
       return weighed
     compiled, default_screen = weighed
   else:
-    _prune(bucket)
+    _apply_pruning(bucket, _pruning(bucket))
   if bucket.pruned and list(bucket.functions) == [bucket.default]:
     why = "; ".join(f"{n} {r}" for n, r in bucket.pruned.items())
     return bucket.finish(bucket.default, f"predicted: no other candidate could win ({why})",
@@ -584,40 +583,54 @@ def _plan(bucket: _Bucket, payback: Payback | None
   return compiled, default_screen
 
 
-def _prune(bucket: _Bucket, horizon_s: float | None = None,
-           default_compile_s: float = 0.0) -> None:
-  """Leaves in `bucket.functions` only the candidates the prediction says
-  could win (`Prediction.could_win`); the others go to `bucket.pruned` with
-  their reasons. Without a prediction every candidate stays."""
+Pruning = tuple[dict[str, Callable[..., Any]], dict[str, str]]
+
+
+def _pruning(bucket: _Bucket, horizon_s: float | None = None,
+             default_compile_s: float = 0.0) -> Pruning | None:
+  """The candidates the prediction says could win (`Prediction.could_win`), and
+  the others with their reasons; None without a prediction (every one stays)."""
   if bucket.prediction is None:
-    return
+    return None
   kept, pruned = bucket.prediction.could_win(
       margin=bucket.options.margin, horizon_s=horizon_s, default_compile_s=default_compile_s)
-  bucket.pruned = {n: r for n, r in pruned.items() if n in bucket.every}
-  bucket.functions = {n: f for n, f in bucket.every.items()
-                      if n not in bucket.pruned and (n in kept or n == bucket.default)}
+  pruned = {n: r for n, r in pruned.items() if n in bucket.every}
+  functions = {n: f for n, f in bucket.every.items()
+               if n not in pruned and (n in kept or n == bucket.default)}
+  return functions, pruned
+
+
+def _apply_pruning(bucket: _Bucket, plan: Pruning | None) -> None:
+  """Leaves in `bucket.functions` only the candidates `plan` keeps; the others go
+  to `bucket.pruned` with their reasons."""
+  if plan is None:
+    return
+  bucket.functions, bucket.pruned = plan
   if bucket.pruned:
     logger.info("autotune %s: predicted; compiling %s, not %s", bucket.label,
                 ", ".join(bucket.functions), ", ".join(bucket.pruned))
 
 
 def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
-                   default_s: float) -> tuple[float, bool]:
+                   default_s: float) -> tuple[float, bool, Pruning | None]:
   """What tuning the candidates that could win is expected to cost: each one's
   predicted compile (the default's where none is predicted) and a call each.
+  Changes nothing in `bucket`.
 
   Returns:
-    ``(cost, compile_bound)``. Compile-bound: some candidates could beat the
+    ``(cost, compile_bound, plan)``; `plan` is the pruning for this horizon
+    (`_apply_pruning`). Compile-bound: some candidates could beat the
     default, but none would save its own compile within the horizon. The
     cost is then the default's time the horizon must hold for the cheapest
     of them to pay back (its compile over the fraction it saves), so that
     the cached "cannot pay back" holds for this horizon and a longer one
     tunes the bucket (`still_cannot_pay_back`).
   """
-  _prune(bucket)
-  could_win = [n for n in bucket.functions if n != bucket.default]
-  _prune(bucket, horizon_s=payback.most_saved(default_s), default_compile_s=compile_s)
-  others = [n for n in bucket.functions if n != bucket.default]
+  unbounded = _pruning(bucket)
+  could_win = [n for n in (unbounded[0] if unbounded else bucket.functions)
+               if n != bucket.default]
+  plan = _pruning(bucket, horizon_s=payback.most_saved(default_s), default_compile_s=compile_s)
+  others = [n for n in (plan[0] if plan else bucket.functions) if n != bucket.default]
   estimates = bucket.prediction.estimates if bucket.prediction is not None else {}
 
   def compile_of(name: str) -> float:
@@ -627,11 +640,11 @@ def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
   if could_win and not others and all(n in estimates for n in could_win):
     needed = min(compile_of(n) / max(1.0 - estimates[n].low, 1e-3) for n in could_win)
     cost = max(needed * payback.cost_factor, payback.most_saved(default_s) * 1.001)
-    return cost, True
+    return cost, True, plan
   each = [compile_of(n) for n in others]
   return payback.expected_cost(
       compile_s=compile_s, call_s=default_s, candidates=len(others),
-      compile_each=each if bucket.prediction is not None else None), False
+      compile_each=each if bucket.prediction is not None else None), False, plan
 
 
 def _start(bucket: _Bucket, compiled: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:

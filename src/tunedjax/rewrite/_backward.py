@@ -26,8 +26,8 @@ anything fails, there is no backward (the caller leaves everything alone).
 
 A check compiles a small program (about 0.1-0.2 s), so its outcome is kept by
 the structure of the forward and its region (`_signature`: primitives,
-parameters, shapes and wiring): within a trace (the caller's ``memo``), for
-the process (`_PROCESS`, the last `PROCESS_LIMIT`), and, through a
+parameters, shapes and wiring): for the process (`_PROCESS`, the last
+`PROCESS_LIMIT`), and, through a
 `VerificationStore` the caller passes, across processes (kernel selection
 keeps them in the tuning cache): a warm cache checks nothing again.
 
@@ -40,7 +40,7 @@ Example:
   >>> # tanh's JVP adds a residual, 1 - tanh**2 (`sub`; jax 0.12: `one_minus_square`)
   >>> [e.primitive.name for e in jaxpr.eqns][0:3:2]
   ['tanh', 'mul']
-  >>> back = find_backward(jaxpr, (0, 2), jaxpr.invars, (jaxpr.eqns[2].outvars[0],), {})
+  >>> back = find_backward(jaxpr, (0, 2), jaxpr.invars, (jaxpr.eqns[2].outvars[0],))
   >>> back.wrt  # the region's outputs are the cotangents of x and of s
   (0, 1)
 
@@ -53,7 +53,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -263,8 +263,8 @@ def _signature(jaxpr: Any, order: Sequence[int], inputs: Sequence[Any],
 
 
 def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
-                  outputs: Sequence[Any], memo: MutableMapping[Any, Any],
-                  store: VerificationStore | None = None) -> Backward | None:
+                  outputs: Sequence[Any], store: VerificationStore | None = None
+                  ) -> Backward | None:
   """The verified backward region of a forward computation, or None.
 
   Args:
@@ -273,9 +273,8 @@ def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
     inputs: the forward's inputs (variables or literals), in order.
     outputs: the forward's outputs; the first is the one whose cotangent
       the backward receives, the others get zero cotangents.
-    memo: where verifications are cached within a trace (`Context.memo`),
-      by the structure of the forward and its region.
-    store: where they are kept across processes (None: this process only).
+    store: where checks are kept across processes (None: this process only,
+      `_PROCESS`), by the structure of the forward and its region.
 
   Returns:
     A `Backward`, or None when there is none, or it does not verify.
@@ -290,15 +289,12 @@ def find_backward(jaxpr: Any, eqns: Sequence[int], inputs: Sequence[Any],
   if escaping:
     return None
   signature = _signature(jaxpr, [*sorted(fwd), *region], [*inputs, ct], outputs)
-  key = ("backward", signature)
-  if key not in memo:
-    memo[key] = _known(signature, store,
-                       lambda: _verify(jaxpr, sorted(fwd), region, inputs, outputs, ct))
-  hit = memo[key]
+  hit = _known(signature, store,
+               lambda: _verify(jaxpr, sorted(fwd), region, inputs, outputs, ct))
   if hit is None:
     return None
   kept, out_positions, wrt = hit
-  # The memo holds positions: map them back onto this jaxpr's variables.
+  # The outcome holds positions: map them back onto this jaxpr's variables.
   kept_eqns = tuple(region[k] for k in kept)
   region_vars = [v for i in region for v in jaxpr.eqns[i].outvars if _is_var(v)]
   return Backward(kept_eqns, ct, tuple(region_vars[p] for p in out_positions), wrt)

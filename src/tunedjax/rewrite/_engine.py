@@ -229,8 +229,8 @@ class Context:
     platform: the platform the program is compiled for (`"cpu"`, `"gpu"`, `"tpu"`).
     config: the tunedjax `Config` active when the function was traced.
     counts: a `collections.Counter` a rule adds to with `count`; shown in reports.
-    memo: a dict patterns may cache what they computed in (a verification
-      per structure), for the length of this trace.
+    memo: a dict patterns may cache what they computed in (once per
+      structure), for the length of this trace.
   """
 
   def __init__(self, pass_: Pass, *, platform: str | None = None,
@@ -244,7 +244,7 @@ class Context:
     self._rewritten: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
     self._warned_unknown: set[str] = set()
     self._plans: dict[int, tuple[Any, _pattern.Plan]] = {}
-    self.memo: dict[Any, Any] = {}  # for patterns: what they verified within this trace
+    self.memo: dict[Any, Any] = {}  # for patterns: what they computed within this trace
 
   def __repr__(self) -> str:
     return (f"Context(pass={self.pass_.name!r}, platform={self.platform!r}, "
