@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 
 import tunedjax as tj
 from tunedjax.autotune import _routes
-from tunedjax.ops.attention import _causal
+from tunedjax.ops.attention import _causal, _view
+from tunedjax.ops.attention._view import FlatView
 from tests.ops.attention.test_pattern import SPELLINGS, _check
 
 B, T, HEADS, WIDTH = 2, 10, 2, 16
@@ -145,6 +146,33 @@ def test_split_mask_of_arrays_and_arguments():
   jax.make_jaxpr(lambda: seen.append(_causal.split_mask(
       jnp.tril(jnp.ones((T, T + 3)), k=3), T, T + 3)[0]))()
   assert seen == [False, False]
+
+
+def test_mask_constants_evaluated_in_numpy_equal_xla():
+  """The view evaluates masks' constants in NumPy (no compile per primitive): the same
+  values and dtypes as XLA, integers wrapping."""
+  def f():
+    i, j = (jax.lax.broadcasted_iota(jnp.int32, (4, 5), d) for d in (0, 1))
+    causal = i >= j
+    choice = causal.astype(jnp.int32) + (j > 2).astype(jnp.int32)
+    return [i + j, i - 3, i * j, -i, jnp.int32(2**31 - 1) + i, causal, i > j, i <= j, i < j,
+            i == j, i != j, causal & (i < 3), causal | (j == 0), ~causal, causal ^ (j > 1),
+            i & j, jax.lax.select_n(causal, i, j), jax.lax.select_n(choice, i, j, i + j),
+            jnp.reshape(i, (2, 10)), causal[None, :, None], jnp.squeeze(i[None], 0),
+            causal.astype(jnp.float32), i.astype(jnp.float32) != 2.0,
+            jnp.tril(jnp.ones((4, 5))), nnx.make_causal_mask(jnp.ones((2, 4)))]
+
+  closed = jax.make_jaxpr(f)()
+  view = FlatView(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)))
+  for var, want in zip(closed.jaxpr.outvars, jax.jit(f)(), strict=True):
+    got = view.constant(var)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+  in_numpy = [e.name for e in view.eqns
+              if _view._in_numpy(e, [view.constant(x) for x in e.ins]) is not None]
+  assert {"iota", "add", "sub", "mul", "neg", "ge", "and", "or", "not", "xor", "select_n",
+          "reshape", "squeeze", "broadcast_in_dim", "convert_element_type", "ne"} <= set(
+              in_numpy)
 
 
 def test_pattern_splits_causal_and_padding():

@@ -218,10 +218,12 @@ def _in_numpy(e: FlatEqn, vals: list[np.ndarray]) -> list[np.ndarray] | None:
   fn = _EXACT.get(e.name)
   if fn is None and all(np.dtype(a.dtype).kind in "biu" for a in avals):
     fn = _INTEGER.get(e.name)
-  if fn is None:
+  if fn is None or (e.name == "convert_element_type" and np.dtype(avals[0].dtype).kind == "f"
+                    and np.dtype(avals[-1].dtype).kind in "iu"):  # float to int: as XLA's?
     return None
   try:
-    out = fn(*[np.asarray(c, x.aval.dtype) for c, x in zip(vals, e.ins)], **e.params)
+    with np.errstate(all="ignore"):  # integers wrap, as XLA's do
+      out = fn(*[np.asarray(c, x.aval.dtype) for c, x in zip(vals, e.ins)], **e.params)
   except (TypeError, ValueError):  # params of another JAX release: bind instead
     return None
   aval = e.outs[0].aval
