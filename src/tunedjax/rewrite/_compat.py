@@ -412,12 +412,17 @@ def traced_computation(x: Any, max_eqns: int = 256
     ``{var: tracer}`` for every variable with a tracer; or None when `x` is
     not a tracer of such a trace, or its computation is longer.
   """
-  if not isinstance(x, _pe.DynamicJaxprTracer) or not isinstance(x.val, Var):
+  if not isinstance(x, _pe.DynamicJaxprTracer) or not isinstance(getattr(x, "val", None), Var):
     return None
   try:
-    known = x._trace.frame.constvar_to_val  # pylint: disable=protected-access
-  except AttributeError:  # a JAX whose trace keeps its state elsewhere: not known
+    return _traced_computation(x, max_eqns)
+  except (AttributeError, TypeError):  # a JAX whose trace keeps its state elsewhere
     return None
+
+
+def _traced_computation(x: Any, max_eqns: int
+                        ) -> tuple[Jaxpr, dict[Any, Any], dict[Any, Any]] | None:
+  known = x._trace.frame.constvar_to_val  # pylint: disable=protected-access
   order: list[Any] = []  # TracingEqns, each after those computing its inputs
   tracers: dict[Any, Any] = {}
   done: set[int] = set()

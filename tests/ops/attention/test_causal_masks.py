@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 import tunedjax as tj
 from tunedjax.autotune import _routes
 from tunedjax.ops.attention import _causal, _view
+from tunedjax.ops.attention._pattern import attention_matches
 from tunedjax.ops.attention._view import FlatView
 from tests.ops.attention.test_pattern import SPELLINGS, _check
 
@@ -176,16 +177,20 @@ def test_mask_constants_evaluated_in_numpy_equal_xla():
 
 
 def test_pattern_splits_causal_and_padding():
-  """Written by hand: ``where(tril & valid, s, -1e9)`` is causal with the padding mask."""
-  for spelling in ("einsum", "bhtd_matmul"):  # [b, t, h, d] and [b, h, t, d] layouts
-    rng = np.random.default_rng(3)
-    q, k, v = (jnp.asarray(rng.normal(size=(B, T, HEADS, 8)), jnp.float32) for _ in range(3))
+  """Written by hand (PyTorch's layout): ``where(tril & valid, s, -1e9)`` is a causal
+  site whose mask is the padding alone, and the rewritten program computes the same
+  forward and gradients."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(B, T, HEADS, 8)), jnp.float32) for _ in range(3))
 
-    def f(q, k, v, valid, fn=SPELLINGS[spelling]):
-      mask = jnp.tril(jnp.ones((T, T), bool)) & valid[:, None, None, :]
-      return fn(q, k, v, lambda s: jnp.where(mask, s, -1e9))
+  def f(q, k, v, valid):
+    mask = jnp.tril(jnp.ones((T, T), bool)) & valid[:, None, None, :]
+    return SPELLINGS["bhtd_matmul"](q, k, v, lambda s: jnp.where(mask, s, -1e9))
 
-    _check(f, (q, k, v, _valid()), ("bool", True), jnp.float32)
+  args = (q, k, v, _valid())
+  (match,) = attention_matches(jax.make_jaxpr(f)(*args).jaxpr)
+  assert match.spec.causal and match.spec.mask_shape == (B, 1, 1, T)
+  _check(f, args, ("bool", True), jnp.float32)
 
 
 # -- tj.use_tuned_attention --------------------------------------------------------------
@@ -229,27 +234,42 @@ def _buckets(swap):
   return [r.bucket for r in swap.buckets(cache=False)]
 
 
-NNX_FORMS = ["tril", "iota_bhtt", "nnx_make_causal_mask", "nnx_combine_padding", "tril_k1",
-             "tril_times_padding", "tril_plus_data"]
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_nnx_and_linen_swap_bucket_of_each_form(form):
+  """Traced (not compiled): each form's bucket, causal or as general as before."""
+  x, valid = _data(), _valid()
+  want = [f"attention {B}x{T}x{T} h{HEADS}/{HEADS} d8 float32 {BUCKET_END[form]}"]
+  model = NnxBlock(form)
+  swap = tj.use_tuned_attention(model)
+  jax.eval_shape(_nnx_value_and_grad(nnx.graphdef(model)), nnx.state(model), x, valid)
+  assert _buckets(swap) == want
+  module = LinenBlock(form)
+  variables = jax.eval_shape(module.init, jax.random.key(0), x, valid)
+  swap = tj.use_tuned_attention(module)
+  with swap:
+    jax.eval_shape(jax.grad(lambda v, x: _loss(module.apply(v, x, valid))), variables, x)
+  assert _buckets(swap) == want
 
 
-@pytest.mark.parametrize("form", NNX_FORMS)
-def test_nnx_swap_bucket_and_values(form):
+@pytest.mark.parametrize("form", ["tril", "iota_bhtt", "nnx_make_causal_mask",
+                                  "nnx_combine_padding", "tril_k1"])
+def test_nnx_swap_values(form):
+  """Forward and gradients equal Flax's own attention with the mask: the reference
+  kernel (jax.jit), and for two forms a pinned other kernel (tj.jit)."""
   model = NnxBlock(form)
   graphdef, state = nnx.split(model)
   x, valid = _data(1), _valid()
   want = jax.jit(_nnx_value_and_grad(graphdef))(state, x, valid)  # Flax's own attention
   swap = tj.use_tuned_attention(model)
   tuned = _nnx_value_and_grad(nnx.graphdef(model))
-  got = jax.jit(tuned)(state, x, valid)  # the reference kernel, the bucket recorded
-  assert _buckets(swap) == [f"attention {B}x{T}x{T} h{HEADS}/{HEADS} d8 float32 {BUCKET_END[form]}"]
-  runs = [got]
-  if form in ("tril", "nnx_combine_padding"):  # a kernel other than the reference, too
+  runs = [jax.jit(tuned)(state, x, valid)]
+  if form in ("tril", "nnx_combine_padding"):
     step = tj.jit(tuned)
     with tj.config_context({"kernel": {"enable": True, "hints": {"attention": "einsum"}},
                             "cache": {"dir": None}}):
       runs.append(step(state, x, valid))
     assert step.report(memory=False).last.kernel_report.of("attention")[0].kernel == "einsum"
+  assert _buckets(swap) == [f"attention {B}x{T}x{T} h{HEADS}/{HEADS} d8 float32 {BUCKET_END[form]}"]
   for loss, grads in runs:
     assert _rel(loss, want[0]) < RTOL and _tree_rel(grads, want[1]) < RTOL
 
@@ -267,11 +287,8 @@ def test_nnx_swap_eager(form, bucket_end):
   assert _buckets(swap)[0].endswith(bucket_end)
 
 
-LINEN_FORMS = ["tril", "linen_make_causal_mask", "linen_combine_padding", "tril_k1"]
-
-
-@pytest.mark.parametrize("form", LINEN_FORMS)
-def test_linen_swap_bucket_and_values(form):
+@pytest.mark.parametrize("form", ["tril", "linen_combine_padding", "tril_k1"])
+def test_linen_swap_values(form):
   module = LinenBlock(form)
   x, valid = _data(3), _valid()
   variables = module.init(jax.random.key(0), x, valid)
