@@ -329,6 +329,8 @@ def test_jit_routing_bucket_and_values(tmp_path, kind, form):
                               argnums=(0, 1))
   assert _routed_buckets(step, params, x, valid) == [
       f"attention {B}x{T}x{T} h{HEADS}/{HEADS} d8 float32 {BUCKET_END[form]}"]
+  if kind == "linen" and form != "tril":
+    return  # their values: the linen swap's test (the route makes the same call)
   want = jax.jit(step)(params, x, valid)
   with tj.config_context({"kernel": {"enable": True, "hints": {"attention": "einsum"}},
                           "cache": {"dir": str(tmp_path)}}):
