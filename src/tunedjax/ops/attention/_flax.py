@@ -29,9 +29,9 @@ causal mask, by how it was computed (``jnp.tril(jnp.ones((T, T)))``,
 ``make_causal_mask``, ``iota >= iota``; `_causal.py` says exactly which),
 makes the call ``is_causal=True`` without a mask; one that is the AND of the
 causal mask and others (``combine_masks(causal, padding)``) makes it causal
-with the others as its mask. So the call's bucket is ``causal`` and the
-causal kernels (``cudnn``, ``pallas_gpu``, the block-skipping ones) are
-candidates.
+with the others as its mask. So the call's bucket is ``causal``, and the
+kernels that take no mask (the block-skipping ones; on GPUs ``pallas_gpu``,
+and ``cudnn`` in bfloat16 or float16) are candidates.
 """
 
 from __future__ import annotations
