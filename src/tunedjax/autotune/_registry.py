@@ -134,6 +134,13 @@ class OpFamily:
       selection evaluates; each site found is decided like any other and,
       when its kernel is not the default, replaced by it (its forward, and
       in a differentiated jaxpr its backward too, `autotune._sites`).
+    presumed: ``presumed(key, platform) -> {kernel: time ratio to the
+      default}``: the family's rule for a platform where nothing measured
+      (this device's cache, priors of its machine class) is near a bucket,
+      such as "on a GPU, cuDNN's fused attention first": each kernel it names
+      is ranked at that ratio, with a wide spread, until the platform has
+      measured it; a kernel it leaves out is unknown (compiled). Used only
+      with `features`. None: no rule.
   """
 
   name: str
@@ -149,6 +156,7 @@ class OpFamily:
   features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
   priors: Any = None
   patterns: tuple[Callable[..., Any], ...] = ()
+  presumed: Callable[[Mapping[str, Any], str], Mapping[str, float]] | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -161,9 +169,10 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
-    if self.features is not None and not callable(self.features):
-      raise AutotuneError(f"OpFamily({self.name!r}).features must be callable or None, got "
-                          f"{self.features!r}.")
+    for field in ("features", "presumed"):
+      if getattr(self, field) is not None and not callable(getattr(self, field)):
+        raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable or None, got "
+                            f"{getattr(self, field)!r}.")
     object.__setattr__(self, "patterns", tuple(self.patterns))
     if not all(callable(p) for p in self.patterns):
       raise AutotuneError(f"OpFamily({self.name!r}).patterns must be functions "
