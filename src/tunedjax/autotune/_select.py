@@ -19,8 +19,9 @@ With a tuning horizon (`TuningSession.horizon`: the Trainer sets the steps
 of its fit) and ``kernel.payback`` on (the default), step 4 first compiles and times the default alone, and keeps it
 untuned when tuning the other candidates could not pay back within the
 horizon (`_payback.Payback`: the default's time x the bucket's sites so far in
-this program x the horizon, against the expected cost of tuning; reason
-``"cannot pay back"``). That decision is cached with its horizon and the
+this program x the horizon, against the expected cost of tuning, costed by
+what tuning took on this platform or its rule until measured,
+`_payback.for_platform`; reason ``"cannot pay back"``). That decision is cached with its horizon and the
 numbers it was made from: a later lookup with an equal or shorter horizon
 reuses it (a hit, no cost); a longer horizon, a None one, or a further site
 of the same bucket in the program that makes tuning pay, tunes the bucket
