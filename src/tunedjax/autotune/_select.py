@@ -361,8 +361,8 @@ def predict_bucket(family: _registry.OpFamily, key: dict[str, Any], candidates: 
     features = family.features(key)
     presumed = family.presumed(key, selection.platform) if family.presumed else None
   except Exception as e:  # pylint: disable=broad-except  # a family's bug: tune exhaustively
-    logger.warning("autotune %s: the %s family's features failed (%s: %s); every candidate "
-                   "is timed.", family.label(key), family.name, type(e).__name__, e)
+    logger.warning("autotune %s: the %s family's features or rule failed (%s: %s); every "
+                   "candidate is timed.", family.label(key), family.name, type(e).__name__, e)
     return None
   cache = selection.cache
   entries = ([(e.key, e.value) for e in cache.entries(family.name)] if cache is not None
