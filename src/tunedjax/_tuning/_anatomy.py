@@ -32,7 +32,6 @@ How it is measured, without touching later calls:
 it, well under a millisecond, are not counted) to the outputs being ready.
 
 Example:
-  >>> import time
   >>> first = FirstCall({"trace": 0.25, "compile": 0.5, "other": 0.25}, 1.0)
   >>> first.share("compile")
   0.5
@@ -83,9 +82,9 @@ class FirstCall:
     >>> first = FirstCall({"trace": 0.1, "compile": 0.3, "other": 0.0}, 0.4)
     >>> print(first)
     first call: 0.400 s
-      trace       0.100 s   25.0%
-      compile     0.300 s   75.0%
-      other       0.000 s    0.0%
+      trace     0.100 s   25.0%
+      compile   0.300 s   75.0%
+      other     0.000 s    0.0%
   """
 
   stages: Mapping[str, float]
@@ -237,10 +236,10 @@ def recording(fn: Callable[..., Any], pending: Pending) -> Callable[..., Any]:
 
 def _begin(pending: Pending) -> _Recorder | None:
   current = _current.get()
-  if current is not None and current.tracing and current.thread == threading.get_ident():
-    return None  # inside another recorded trace, or not a call
-  if current is not None:  # one that never finished (its call raised): dropped
-    _end(current)
+  if current is not None and current.thread == threading.get_ident():
+    if current.tracing:
+      return None  # inside another recorded trace, or not a call
+    _end(current)  # one that never finished (its call raised): dropped
   rec = _Recorder(pending)
   pending._add(1)  # pylint: disable=protected-access
   _current.set(rec)
