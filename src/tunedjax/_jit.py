@@ -998,7 +998,10 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
   static_argnums=1)``). On each new input signature the function is traced,
   the enabled passes run (mixed precision, layout, kernel selection, then a
   cleanup), and the result is compiled by `jax.jit`; later calls with that
-  signature run the compiled program directly.
+  signature run the compiled program directly. That first call waits for
+  its outputs once, to time its first execution: where its time went is
+  ``report().last.first_call`` (`tunedjax.FirstCall`); later calls dispatch
+  asynchronously, as `jax.jit`'s do.
 
   Args:
     fun: the function.
