@@ -323,9 +323,10 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
       session, selection.platform, horizon=site.horizon, sites=site.sites)
   prediction = (predict_bucket(site.family, site.key, site.candidates, selection)
                 if options.predict and config.kernel.predict else None)
-  result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
-                              options=options, label=site.label, family=site.family,
-                              payback=payback, prediction=prediction)
+  with _tuning.first_call_stage("tune:time"):  # its compiles: "tune:compile"
+    result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
+                                options=options, label=site.label, family=site.family,
+                                payback=payback, prediction=prediction)
   session.store(selection.cache, site.family.name, site.key, result.to_value(),
                 platform=selection.platform)
   selection.measured.append((site.key, result.to_value()))

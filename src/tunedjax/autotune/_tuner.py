@@ -317,7 +317,8 @@ def _compile_all(functions: Mapping[str, Callable[..., Any]],
       times[name] = time.perf_counter() - start
 
   workers = max(1, min(len(functions), _tuning.usable_cores()))
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+  with _tuning.first_call_stage("tune:compile"), \
+      concurrent.futures.ThreadPoolExecutor(workers) as pool:
     return dict(zip(functions, pool.map(compile_one, functions.items())))
 
 

@@ -113,7 +113,8 @@ def measure(closed: Any, target: str, original: Callable[..., Any],
     "seconds": {"original": median, "relaid": median}}``.
   """
   args = _tuning.random_inputs(closed.in_avals)
-  with jax.ensure_compile_time_eval():  # run for real even inside a jit trace
+  # Run for real even inside a jit trace; a first call counts it as tuning.
+  with jax.ensure_compile_time_eval(), _tuning.first_call_stage("tune:time"):
     device = jax.devices(platform)[0] if platform is not None else None
     args = [jax.device_put(a, device) for a in args]
     fns = {"original": jax.jit(original), "relaid": jax.jit(relaid)}
