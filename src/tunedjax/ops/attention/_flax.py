@@ -496,6 +496,7 @@ def route_attention() -> Iterator[None]:
       _route_installed["count"] -= 1
       if _route_installed["count"] == 0:
         nnx.MultiHeadAttention.__call__ = _route_installed["original"]
+        _route_installed["original"] = None  # as before: no state left behind
 
 
 def route_record() -> dict[str, Any]:
