@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -73,6 +74,7 @@ class WorkerResult:
   name: str
   budget_s: float
   seconds: float = 0.0
+  cpu_s: float = 0.0  # user + system CPU seconds of the worker and its children
   status: str = "done"  # done | budget | failed | skipped
   returncode: int | None = None
   records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -104,6 +106,11 @@ def _take(result: WorkerResult, line: str, echo: Callable[[str], None]) -> None:
   result.records.append(record)
 
 
+def _children_cpu_s() -> float:
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
 def _kill(proc: subprocess.Popen) -> None:
   """Kills the worker and everything it started (it leads its own process group)."""
   try:
@@ -111,6 +118,11 @@ def _kill(proc: subprocess.Popen) -> None:
   except (ProcessLookupError, PermissionError):
     pass
   proc.wait()
+
+
+def stop_on_sigterm() -> None:
+  """Turns SIGTERM (``timeout``'s) into SystemExit, so that `supervise` kills its worker."""
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def supervise(name: str, command: Sequence[str], budget_s: float, *,
@@ -124,29 +136,37 @@ def supervise(name: str, command: Sequence[str], budget_s: float, *,
     before are kept, ``in_progress`` names what it was doing).
   """
   result = WorkerResult(name, budget_s)
-  start = time.monotonic()
+  start, cpu = time.monotonic(), _children_cpu_s()
   proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL, text=True, bufsize=1,
                           env=None if env is None else dict(env), start_new_session=True)
   lines: queue.Queue = queue.Queue()
-  threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+  reader = threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True)
+  reader.start()
   end = start + budget_s + GRACE_S
-  while True:
-    try:
-      line = lines.get(timeout=max(end - time.monotonic(), 0.0))
-    except queue.Empty:
-      _kill(proc)
-      result.status = "budget"
-      break
-    if line is None:
-      proc.wait()
-      break
-    _take(result, line, echo)
+  try:
+    while True:
+      try:
+        line = lines.get(timeout=max(end - time.monotonic(), 0.0))
+      except queue.Empty:
+        result.status = "budget"
+        break
+      if line is None:
+        break
+      _take(result, line, echo)
+  except BaseException:  # the driver is stopped (SIGTERM, Ctrl-C): no worker outlives it
+    _kill(proc)
+    raise
+  if result.status == "budget":
+    _kill(proc)
+  proc.wait()
+  reader.join(timeout=5)
   while not lines.empty():  # what it printed before it was stopped
     line = lines.get_nowait()
     if line is not None:
       _take(result, line, echo)
   result.seconds = time.monotonic() - start
+  result.cpu_s = _children_cpu_s() - cpu
   result.returncode = proc.returncode
   if result.status != "budget":
     result.status = "done" if proc.returncode == 0 else "failed"

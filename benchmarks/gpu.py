@@ -172,7 +172,8 @@ def run_part(part: str, args: argparse.Namespace, results: dict[str, Any], log: 
     with tempfile.TemporaryDirectory(prefix="tunedjax-gpu-cache-") as cache:
       result = run.supervise(worker, run.worker_command(str(SCRIPT), worker, extra),
                              budget, env=_worker_env(cache, args.smoke), echo=log)
-    log(f"gpu.py: {worker}: {result.status} after {result.seconds:.1f} s")
+    log(f"gpu.py: {worker}: {result.status} after {result.seconds:.1f} s "
+        f"({result.cpu_s:.1f} s of CPU)")
     if any(r.get("kind") == "no_gpu" for r in result.records):
       raise SystemExit(2)
     for record in result.records:
@@ -251,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = json.loads(pathlib.Path(args.render).read_text(encoding="utf-8"))
     publish(results, args.write, Log(None))
     return 0
+  run.stop_on_sigterm()
   return drive(args, argv)
 
 
