@@ -34,13 +34,13 @@ LAYOUT_PASS = "NCHW, tj.jit with the layout pass"
 # installing the wheels and starting Python.
 PLAN: dict[str, tuple[tuple[str, float], ...]] = {
     "resnet50": (("resnet50.jax", 50), ("resnet50.tj_mp_layout", 45),
-                 ("resnet50.tj_all_mp", 55), ("resnet50.tj_all", 55),
+                 ("resnet50.tj_all_mp", 50), ("resnet50.tj_all", 50),
                  ("resnet50.torch", 30)),
-    "attention": (("attention.jax", 40), ("attention.tj_attention", 35),
-                  ("attention.tj_hand_written", 35), ("attention.torch", 15)),
+    "attention": (("attention.jax", 55), ("attention.tj_attention", 35),
+                  ("attention.tj_hand_written", 40), ("attention.torch", 15)),
     "lm": (("lm.float32", 35), ("lm.mixed", 35)),
-    "conv_buckets": (("conv_buckets", 20),),
-    "layout_f16": (("layout_f16", 35),),
+    "conv_buckets": (("conv_buckets", 15),),
+    "layout_f16": (("layout_f16", 30),),
 }
 PARTS = tuple(PLAN)
 SMOKE_BUDGET_S = 120.0  # per worker in a --smoke run (tiny sizes; a hung worker still ends)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import pathlib
@@ -85,6 +86,8 @@ def worker_main(args: argparse.Namespace) -> int:
   if args.rounds:
     sizes = dataclasses.replace(sizes, rounds=args.rounds)
   deadline = run.Deadline(args.until - time.time())
+  # Where it was, if its time runs out: every thread's stack, just before the driver kills it.
+  faulthandler.dump_traceback_later(max(args.until - time.time() + 0.5, 1.0), exit=False)
   part, _, which = args.worker.partition(".")
   if which != "torch":
     measure.env_record()
