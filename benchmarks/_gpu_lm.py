@@ -12,20 +12,23 @@ and a callback stops it after the steps wanted.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 import _harness
 import tunedjax as tj
-from _gpu_measure import Sizes, configure, emit_first_call, guarded, step_of, timing_fields
+from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded, step_of,
+                          timing_fields)
 from _gpu_models import MiniGPT, lm_batches, lm_loss
 from _gpu_names import OFF, ON
 from _gpu_run import Deadline, emit, fit_rounds, say
 
-PRECISIONS = {"float32": None, "mixed": "mixed_bfloat16"}
+PRECISIONS = {"mixed": "mixed_bfloat16", "float32": None}
 
 
 class StopAfter(tj.callbacks.Callback):
@@ -55,8 +58,10 @@ class _Fits:
 
 
 def _trainer(sizes: Sizes, precision: str | None, autotune: bool) -> Any:
-  model = MiniGPT(vocab=sizes.lm_vocab, tokens=sizes.lm_tokens, width=sizes.lm_width,
-                  heads=sizes.lm_heads, layers=sizes.lm_layers)
+  # Initialised as one compiled program (eagerly, each initialiser would compile on its own).
+  model = nnx.jit(lambda: MiniGPT(vocab=sizes.lm_vocab, tokens=sizes.lm_tokens,
+                                  width=sizes.lm_width, heads=sizes.lm_heads,
+                                  layers=sizes.lm_layers))()
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   return tj.Trainer(model, optax.adamw(3e-4), lm_loss, precision=precision, autotune=autotune,
                     progress=False, mesh=mesh)
@@ -65,7 +70,8 @@ def _trainer(sizes: Sizes, precision: str | None, autotune: bool) -> Any:
 def _first_call_of(trainer: Any, history: Any) -> Any:
   """The step's `FirstCall`: from `History.tuning` when it carries one, else the step's report."""
   for value in history.tuning.values():
-    if hasattr(value, "stages") and hasattr(value, "total_s"):
+    if (isinstance(value, Mapping) and {"stages", "total_s"} <= set(value)
+        or hasattr(value, "stages") and hasattr(value, "total_s")):
       return value
   step = getattr(trainer, "_train_step", None)
   try:
@@ -92,11 +98,12 @@ def _warm(name: str, sizes: Sizes, which: str, autotune: bool, batches: list[Any
 
 
 def _interleave(fits: dict[str, _Fits], deadline: Deadline, sizes: Sizes) -> Any:
+  freeze_heap()
   start = time.perf_counter()
   for f in fits.values():
     f.run(2)
   per_step = (time.perf_counter() - start) / sum(f.steps for f in fits.values())
-  k = max(2, min(50, round(sizes.round_s / max(per_step, 1e-6))))
+  k = max(2, min(100, round(sizes.lm_round_s / max(per_step, 1e-6))))
   rounds = fit_rounds(k * per_step * (len(fits) + 1) * 1.2, deadline.left(), sizes.rounds)
   if rounds == 0:
     say(f"  steady state: not timed ({deadline.left():.0f} s left)")

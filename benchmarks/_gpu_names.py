@@ -38,7 +38,7 @@ PLAN: dict[str, tuple[tuple[str, float], ...]] = {
                  ("resnet50.torch", 30)),
     "attention": (("attention.jax", 55), ("attention.tj_attention", 35),
                   ("attention.tj_hand_written", 40), ("attention.torch", 15)),
-    "lm": (("lm.float32", 35), ("lm.mixed", 35)),
+    "lm": (("lm.mixed", 40), ("lm.float32", 30)),
     "conv_buckets": (("conv_buckets", 15),),
     "layout_f16": (("layout_f16", 30),),
 }

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import queue
-import resource
 import signal
 import subprocess
 import sys
@@ -106,8 +105,14 @@ def _take(result: WorkerResult, line: str, echo: Callable[[str], None]) -> None:
   result.records.append(record)
 
 
-def _children_cpu_s() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+def _reap(proc: subprocess.Popen) -> float:
+  """Waits for the worker; its CPU seconds (user + system, its own children's included)."""
+  try:
+    _, status, usage = os.wait4(proc.pid, 0)
+  except ChildProcessError:  # already reaped
+    proc.wait()
+    return 0.0
+  proc.returncode = os.waitstatus_to_exitcode(status)
   return usage.ru_utime + usage.ru_stime
 
 
@@ -117,7 +122,6 @@ def _kill(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
     pass
-  proc.wait()
 
 
 def stop_on_sigterm() -> None:
@@ -136,7 +140,7 @@ def supervise(name: str, command: Sequence[str], budget_s: float, *,
     before are kept, ``in_progress`` names what it was doing).
   """
   result = WorkerResult(name, budget_s)
-  start, cpu = time.monotonic(), _children_cpu_s()
+  start = time.monotonic()
   proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL, text=True, bufsize=1,
                           env=None if env is None else dict(env), start_new_session=True)
@@ -156,17 +160,17 @@ def supervise(name: str, command: Sequence[str], budget_s: float, *,
       _take(result, line, echo)
   except BaseException:  # the driver is stopped (SIGTERM, Ctrl-C): no worker outlives it
     _kill(proc)
+    _reap(proc)
     raise
   if result.status == "budget":
     _kill(proc)
-  proc.wait()
+  result.cpu_s = _reap(proc)
   reader.join(timeout=5)
   while not lines.empty():  # what it printed before it was stopped
     line = lines.get_nowait()
     if line is not None:
       _take(result, line, echo)
   result.seconds = time.monotonic() - start
-  result.cpu_s = _children_cpu_s() - cpu
   result.returncode = proc.returncode
   if result.status != "budget":
     result.status = "done" if proc.returncode == 0 else "failed"

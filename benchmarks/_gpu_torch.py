@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import _harness
-from _gpu_measure import Sizes, guarded, step_of, timing_fields
+from _gpu_measure import Sizes, freeze_heap, guarded, step_of, timing_fields
 from _gpu_names import TORCH_AMP, TORCH_F32, TORCH_SDPA
 from _gpu_run import Deadline, emit, fit_rounds, say
 
@@ -79,6 +79,7 @@ def _first(name: str, loop: _Loop) -> float:
 
 def _interleave(loops: dict[str, _Loop], baseline: str, deadline: Deadline,
                 sizes: Sizes) -> tuple[_harness.Timings, int] | None:
+  freeze_heap()
   one = {}
   for name, loop in loops.items():
     start = time.perf_counter()

@@ -35,6 +35,7 @@ device command.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import faulthandler
 import json
@@ -42,8 +43,9 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import _gpu_names as names
@@ -69,10 +71,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                  help="a worker's time limit instead of the plan's")
   p.add_argument("--total-s", type=float, default=None,
                  help=f"all parts together at most this (default {TOTAL_S:.0f} s on a GPU)")
+  p.add_argument("--jobs", type=int, default=None,
+                 help="workers at a time, --smoke only (default 2 with --smoke, else 1)")
   p.add_argument("--render", metavar="JSON", help="make the sections from a run's gpu.json")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   p.add_argument("--until", type=float, help=argparse.SUPPRESS)
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  args.jobs = args.jobs or (2 if args.smoke else 1)
+  if args.jobs > 1 and not args.smoke:
+    p.error("--jobs > 1 needs --smoke: on a GPU the workers run one at a time")
+  return args
 
 
 # --- a worker --------------------------------------------------------------------------
@@ -122,16 +130,18 @@ def _workers(part: str, which: str) -> Any:
 
 
 class Log:
-  """Prints (flushed) and keeps every line for ``--out``'s gpu.log."""
+  """Prints (flushed) and keeps every line for ``--out``'s gpu.log; thread-safe."""
 
   def __init__(self, out: pathlib.Path | None):
     self.file = None if out is None else open(out / "gpu.log", "w", encoding="utf-8")
+    self.lock = threading.Lock()
 
   def __call__(self, line: str) -> None:
-    print(line, flush=True)
-    if self.file is not None:
-      self.file.write(line + "\n")
-      self.file.flush()
+    with self.lock:
+      print(line, flush=True)
+      if self.file is not None:
+        self.file.write(line + "\n")
+        self.file.flush()
 
 
 def _budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -154,37 +164,59 @@ def _worker_env(cache: str, smoke: bool) -> dict[str, str]:
   return env
 
 
+def run_worker(worker: str, budget: float, args: argparse.Namespace,
+               log: Callable[[str], None]) -> run.WorkerResult:
+  """One worker, with a tuning cache of its own (empty: a new user's first call)."""
+  log(f"gpu.py: {worker} (at most {budget:.0f} s) ...")
+  extra = [*(["--smoke"] if args.smoke else []),
+           *(["--rounds", str(args.rounds)] if args.rounds else []),
+           "--until", f"{time.time() + budget:.3f}"]
+  with tempfile.TemporaryDirectory(prefix="tunedjax-gpu-cache-") as cache:
+    result = run.supervise(worker, run.worker_command(str(SCRIPT), worker, extra), budget,
+                           env=_worker_env(cache, args.smoke), echo=log)
+  log(f"gpu.py: {worker}: {result.status} after {result.seconds:.1f} s "
+      f"({result.cpu_s:.1f} s of CPU)")
+  return result
+
+
+def _keep(results: dict[str, Any], part: str, result: run.WorkerResult) -> None:
+  entry = results["parts"].setdefault(part, {"seconds": 0.0, "workers": []})
+  entry["workers"].append(result.to_dict())
+  entry["seconds"] += result.seconds
+  for record in result.records:
+    if record.get("kind") == "env":
+      results["env"].update({k: v for k, v in record.items() if k != "kind"})
+
+
 def run_part(part: str, args: argparse.Namespace, results: dict[str, Any], log: Log,
              total_end: float, out: pathlib.Path | None) -> None:
   """Runs a part's workers one after another, saving the results after each."""
   budgets = _budgets(args)
-  start = time.monotonic()
-  workers: list[dict[str, Any]] = []
-  results["parts"][part] = entry = {"seconds": 0.0, "workers": workers}
+  results["parts"][part] = {"seconds": 0.0, "workers": []}
   for worker, planned in names.PLAN[part]:
     budget = budgets.get(worker, names.SMOKE_BUDGET_S if args.smoke else planned)
     budget = min(budget, total_end - time.monotonic())
     if budget < 5:
       log(f"gpu.py: {worker}: not run (the run's {args.total_s or TOTAL_S:.0f} s are spent)")
-      workers.append(run.WorkerResult(worker, 0.0, status="skipped").to_dict())
+      _keep(results, part, run.WorkerResult(worker, 0.0, status="skipped"))
       continue
-    log(f"gpu.py: {worker} (at most {budget:.0f} s) ...")
-    extra = [*(["--smoke"] if args.smoke else []),
-             *(["--rounds", str(args.rounds)] if args.rounds else []),
-             "--until", f"{time.time() + budget:.3f}"]
-    with tempfile.TemporaryDirectory(prefix="tunedjax-gpu-cache-") as cache:
-      result = run.supervise(worker, run.worker_command(str(SCRIPT), worker, extra),
-                             budget, env=_worker_env(cache, args.smoke), echo=log)
-    log(f"gpu.py: {worker}: {result.status} after {result.seconds:.1f} s "
-        f"({result.cpu_s:.1f} s of CPU)")
+    result = run_worker(worker, budget, args, log)
     if any(r.get("kind") == "no_gpu" for r in result.records):
       raise SystemExit(2)
-    for record in result.records:
-      if record.get("kind") == "env":
-        results["env"].update({k: v for k, v in record.items() if k != "kind"})
-    workers.append(result.to_dict())
-    entry["seconds"] = time.monotonic() - start
+    _keep(results, part, result)
     save(results, out)
+
+
+def run_parallel(args: argparse.Namespace, results: dict[str, Any], log: Log) -> None:
+  """A smoke run's workers, `args.jobs` at a time (a GPU run's are one at a time)."""
+  budgets = _budgets(args)
+  tasks = [(part, worker) for part in args.only for worker, _ in names.PLAN[part]]
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    futures = [pool.submit(run_worker, worker, budgets.get(worker, names.SMOKE_BUDGET_S), args,
+                           lambda line, w=worker: log(f"[{w}] {line}"))
+               for _, worker in tasks]
+    for (part, _), future in zip(tasks, futures):
+      _keep(results, part, future.result())
 
 
 def save(results: dict[str, Any], out: pathlib.Path | None) -> None:
@@ -234,8 +266,12 @@ def drive(args: argparse.Namespace, argv: Sequence[str]) -> int:
       "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "smoke": bool(args.smoke), "env": {}, "parts": {}}
   total_end = time.monotonic() + (args.total_s or (1e9 if args.smoke else TOTAL_S))
+  if args.jobs > 1:
+    run_parallel(args, results, log)
+    save(results, out)
   for part in args.only:
-    run_part(part, args, results, log, total_end, out)
+    if args.jobs == 1:
+      run_part(part, args, results, log, total_end, out)
     log("\n" + render.RENDER[part](results, results["parts"][part]) + "\n")
   if args.write:
     publish(results, True, lambda line: None if line.startswith("\n") else log(line))
