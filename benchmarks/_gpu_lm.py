@@ -80,6 +80,14 @@ def _first_call_of(trainer: Any, history: Any) -> Any:
     return None
 
 
+def _buckets(attention: Any) -> list[str] | None:
+  """``history.tuning["attention"]``'s buckets, each with its kernel and why."""
+  if not isinstance(attention, Mapping):
+    return None if attention is None else [str(attention)[:300]]
+  return [f"{b.get('bucket')}: {b.get('kernel')} ({b.get('reason') or 'tuned'})"
+          for b in attention.get("buckets", [])]
+
+
 def _warm(name: str, sizes: Sizes, which: str, autotune: bool, batches: list[Any]) -> _Fits:
   fits = _Fits(_trainer(sizes, PRECISIONS[which], autotune), batches, sizes.lm_horizon)
   with step_of(f"{name}: first fit ({sizes.lm_warm_steps} steps)"):
@@ -89,7 +97,7 @@ def _warm(name: str, sizes: Sizes, which: str, autotune: bool, batches: list[Any
   tuning = fits.trainer.history.tuning
   attention = tuning.get("attention")
   emit("row", variant=name, precision=which, warm_fit_s=seconds, warm_steps=fits.steps,
-       attention=None if attention is None else str(attention)[:400])
+       attention=_buckets(attention))
   say(f"  {name}: first fit of {fits.steps} steps {seconds:.2f} s; attention: {attention}")
   if autotune:
     emit_first_call(f"{which}, {name}", _first_call_of(fits.trainer, fits.trainer.history),

@@ -168,7 +168,8 @@ def steady_state(runners: Mapping[str, Runner], baseline: str, deadline: Deadlin
 
 def timing_fields(timings: _harness.Timings, k: int, name: str) -> dict[str, Any]:
   """A variant's steady-state figures: ms per call, spread, ratio to the worker's baseline."""
-  lo, hi = timings.spread(name)
+  # the baseline's own per-round ratios are all 1: its spread is the A/A control's
+  lo, hi = timings.spread(_harness.CONTROL if name == timings.baseline else name)
   return {"ms": 1e3 * timings.median(name) / k, "rounds": len(timings.runs[name]),
           "calls_per_run": k, "in_worker_ratio": timings.ratio(name),
           "aa": timings.ratio(_harness.CONTROL), "range": [lo, hi],

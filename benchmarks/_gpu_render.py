@@ -98,14 +98,22 @@ def _ratio(a: Any, b: Any) -> float | None:
   return None if a is None or b is None or b == 0 else a / b
 
 
+def _sizes(results: Mapping[str, Any]) -> dict[str, Any]:
+  return results.get("env", {}).get("sizes") or {}
+
+
 def resnet(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
   rows = {k[0]: v for k, v in merged_rows(part).items()}
   base = rows.get(JIT_BF16, {})
+  s = _sizes(results)
   lines = header("resnet50", results, part) + [
-      "", "Batch of random 224x224 images (smoke: smaller), SGD with Nesterov momentum; "
-      "each `tj.jit` variant in a fresh process with an empty tuning cache. " + CROSS, "",
+      "", f"Batch {s.get('batch', '?')} of random {s.get('image', '?')}x{s.get('image', '?')} "
+      f"images, stages {s.get('stages', '?')}, width {s.get('width', '?')}; SGD with Nesterov "
+      "momentum 0.9 and the example's weight decay; `donate_argnums=0`; each `tj.jit` variant "
+      "in a fresh process with an empty tuning cache. " + CROSS, "",
       "| variant | first call (s) | / jax.jit f32 | / jax.jit bf16 | images/s | "
-      "/ jax.jit bf16 | range | A/A | loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+      "/ jax.jit bf16 | range | A/A | first loss |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   f32_first, bf16_first = rows.get(JIT_F32, {}).get("first_call_s"), base.get("first_call_s")
   for name in RESNET_ORDER:
     r = rows.get(name)
@@ -119,7 +127,7 @@ def resnet(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
         f"{_num(r.get('images_per_s'), '.0f')} | "
         f"{_num(_ratio(r.get('images_per_s'), base.get('images_per_s')), '.3f')} | "
         f"{'' if not lo_hi else f'{lo_hi[0]:.2f}-{lo_hi[1]:.2f}'} | {_num(r.get('aa'), '.3f')} | "
-        f"{_num(r.get('loss'), '.4f')} |")
+        f"{_num(r.get('first_loss'), '.4f')} |")
   return "\n".join(lines + resnet_targets(rows) + anatomy_lines(part) + status_lines(part))
 
 
@@ -156,8 +164,11 @@ def resnet_targets(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
 def attention(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
   rows = merged_rows(part, "tokens")
   lengths = sorted({k[1] for k in rows if k[1] is not None})
+  s = _sizes(results)
   lines = header("attention", results, part) + [
-      "", "bfloat16 [batch, tokens, heads, head_dim], `value_and_grad` of `sum(out * g)`; "
+      "", f"bfloat16 [{s.get('attn_batch', '?')}, T, {s.get('attn_heads', '?')}, "
+      f"{s.get('attn_head_dim', '?')}] ([batch, tokens, heads, head_dim]), `value_and_grad` of "
+      "`sum(out * g)` with respect to q, k and v; "
       "TFLOP/s counts 3.5x the causal forward's 2·B·N·T²·D (FlashAttention's convention). "
       "The `tj.jit` workers run `set_config(None)` with an empty tuning cache. " + CROSS]
   targets = []
@@ -201,11 +212,16 @@ def attention_targets(rows: Mapping[tuple, Mapping[str, Any]], tokens: int) -> l
 
 def lm(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
   rows = merged_rows(part, "precision")
+  s = _sizes(results)
   lines = header("lm", results, part) + [
-      "", "miniGPT (`nnx.MultiHeadAttention` with `mask=jnp.tril(jnp.ones((T, T)))`, "
-      "GPT-2's vocabulary), AdamW, `tj.Trainer(progress=False)`; each `fit` asks for a "
-      "10,000-step run and a callback stops it (kernel tuning pays back within the fit's "
-      "horizon); each precision in its own process with an empty tuning cache. "
+      "", f"miniGPT: {s.get('lm_layers', '?')} blocks, width {s.get('lm_width', '?')}, "
+      f"{s.get('lm_heads', '?')} heads, {s.get('lm_tokens', '?')} tokens, batch "
+      f"{s.get('lm_batch', '?')}, vocabulary {s.get('lm_vocab', '?')}; "
+      "`nnx.MultiHeadAttention` with `mask=jnp.tril(jnp.ones((T, T)))`; AdamW; "
+      "`tj.Trainer(progress=False)`; each `fit` asks for a "
+      f"{s.get('lm_horizon', '?')}-step run and a callback stops it (kernel tuning pays back "
+      f"within the fit's horizon); the first fit runs {s.get('lm_warm_steps', '?')} steps; "
+      "each precision in its own process with an empty tuning cache. "
       "Speedup: `autotune=False`'s time over `autotune=True`'s (median of per-round ratios).",
       "", "| precision | autotune=False ms/step | autotune=True ms/step | speedup | A/A | "
       "first fit off / on (s) | attention (autotune=True) |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -220,7 +236,7 @@ def lm(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
         f"| {precision} | {_num(off.get('ms'), '.2f')} | {_num(on.get('ms'), '.2f')} | "
         f"{_num(speedups[precision], '.3f', 'x')} | {_num(off.get('aa'), '.3f')} | "
         f"{_num(off.get('warm_fit_s'), '.1f')} / {_num(on.get('warm_fit_s'), '.1f')} | "
-        f"{(on.get('attention') or '').replace('|', '/')} |")
+        f"{'; '.join(on.get('attention') or []).replace('|', '/')} |")
   mixed = speedups.get("mixed")
   lines += ["", f"Target: with mixed precision, `autotune=True` at least 1.3x "
             f"`autotune=False`: {_verdict(None if mixed is None else mixed >= 1.3)}"
@@ -230,7 +246,8 @@ def lm(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
 
 def conv_buckets(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
   lines = header("conv_buckets", results, part) + [
-      "", "ResNet-50's forward convolutions, NHWC; ratio = pallas time / XLA time (median of "
+      "", f"ResNet-50's forward convolutions, NHWC, batch {_sizes(results).get('bucket_batch')}; "
+      "ratio = pallas time / XLA time (median of "
       "per-round ratios; below 1: pallas faster); error = relative L2 error against XLA.", "",
       "| bucket | dtype | XLA (ms) | pallas (ms) | ratio | A/A | error |",
       "|---|---|---:|---:|---:|---:|---:|"]
@@ -248,7 +265,8 @@ def layout_f16(results: Mapping[str, Any], part: Mapping[str, Any]) -> str:
   rows = {k[0]: v for k, v in merged_rows(part).items()}
   layout = rows.get(LAYOUT_PASS, {}).get("layout")
   lines = header("layout_f16", results, part) + [
-      "", f"float16 parameters and inputs, SGD train step, both in one process; the pass: "
+      "", f"Batch {_sizes(results).get('layout_batch')}, float16 parameters and inputs, SGD "
+      f"train step, both in one process; the pass: "
       f"{layout or 'not reported'}.", "",
       "| variant | first call (s) | ms | ratio | range | A/A |", "|---|---:|---:|---:|---:|---:|"]
   for name in (LAYOUT_PLAIN, LAYOUT_PASS):

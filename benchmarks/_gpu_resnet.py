@@ -46,7 +46,7 @@ def _runner(sizes: Sizes, dtype: Any, jit: Any) -> Runner:
 
 
 def _row(name: str, sizes: Sizes, first_s: float, runner: Runner, timings, k: int) -> None:
-  fields = {"first_call_s": first_s, "loss": float(runner.out)}
+  fields: dict = {"first_call_s": first_s}
   if timings is not None:
     fields.update(timing_fields(timings, k, name))
     fields["images_per_s"] = sizes.batch / (fields["ms"] / 1e3)
@@ -66,7 +66,7 @@ def worker_jax(sizes: Sizes, deadline: Deadline) -> None:
     first = runner and guarded(name, lambda r=runner, n=name: first_call(n, r))
     if first is not None and runner is not None:
       runners[name], firsts[name] = runner, first
-      emit("row", variant=name, first_call_s=first, loss=float(runner.out))
+      emit("row", variant=name, first_call_s=first, first_loss=float(runner.out))
   if not runners:
     return
   base = BASELINE if BASELINE in runners else next(iter(runners))
@@ -84,7 +84,7 @@ def worker_tj(worker: str, sizes: Sizes, deadline: Deadline) -> None:
   def run() -> None:
     runner = _runner(sizes, jnp.float32, tj.jit)
     first = first_call(name, runner)
-    emit("row", variant=name, first_call_s=first, loss=float(runner.out))
+    emit("row", variant=name, first_call_s=first, first_loss=float(runner.out))
     anatomy(name, runner.fn)
     measured = steady_state({name: runner}, name, deadline, sizes)
     _row(name, sizes, first, runner, *(measured or (None, 0)))

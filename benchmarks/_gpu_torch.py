@@ -116,7 +116,7 @@ def worker_resnet(sizes: Sizes, deadline: Deadline) -> None:
     first = loop and guarded(name, lambda n=name, l=loop: _first(n, l))
     if first is not None:
       loops[name], firsts[name] = loop, first
-      emit("row", variant=name, first_call_s=first, loss=float(loop.out))
+      emit("row", variant=name, first_call_s=first, first_loss=float(loop.out.detach()))
   if not loops:
     return
   measured = _interleave(loops, next(iter(loops)), deadline, sizes)
@@ -166,7 +166,7 @@ def worker_attention(sizes: Sizes, deadline: Deadline) -> None:
     if first is None:
       continue
     measured = _interleave({TORCH_SDPA: loop}, TORCH_SDPA, deadline, sizes)
-    fields.update(first_call_s=first, value=float(loop.out))
+    fields.update(first_call_s=first, value=float(loop.out.detach()))
     if measured is not None:
       fields.update(timing_fields(*measured, TORCH_SDPA))
     emit("row", variant=TORCH_SDPA, **fields)

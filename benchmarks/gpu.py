@@ -97,6 +97,7 @@ def worker_main(args: argparse.Namespace) -> int:
   # Where it was, if its time runs out: every thread's stack, just before the driver kills it.
   faulthandler.dump_traceback_later(max(args.until - time.time() + 0.5, 1.0), exit=False)
   part, _, which = args.worker.partition(".")
+  run.emit("env", sizes=dataclasses.asdict(sizes))
   if which != "torch":
     measure.env_record()
     backend = measure.jax.default_backend()
