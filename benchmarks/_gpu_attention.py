@@ -21,7 +21,7 @@ import numpy as np
 
 import tunedjax as tj
 from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
-                          steady_state, timing_fields)
+                          out_of_time, steady_state, timing_fields)
 from _gpu_names import CUDNN, HAND, TJ_ATTENTION, TJ_HAND
 from _gpu_run import Deadline, emit, say
 
@@ -93,8 +93,7 @@ def worker_jax(sizes: Sizes, deadline: Deadline) -> None:
     args = operands(sizes, tokens)
     runners, firsts = {}, {}
     for name, attention in _variants():
-      if not deadline.allows(5):
-        say(f"  {name}, {tokens} tokens: not run ({deadline.left():.0f} s left)")
+      if out_of_time(f"{name}, {tokens} tokens", deadline):
         continue
       runner = Runner(jax.jit(forward_backward(attention)), *args)
       first = guarded(name, lambda n=name, r=runner: first_call(f"{n}, {tokens}", r),
@@ -115,8 +114,7 @@ def worker_tj(which: str, sizes: Sizes, deadline: Deadline) -> None:
                      (TJ_HAND, hand_written))
   configure(None, sizes)
   for tokens in sizes.attn_tokens:
-    if not deadline.allows(5):
-      say(f"  {name}, {tokens} tokens: not run ({deadline.left():.0f} s left)")
+    if out_of_time(f"{name}, {tokens} tokens", deadline):
       continue
 
     def run(tokens=tokens) -> None:

@@ -19,7 +19,7 @@ from jax import lax
 import _harness
 import tunedjax as tj
 from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
-                          steady_state, step_of, timing_fields)
+                          out_of_time, steady_state, step_of, timing_fields)
 from _gpu_models import functional_resnet
 from _gpu_names import LAYOUT_PASS, LAYOUT_PLAIN
 from _gpu_run import Deadline, emit, say
@@ -67,8 +67,7 @@ def worker_conv_buckets(sizes: Sizes, deadline: Deadline) -> None:
   rng = np.random.default_rng(0)
   for dtype in (jnp.bfloat16, jnp.float32):
     for bucket in RESNET50_BUCKETS[:sizes.bucket_count]:
-      if not deadline.allows(3):
-        say(f"  bucket {bucket} {jnp.dtype(dtype).name}: not run ({deadline.left():.0f} s left)")
+      if out_of_time(f"bucket {bucket} {jnp.dtype(dtype).name}", deadline, 3):
         continue
       guarded(f"bucket {bucket}", lambda b=bucket, d=dtype: _bucket(sizes, rng, b, d, deadline),
               bucket=str(bucket), dtype=jnp.dtype(dtype).name)
@@ -82,8 +81,7 @@ def worker_layout_f16(sizes: Sizes, deadline: Deadline) -> None:
                                          layout="NCHW", dtype=jnp.float16)
   runners, firsts = {}, {}
   for name, jit in ((LAYOUT_PLAIN, jax.jit), (LAYOUT_PASS, tj.jit)):
-    if not deadline.allows(5):
-      say(f"  {name}: not run ({deadline.left():.0f} s left)")
+    if out_of_time(name, deadline):
       continue
     runner = Runner(jit(step), jax.tree.map(jnp.copy, params), x, y, stateful=True)
     first = guarded(name, lambda n=name, r=runner: first_call(n, r))

@@ -22,8 +22,8 @@ from flax import nnx
 
 import _harness
 import tunedjax as tj
-from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded, step_of,
-                          timing_fields)
+from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded,
+                          out_of_time, step_of, timing_fields)
 from _gpu_models import MiniGPT, lm_batches, lm_loss
 from _gpu_names import OFF, ON
 from _gpu_run import Deadline, emit, fit_rounds, say
@@ -127,8 +127,7 @@ def worker(which: str, sizes: Sizes, deadline: Deadline) -> None:
   batches = lm_batches(4, sizes.lm_batch, sizes.lm_tokens, sizes.lm_vocab)
   fits = {}
   for name, autotune in ((OFF, False), (ON, True)):
-    if not deadline.allows(5):
-      say(f"  {name}: not run ({deadline.left():.0f} s left)")
+    if out_of_time(f"{which}, {name}", deadline):
       continue
     got = guarded(name, lambda n=name, a=autotune: _warm(n, sizes, which, a, batches),
                   precision=which)

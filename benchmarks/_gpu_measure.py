@@ -110,6 +110,15 @@ def step_of(what: str) -> Iterator[None]:
   emit("end", what=what)
 
 
+def out_of_time(name: str, deadline: Deadline, needed_s: float = 5.0) -> bool:
+  """Whether `name` must be left out: less than `needed_s` left (said and recorded)."""
+  if deadline.allows(needed_s):
+    return False
+  say(f"  {name}: not run ({deadline.left():.0f} s left)")
+  emit("not_run", what=name, left_s=deadline.left())
+  return True
+
+
 def first_call(name: str, runner: Runner) -> float:
   """Seconds of the runner's first call (trace, passes, tuning, compile, first run)."""
   with step_of(f"{name}: first call"):

@@ -74,6 +74,9 @@ def status_lines(part: Mapping[str, Any]) -> list[str]:
     for r in w.get("records", []):
       if r.get("kind") == "skip":
         lines.append(f"- `{w['name']}`: {r['reason']}")
+      elif r.get("kind") == "not_run":
+        lines.append(f"- `{w['name']}`: {r['what']}: not run, {r['left_s']:.0f} s of its time "
+                     "left.")
   for key, row in merged_rows(part, "tokens", "precision", "bucket", "dtype").items():
     if row.get("error"):
       where = ", ".join(str(k) for k in key if k is not None)

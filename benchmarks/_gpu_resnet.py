@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import tunedjax as tj
 from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
-                          steady_state, timing_fields)
+                          out_of_time, steady_state, timing_fields)
 from _gpu_models import image_batch, resnet50, resnet_train_step
 from _gpu_names import JIT_BF16, JIT_F32, TJ_ALL, TJ_ALL_MP, TJ_MP_LAYOUT
 from _gpu_run import Deadline, emit, say
@@ -59,8 +59,7 @@ def worker_jax(sizes: Sizes, deadline: Deadline) -> None:
   """`jax.jit` in float32 and with the example's bfloat16 dtype, then both interleaved."""
   runners, firsts = {}, {}
   for name, dtype in ((JIT_F32, jnp.float32), (JIT_BF16, jnp.bfloat16)):
-    if not deadline.allows(5):
-      say(f"  {name}: not run ({deadline.left():.0f} s left)")
+    if out_of_time(name, deadline):
       continue
     runner = guarded(name, lambda d=dtype: _runner(sizes, d, jax.jit))
     first = runner and guarded(name, lambda r=runner, n=name: first_call(n, r))

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import _harness
-from _gpu_measure import Sizes, freeze_heap, guarded, step_of, timing_fields
+from _gpu_measure import Sizes, freeze_heap, guarded, out_of_time, step_of, timing_fields
 from _gpu_names import TORCH_AMP, TORCH_F32, TORCH_SDPA
 from _gpu_run import Deadline, emit, fit_rounds, say
 
@@ -46,7 +46,8 @@ class _Loop:
 def _resnet_loop(m: dict[str, Any], sizes: Sizes, device: str, amp: bool) -> _Loop:
   torch, tv = m["torch"], m["torchvision"]
   if sizes.smoke:
-    model = tv.models.resnet.ResNet(tv.models.resnet.Bottleneck, list(sizes.stages))
+    # torchvision's ResNet has four stages: one basic block each (a ResNet-10)
+    model = tv.models.resnet.ResNet(tv.models.resnet.BasicBlock, [1, 1, 1, 1])
   else:
     model = tv.models.resnet50()
   model = model.to(device, memory_format=torch.channels_last).train()
@@ -98,6 +99,8 @@ def _setup(m: dict[str, Any]) -> str:
   torch = m["torch"]
   device = "cuda" if torch.cuda.is_available() else "cpu"
   torch.backends.cudnn.benchmark = True
+  if device == "cpu":  # a check run: OpenMP threads spinning beside XLA's only slow it down
+    torch.set_num_threads(1)
   emit("env", torch=torch.__version__, torch_device=(
       torch.cuda.get_device_name(0) if device == "cuda" else "cpu"))
   say(f"  torch {torch.__version__} on {device}, cudnn.benchmark on")
@@ -156,8 +159,7 @@ def worker_attention(sizes: Sizes, deadline: Deadline) -> None:
     return
   device = _setup(m)
   for tokens in sizes.attn_tokens:
-    if not deadline.allows(3):
-      say(f"  {tokens} tokens: not run ({deadline.left():.0f} s left)")
+    if out_of_time(f"{TORCH_SDPA}, {tokens} tokens", deadline, 3):
       continue
     fields = {"tokens": tokens}
     loop = guarded(TORCH_SDPA, lambda t=tokens: _sdpa_loop(m, sizes, device, t), **fields)

@@ -195,10 +195,12 @@ def run_part(part: str, args: argparse.Namespace, results: dict[str, Any], log: 
   budgets = _budgets(args)
   results["parts"][part] = {"seconds": 0.0, "workers": []}
   for worker, planned in names.PLAN[part]:
-    budget = budgets.get(worker, names.SMOKE_BUDGET_S if args.smoke else planned)
-    budget = min(budget, total_end - time.monotonic())
+    limit = budgets.get(worker, names.SMOKE_BUDGET_S if args.smoke else planned)
+    budget = min(limit, total_end - time.monotonic())
     if budget < 5:
-      log(f"gpu.py: {worker}: not run (the run's {args.total_s or TOTAL_S:.0f} s are spent)")
+      why = ("its time limit is under 5 s" if limit < 5 else
+             f"the run's {args.total_s or TOTAL_S:.0f} s are spent")
+      log(f"gpu.py: {worker}: not run ({why})")
       _keep(results, part, run.WorkerResult(worker, 0.0, status="skipped"))
       continue
     result = run_worker(worker, budget, args, log)
