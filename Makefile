@@ -79,9 +79,9 @@ bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 
 # The Python 3.12 wheels the GPU image lacks (it has jax 0.11 with CUDA, flax,
-# optax, torch): grain and two of its dependencies, the tested orbax-checkpoint,
-# and tunedjax's own wheel (its entry points), into .whl/ (git-ignored, carried to
-# the device machine; 6 MiB). `.ci/device-wheels --dry-run` prints what it fetches.
+# optax, torch): grain and two of its dependencies and the tested orbax-checkpoint,
+# into .whl/ (git-ignored, carried to the device machine; 6 MiB); tunedjax runs
+# from src/. `.ci/device-wheels --dry-run` prints what it fetches.
 # BENCHMARKS.md, "GPU", gives the device command that installs them and runs
 # benchmarks/gpu.py.
 device-wheels:

@@ -68,11 +68,10 @@ def _trainer(sizes: Sizes, precision: str | None, autotune: bool) -> Any:
 
 
 def _first_call_of(trainer: Any, history: Any) -> Any:
-  """The step's `FirstCall`: from `History.tuning` when it carries one, else the step's report."""
-  for value in history.tuning.values():
-    if (isinstance(value, Mapping) and {"stages", "total_s"} <= set(value)
-        or hasattr(value, "stages") and hasattr(value, "total_s")):
-      return value
+  """The step's first call: ``History.tuning["first_call"]`` (``{"total_s", "stages"}``),
+  else its program's report."""
+  if history.tuning.get("first_call"):
+    return history.tuning["first_call"]
   step = getattr(trainer, "_train_step", None)
   try:
     return getattr(step.report(memory=False).last, "first_call", None)
@@ -99,9 +98,11 @@ def _warm(name: str, sizes: Sizes, which: str, autotune: bool, batches: list[Any
   emit("row", variant=name, precision=which, warm_fit_s=seconds, warm_steps=fits.steps,
        attention=_buckets(attention))
   say(f"  {name}: first fit of {fits.steps} steps {seconds:.2f} s; attention: {attention}")
-  if autotune:
-    emit_first_call(f"{which}, {name}", _first_call_of(fits.trainer, fits.trainer.history),
-                    summary=str({k: v for k, v in tuning.items() if k != "attention"})[:2000])
+  emit_first_call(f"{which}, {name}", _first_call_of(fits.trainer, fits.trainer.history),
+                  summary=str({k: v for k, v in tuning.items()
+                               if k not in ("attention", "first_call", "first_calls")})[:2000])
+  for other in tuning.get("first_calls", [])[:-1]:  # programs compiled before the last one
+    say(f"  {which}, {name}: an earlier program's first call: {other}")
   return fits
 
 

@@ -54,8 +54,9 @@ def test_the_smoke_run_runs_every_part_and_writes_its_json(tmp_path):
     assert "PyTorch rows skipped" in record["reason"] and record["reason"] in result.stdout
   anatomies = [r for p in results["parts"].values() for w in p["workers"]
                for r in w["records"] if r["kind"] == "anatomy"]
-  # every tunedjax variant: 3 ResNet-50 workers, 2 x 2 attention lengths, 2 Trainers, layout
-  assert len(anatomies) == 3 + 4 + 2 + 1, [a["variant"] for a in anatomies]
+  # every tunedjax variant: 3 ResNet-50 workers, 2 x 2 attention lengths, 2 x 2 Trainers, layout
+  assert len(anatomies) == 3 + 4 + 4 + 1, [a["variant"] for a in anatomies]
+  assert all(a.get("stages") for a in anatomies), [a for a in anatomies if not a.get("stages")]
   assert "first-call anatomy" in result.stdout
   sections = (out / "gpu.md").read_text()
   for part in names.PARTS:
@@ -152,7 +153,7 @@ def test_device_wheels_dry_run_lists_the_wheels_and_downloads_nothing(tmp_path):
   result = subprocess.run([str(script), "--dry-run", str(dest)], capture_output=True, text=True,
                           timeout=60, check=False)
   assert result.returncode == 0, result.stderr
-  for wheel in ("grain==", "array-record==", "portpicker==", "orbax-checkpoint==", "tunedjax"):
+  for wheel in ("grain==", "array-record==", "portpicker==", "orbax-checkpoint=="):
     assert wheel in result.stdout
-  assert "--python-version 3.12" in result.stdout and "pip wheel" in result.stdout
+  assert "--python-version 3.12" in result.stdout
   assert not dest.exists()
