@@ -101,7 +101,10 @@ class OpFamily:
     default: the reference kernel's name: always a candidate, the choice in
       the observe phase and wherever nothing beats it.
     tolerance: ``tolerance(dtype, platform) -> float``: the largest relative
-      error against the reference a candidate may show.
+      difference from the default kernel's output a candidate may show: a
+      sanity bound. What decides is the accuracy rule every family shares
+      (`autotune._accuracy`): a candidate's error against a high-precision
+      reference may be at most 3 times the default's.
     primitive: a jaxpr primitive whose equations are this family's sites
       (found by the kernel-selection pass), or None for a family whose sites
       call `dispatch`.
@@ -127,6 +130,14 @@ class OpFamily:
       selection evaluates; each site found is decided like any other and,
       when its kernel is not the default, replaced by it (its forward, and
       in a differentiated jaxpr its backward too, `autotune._sites`).
+    precise: ``precise(*operands, spec)``: the family's outputs computed as
+      exactly as the operands' dtype allows, the high-precision reference
+      candidates are judged against. The tuner calls it on the floating
+      operands upcast to float64 (under `jax.enable_x64`, where the
+      platform has float64), else to float32 with every product at
+      `Precision.HIGHEST`. None (the default): the default kernel's ``fn``;
+      a family gives its own where that computes in a fixed dtype (a
+      softmax taken in float32 whatever the inputs) or fixes a precision.
   """
 
   name: str
@@ -142,6 +153,7 @@ class OpFamily:
   features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
   priors: Any = None
   patterns: tuple[Callable[..., Any], ...] = ()
+  precise: Callable[..., Any] | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -154,9 +166,10 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
-    if self.features is not None and not callable(self.features):
-      raise AutotuneError(f"OpFamily({self.name!r}).features must be callable or None, got "
-                          f"{self.features!r}.")
+    for field in ("features", "precise"):
+      if getattr(self, field) is not None and not callable(getattr(self, field)):
+        raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable or None, got "
+                            f"{getattr(self, field)!r}.")
     object.__setattr__(self, "patterns", tuple(self.patterns))
     if not all(callable(p) for p in self.patterns):
       raise AutotuneError(f"OpFamily({self.name!r}).patterns must be functions "
