@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   autotune.op_family("batch_norm")  # registers the family's kernels
   body = "\n".join([
-      "### Batch norm against float64 (`benchmarks/bn_accuracy.py`)",
+      "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)",
       "",
       "Each batch-norm kernel's error against the reference kernel run in float64, forward "
       "(`y`, `mean`, `var`) and backward (the three gradients for a random cotangent), as "

@@ -14,6 +14,7 @@ from slipping past.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import jax
@@ -180,7 +181,7 @@ def _attention_specs():
 
 def _native_unbuilt(op: str, name: str) -> bool:
   kernel = autotune.get_kernel(op, name)
-  sources = getattr(__import__(kernel.fn.__module__, fromlist=["_"]), "NATIVE_SOURCES", ())
+  sources = getattr(sys.modules[kernel.fn.__module__], "NATIVE_SOURCES", ())
   return bool(sources) and not all(_native.available(s) for s in sources)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -195,3 +195,20 @@ def reference(function: Callable[..., Any], args: Sequence[Any], default_out: An
                  type(problem).__name__, str(problem).splitlines()[0][:200] if str(problem)
                  else "")
   return None
+
+
+def none_passed(default: str, error_ratios: Mapping[str, float],
+                rejected: Collection[str]) -> str:
+  """The reason the default stays when no other candidate passed the checks.
+
+  Example:
+    >>> none_passed("xla", {"bf16": 250.0, "ok": 1.2}, {"bf16"})  # doctest: +ELLIPSIS
+    "no other candidate passed the checks (error ratio ...: bf16 250x; at most 3x allowed)"
+  """
+  less_accurate = [f"{n} {r:.3g}x" for n, r in error_ratios.items()
+                   if n in rejected and r > ERROR_RATIO_LIMIT]
+  if not less_accurate:
+    return "no other candidate passed the checks"
+  return (f"no other candidate passed the checks (error ratio against the high-precision "
+          f"reference, over {default}'s: {', '.join(less_accurate)}; at most "
+          f"{ERROR_RATIO_LIMIT:g}x allowed)")

@@ -430,7 +430,8 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   bucket.label, options.budget_s, ", ".join(bucket.skipped))
     if len(runners) == 1:
-      return bucket.finish(bucket.default, _none_passed(bucket), {}, {})
+      return bucket.finish(bucket.default, _accuracy.none_passed(
+          bucket.default, bucket.error_ratios, bucket.rejected), {}, {})
     try:
       timings, slow = _time(bucket, runners, screen)
     except Exception as e:  # pylint: disable=broad-except
@@ -718,17 +719,6 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
                   precise.dtype if precise is not None else "")
   bucket.outputs.clear()
   return runners
-
-
-def _none_passed(bucket: _Bucket) -> str:
-  """The reason the default stays when no other candidate passed the checks."""
-  less_accurate = [f"{n} {r:.3g}x" for n, r in bucket.error_ratios.items()
-                   if n in bucket.rejected and r > _accuracy.ERROR_RATIO_LIMIT]
-  if not less_accurate:
-    return "no other candidate passed the checks"
-  return (f"no other candidate passed the checks (error ratio against the high-precision "
-          f"reference, over {bucket.default}'s: {', '.join(less_accurate)}; at most "
-          f"{_accuracy.ERROR_RATIO_LIMIT:g}x allowed)")
 
 
 def _precise_reference(bucket: _Bucket, default_out: Any) -> _accuracy.Reference | None:
