@@ -63,6 +63,11 @@ class BucketChoice:
       the bucket's high-precision reference (float64 where the platform has
       it) over the default's; above 3 it was rejected (empty where nothing
       was checked, or in entries written before the rule).
+    predicted: the candidates in the order the tuner would predict them
+      now, fastest first, for the platform asked about: from that platform's
+      measurements (its device's cache), the family's priors for its machine
+      class, else the family's rule for the platform (`OpFamily.presumed`),
+      then those nothing predicts; empty for a family without features.
   """
 
   bucket: str
@@ -83,6 +88,7 @@ class BucketChoice:
   compile_s: float = 0.0
   matched: tuple[str, ...] = ()
   error_ratios: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  predicted: tuple[str, ...] = ()
 
 
 def _kept_for(value: Mapping[str, Any]) -> int | None:
@@ -149,24 +155,27 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
   matched = _matched_by_bucket(selection)
-  return [_bucket_row(name, key, candidates, count, tuple(matched.get(name, ())),
-                      selection.cache)
+  return [_bucket_row(name, key, candidates, count, tuple(matched.get(name, ())), selection)
           for name, (key, candidates, count) in found.items()]
 
 
 def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
-                matched: tuple[str, ...], store: Any) -> BucketChoice:
+                matched: tuple[str, ...], selection: Any) -> BucketChoice:
   """One bucket's `BucketChoice`: what the cache holds for it, if anything."""
   op = key["op"]
-  default = _registry.op_family(op).default
+  family = _registry.op_family(op)
+  default = family.default
   names = tuple(k.name for k in candidates)
   if names == (default,):
     return BucketChoice(name, count, names, default, reason=f"only {default} applies",
-                        op=op, matched=matched)
-  value = _tuning.current_session().lookup(store, op, key)
+                        op=op, matched=matched, predicted=names)
+  prediction = _select.predict_bucket(family, key, candidates, selection)
+  predicted = prediction.order() if prediction is not None else ()
+  value = _tuning.current_session().lookup(selection.cache, op, key,
+                                           platform=selection.platform)
   if value is None:
     return BucketChoice(name, count, names, None, reason="not in the cache", op=op,
-                        matched=matched)
+                        matched=matched, predicted=predicted)
   winner, timings = value["winner"], value.get("timings", {})
   base = timings.get(default) or ()
   won = timings.get(winner) or ()
@@ -182,4 +191,4 @@ def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
       decided=_result.decided(value), regret=_result.regret(value),
       compiled=len(value["compile_s"]) if value.get("compile_s") else None,
       compile_s=float(sum((value.get("compile_s") or {}).values())), matched=matched,
-      error_ratios=dict(value.get("error_ratios") or {}))
+      predicted=predicted, error_ratios=dict(value.get("error_ratios") or {}))

@@ -35,6 +35,13 @@ Var = jex_core.Var
 # mesh axes (not exported by `jax.errors` in jax 0.10-0.12).
 ShardingTypeError = _core.ShardingTypeError
 
+# `jax.monitoring` duration events of lowering a program to StableHLO and of
+# XLA's compile (a persistent-cache read included), in jax 0.10-0.12; the first
+# call's anatomy (`_tuning._anatomy`) reads them.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENTS = frozenset({LOWERING_EVENT, BACKEND_COMPILE_EVENT})
+
 # Higher-order primitives whose sub-jaxprs are code to rewrite, by the names
 # they carry across the supported JAX versions, mapped to the params that hold
 # those sub-jaxprs. In jax 0.10 `pjit` is named `jit` and `checkpoint` is named
