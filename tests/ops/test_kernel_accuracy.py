@@ -68,7 +68,6 @@ def assert_accurate(ratios: dict[str, float], what: str) -> None:
 
 CONV_CASES = {  # (lhs shape, rhs shape, stride, groups): forward, input and weight gradients
     "3x3": ((4, 10, 10, 64), (3, 3, 64, 48), 1, 1),
-    "3x3 s2": ((4, 10, 10, 32), (3, 3, 32, 64), 2, 1),
     "3x3x512 (long)": ((4, 8, 8, 512), (3, 3, 512, 64), 1, 1),
     "7x7": ((2, 12, 12, 16), (7, 7, 16, 16), 1, 1),
     "1x1": ((4, 8, 8, 256), (1, 1, 256, 128), 1, 1),

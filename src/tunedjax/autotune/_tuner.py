@@ -431,8 +431,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   bucket.label, options.budget_s, ", ".join(bucket.skipped))
     if len(runners) == 1:
-      return bucket.finish(bucket.default, _accuracy.none_passed(
-          bucket.default, bucket.error_ratios, bucket.rejected), {}, {})
+      return bucket.finish(bucket.default, bucket.none_passed(), {}, {})
     try:
       timings, slow = _time(bucket, runners, screen)
     except Exception as e:  # pylint: disable=broad-except
@@ -474,6 +473,10 @@ class _Bucket:
   @property
   def default(self) -> str:
     return self.family.default
+
+  def none_passed(self) -> str:
+    """The reason the default stays when no other candidate passed the checks."""
+    return _accuracy.none_passed(self.default, self.error_ratios, self.rejected)
 
   @classmethod
   def prepare(cls, spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
