@@ -26,6 +26,7 @@ import logging
 import math
 import statistics
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
-from tunedjax.autotune import _registry
+from tunedjax.autotune import _accuracy, _registry
 from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback
 from tunedjax.autotune._predict import Prediction
 from tunedjax.autotune._result import TuneResult
@@ -430,7 +431,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   bucket.label, options.budget_s, ", ".join(bucket.skipped))
     if len(runners) == 1:
-      return bucket.finish(bucket.default, "no other candidate passed the checks", {}, {})
+      return bucket.finish(bucket.default, bucket.none_passed(), {}, {})
     try:
       timings, slow = _time(bucket, runners, screen)
     except Exception as e:  # pylint: disable=broad-except
@@ -467,10 +468,15 @@ class _Bucket:
   prediction: Prediction | None = None
   pruned: dict[str, str] = dataclasses.field(default_factory=dict)
   every: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  error_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def default(self) -> str:
     return self.family.default
+
+  def none_passed(self) -> str:
+    """The reason the default stays when no other candidate passed the checks."""
+    return _accuracy.none_passed(self.default, self.error_ratios, self.rejected)
 
   @classmethod
   def prepare(cls, spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
@@ -503,7 +509,8 @@ class _Bucket:
                    self.start, self.label, self.temps, payback=self.record,
                    compile_s=self.compile_s, pruned=self.pruned,
                    predicted=(self.prediction.ratios() if self.prediction is not None
-                              and self.prediction.estimates else {}))
+                              and self.prediction.estimates else {}),
+                   error_ratios=self.error_ratios)
 
 
 def _weigh_payback(bucket: _Bucket, payback: Payback
@@ -680,8 +687,15 @@ def _screen(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]],
 
 def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
            ) -> dict[str, Callable[[], Any]]:
-  """The candidates whose screening output matches the default's within the
-  family's tolerance; the others are recorded as failed or rejected."""
+  """The candidates no less accurate than the default; the others are recorded
+  as failed or rejected.
+
+  One rule for every family (`_accuracy`): a candidate's error against a
+  high-precision reference of the same call, computed once here, may be at
+  most `_accuracy.ERROR_RATIO_LIMIT` times the default's (its error ratio,
+  kept in the result). The family's tolerance against the default's own
+  output stays as a sanity bound.
+  """
   default = bucket.default
   ref = _output(bucket.outputs, default, runs[default])
   if isinstance(ref, BaseException):
@@ -689,6 +703,7 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
   ref = jax.tree_util.tree_map(np.asarray, ref)
   ref_out = jax.tree_util.tree_leaves(ref)[0]
   tol = bucket.family.tolerance(ref_out.dtype, bucket.platform)
+  precise = _precise_reference(bucket, ref) if len(runs) > 1 else None
   runners = {default: runs[default]}
   for name, run in runs.items():
     if name == default:
@@ -698,17 +713,45 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
       _failed(bucket.errors, name, out, bucket.label)
       continue
     err = _leaves_error(out, ref)
-    if err <= tol:
+    ratio = precise.ratio(out) if precise is not None else None
+    if ratio is not None:
+      bucket.error_ratios[name] = ratio if math.isfinite(ratio) else 1e300
+    if err <= tol and (ratio is None or ratio <= _accuracy.ERROR_RATIO_LIMIT):
       runners[name] = run
       continue
     bucket.rejected[name] = err if math.isfinite(err) else 1e300
-    got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
-    logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
-                   "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
-                   bucket.label, name, err, tol, getattr(got, "dtype", "?"),
-                   list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
+    _log_rejected(bucket, name, out, ref_out, err, tol, ratio,
+                  precise.dtype if precise is not None else "")
   bucket.outputs.clear()
   return runners
+
+
+def _precise_reference(bucket: _Bucket, default_out: Any) -> _accuracy.Reference | None:
+  """The bucket's high-precision reference (`OpFamily.precise`, else the
+  default kernel's function, in float64 or at HIGHEST), computed once."""
+  family = bucket.family
+  kernel = bucket.kernels[bucket.default]
+  if family.precise is not None:
+    kernel = types.SimpleNamespace(name=kernel.name, fn=family.precise)
+  function = _timed_function(kernel, bucket.spec, family.timed)
+  return _accuracy.reference(function, bucket.args, default_out, platform=bucket.platform,
+                             label=bucket.label)
+
+
+def _log_rejected(bucket: _Bucket, name: str, out: Any, ref_out: Any, err: float, tol: float,
+                  ratio: float | None, ref_dtype: str) -> None:
+  """The warning for a rejected candidate: its error ratio, or its disagreement."""
+  got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
+  where = (f"output {getattr(got, 'dtype', '?')}{list(getattr(got, 'shape', ()))}, expected "
+           f"{ref_out.dtype}{list(ref_out.shape)}")
+  if ratio is not None and ratio > _accuracy.ERROR_RATIO_LIMIT:
+    logger.warning("autotune %s: candidate %r is less accurate than %s (error ratio %.3g > "
+                   "%g: its error against a %s reference over %s's; %s) and is dropped.",
+                   bucket.label, name, bucket.default, ratio, _accuracy.ERROR_RATIO_LIMIT,
+                   ref_dtype, bucket.default, where)
+    return
+  logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
+                 "error %.3g > %.3g, %s) and is dropped.", bucket.label, name, err, tol, where)
 
 
 def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
@@ -772,7 +815,8 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
             payback: Mapping[str, Any] | None = None,
             compile_s: Mapping[str, float] | None = None,
             pruned: Mapping[str, str] | None = None,
-            predicted: Mapping[str, float] | None = None) -> TuneResult:
+            predicted: Mapping[str, float] | None = None,
+            error_ratios: Mapping[str, float] | None = None) -> TuneResult:
   result = TuneResult(
       winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
       errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
@@ -780,7 +824,8 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
           timespec="seconds"),
       tuning_s=_clock() - start, temp_bytes=dict(temp_bytes or {}),
       payback=dict(payback or {}), compile_s=dict(compile_s or {}),
-      pruned=dict(pruned or {}), predicted=dict(predicted or {}))
+      pruned=dict(pruned or {}), predicted=dict(predicted or {}),
+      error_ratios=dict(error_ratios or {}))
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 
