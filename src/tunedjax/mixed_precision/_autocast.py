@@ -152,10 +152,13 @@ def _floating_inputs(eqn: Any) -> list[bool]:
 AS_TRACED = "ops left as traced (a call site's own precision)"
 
 
-def _as_traced(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """An op inside `as_traced`: bound as traced, its inputs in their traced dtypes."""
+def _keep(ctx: rewrite.Context, eqn: Any) -> bool:
+  """Whether `eqn` stands inside `as_traced`: the engine then binds it as traced,
+  a loop's or a call's body included (`rewrite.Pass.keep`)."""
+  if not _scope.in_as_traced():
+    return False
   ctx.count(AS_TRACED)
-  return ctx.default(eqn, invals)
+  return True
 
 
 def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
@@ -163,10 +166,7 @@ def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
     floating = _floating_inputs(eqn)
     if not any(floating):
       return ctx.default(eqn, invals)
-    region = _scope.region()
-    if region == "as traced":
-      return _as_traced(ctx, eqn, invals)
-    target = region or compute
+    target = _scope.region_dtype() or compute
     new = [_cast(ctx, x, target) if f else x for x, f in zip(invals, floating)]
     name = eqn.primitive.name
     ctx.count(f"{name} in {target.name}")
@@ -214,8 +214,6 @@ def _leading_batch_dims(operands: list[Any], dimension_numbers: Any
 
 
 def _deny_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  if _scope.region() == "as traced":
-    return _as_traced(ctx, eqn, invals)
   floating = _floating_inputs(eqn)
   new = []
   for x, f, v in zip(invals, floating, eqn.invars):
@@ -232,9 +230,7 @@ def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]
   floating = _floating_inputs(eqn)
   if not any(floating):
     return ctx.default(eqn, invals)
-  region = _scope.region()
-  if region == "as traced":
-    return _as_traced(ctx, eqn, invals)
+  region = _scope.region_dtype()
   strong = [_dtype_of(x) for x, f, v in zip(invals, floating, eqn.invars)
             if f and not getattr(v.aval, "weak_type", False) and _dtype_of(x) is not None]
   if region is not None:
@@ -284,7 +280,7 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
   # Plain calls are inlined, so half-precision values flow through `jax.nn`
   # helpers (which are jitted); a call that pins shardings is rebuilt as usual.
   return rewrite.Pass(f"autocast[{policy}]", rules, materialize=_materialize,
-                      inline_calls=True)
+                      inline_calls=True, keep=_keep)
 
 
 def autocast_transform(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,

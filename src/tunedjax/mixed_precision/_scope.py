@@ -109,14 +109,16 @@ def as_traced() -> Iterator[None]:
     yield
 
 
-def region() -> np.dtype | str | None:
-  """Where the op being traced or rewritten stands: ``"as traced"``, the innermost
-  `precision_region`'s dtype, or None (the policy decides)."""
-  stack = str(source_info_util.current_name_stack())
-  if AS_TRACED_SCOPE in stack:
-    return "as traced"
-  found = _REGION_RE.findall(stack)
+def region_dtype() -> np.dtype | None:
+  """The innermost `precision_region`'s dtype where the op being traced or rewritten
+  stands, or None (the policy decides)."""
+  found = _REGION_RE.findall(str(source_info_util.current_name_stack()))
   return jnp.dtype(found[-1]) if found else None
+
+
+def in_as_traced() -> bool:
+  """Whether the op being traced or rewritten stands inside `as_traced`."""
+  return AS_TRACED_SCOPE in str(source_info_util.current_name_stack())
 
 
 def trace_compute_dtype(primitive: str = "dot_general") -> np.dtype | None:
@@ -147,9 +149,6 @@ def trace_compute_dtype(primitive: str = "dot_general") -> np.dtype | None:
     [dtype(bfloat16), None, None]
   """
   current = _CURRENT.get()
-  if current is None or primitive not in current.allow:
+  if current is None or primitive not in current.allow or in_as_traced():
     return None
-  where = region()
-  if where == "as traced":
-    return None
-  return current.compute_dtype if where is None else where
+  return region_dtype() or current.compute_dtype
