@@ -22,7 +22,10 @@ rewrite engine's `materialize` hook.
 
 A region of the program can be given its own compute dtype with
 `precision_region(dtype)` (a `jax.named_scope`); `wrap` uses this to keep
-normalization layers in float32.
+normalization layers in float32. While the pass traces a function
+(`autocast_transform`), the policy is current for call sites that decide at
+trace time (`trace_compute_dtype`), and what such a call site runs in
+`as_traced` is bound as traced (`rewrite.Pass.keep`): see `_scope.py`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ makes the call ``is_causal=True`` without a mask; one that is the AND of the
 causal mask and others (``combine_masks(causal, padding)``) makes it causal
 with the others as its mask. So the call's bucket is ``causal``, and the
 kernels that take no mask (the block-skipping ones; on GPUs ``pallas_gpu``,
-and ``cudnn`` in bfloat16 or float16) are candidates.
+and ``cudnn`` in bfloat16 or float16) are candidates. Under a half-precision
+mixed-precision policy a call runs in the compute dtype, and is recorded so.
 """
 
 from __future__ import annotations

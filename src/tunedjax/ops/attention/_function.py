@@ -2,7 +2,9 @@
 
 The arguments are checked here (errors name the bad value), the call becomes
 an `AttentionSpec`, and `autotune.dispatch("attention", ...)` runs the kernel
-kernel selection chose for its bucket, or the reference outside it.
+kernel selection chose for its bucket, or the reference outside it. Under a
+half-precision autocast policy the operands are cast to its compute dtype
+first (`half_compute_dtype`), so the bucket is the one that runs.
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
   kind, causality, platform) runs its measured fastest kernel, each checked
   against the reference first, timed forward and backward: the ``"attention"``
   op family (see `tunedjax.autotune.kernels("attention")`), pinned with
-  ``kernel.hints={"attention": "blocked_256"}``.
+  ``kernel.hints={"attention": "blocked_256"}``. Under mixed precision with a
+  float16 or bfloat16 compute dtype (``mixed_precision.enable``, `Trainer`'s
+  ``precision``, `mixed_precision.autocast`), the call is decided and run in
+  that dtype (its bucket reads it; softmax still in float32) and returns
+  `query`'s dtype.
 
   Args:
     query: ``[batch, q_len, heads, head_dim]``, float16, bfloat16, float32 or float64.
