@@ -117,3 +117,22 @@ def test_as_traced_leaves_its_ops_alone_forward_and_backward():
   np.testing.assert_allclose(kept, inside(w, x), rtol=1e-6)
   np.testing.assert_allclose(mp.autocast(jax.grad(lambda w, x: f(w, x)[0]))(w, x),
                              jax.grad(inside)(w, x), rtol=1e-6)
+
+
+def test_nested_bodies_are_traced_again_under_another_policy():
+  """JAX's trace caches are keyed by the policy: a jitted helper traced inside the pass
+  is traced again outside it (and for another policy), never reused across them."""
+  traces = []
+
+  @jax.jit
+  def helper(x):
+    traces.append(mp.trace_compute_dtype())
+    return x * 2
+
+  outer = lambda x: helper(x) + 1  # noqa: E731
+  jax.make_jaxpr(mp.autocast(outer))(X)
+  jax.make_jaxpr(mp.autocast(outer))(X)
+  jax.make_jaxpr(outer)(X)
+  jax.make_jaxpr(mp.autocast(outer, "mixed_float16"))(X)
+  assert [None if d is None else np.dtype(d).name for d in traces] == [
+      "bfloat16", None, "float16"]

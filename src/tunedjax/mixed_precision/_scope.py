@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend import source_info_util
 
 from tunedjax._policy import DTypeLike, canonical_dtype
+from tunedjax.rewrite import _compat
 
 _REGION_PREFIX = "tunedjax_precision_"
 _REGION_RE = re.compile(_REGION_PREFIX + r"([a-z0-9]+)")
@@ -49,8 +50,19 @@ class TracePolicy:
   allow: frozenset[str]
 
 
+  def key(self) -> str:
+    """A string that tells policies apart (JAX's trace caches are keyed by it)."""
+    return f"{self.compute_dtype.name}:{','.join(sorted(self.allow))}"
+
+
 _CURRENT: contextvars.ContextVar[TracePolicy | None] = contextvars.ContextVar(
     "tunedjax_autocast_trace", default=None)
+# JAX's caches of traced bodies (a nested `jax.jit`, `scan`, `checkpoint`) keyed by the
+# policy too: a body a call site cast to the compute dtype while traced under the pass
+# is not reused by a float32 program, nor the other way round.
+_JAX_TRACE_KEY = _compat.trace_keyed_state(
+    "tunedjax_autocast_trace",
+    "The autocast policy tunedjax is tracing a function under (set by tunedjax only).")
 
 
 @contextlib.contextmanager
@@ -58,7 +70,8 @@ def tracing_under(policy: TracePolicy | None) -> Iterator[None]:
   """Makes `policy` the current trace's for the length of the block (None: none)."""
   token = _CURRENT.set(policy)
   try:
-    yield
+    with _JAX_TRACE_KEY(None if policy is None else policy.key()):
+      yield
   finally:
     _CURRENT.reset(token)
 

@@ -130,6 +130,18 @@ def test_each_kernel_in_bfloat16_is_no_less_accurate(tmp_path, kernel, t, is_cau
   _check_accuracy(got, _old(q, k, v, ct, is_causal), q, k, v, ct, is_causal)
 
 
+def test_a_jitted_helper_traced_under_the_policy_stays_float32_outside_it():
+  """A `jax.jit` helper first traced inside the pass (cast to bfloat16) is traced
+  again by a float32 program, which then computes in float32."""
+  q, k, v, _ = _operands(16)
+  helper = jax.jit(_attend)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  with tj.config_context(MIXED):
+    half = tj.jit(lambda q, k, v: helper(q, k, v) * 2)(q, k, v) / 2
+  assert 1e-4 < _rel(half, want) < BF16
+  assert _rel(helper(q, k, v), want) < 1e-6
+
+
 def _bucket(f, *args, platform=None):
   (row,) = [r for r in autotune.explain(f, *args, cache=False, platform=platform)
             if r.op == "attention"]
