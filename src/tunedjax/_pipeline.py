@@ -28,7 +28,7 @@ from tunedjax import rewrite
 from tunedjax.autotune import _select
 from tunedjax.autotune._report import KernelReport
 from tunedjax.layout._report import LayoutReport
-from tunedjax.mixed_precision._autocast import autocast_pass
+from tunedjax.mixed_precision._autocast import autocast_transform
 from tunedjax.rewrite._cleanup import cleanup_pass
 
 Program = Callable[..., Any]
@@ -103,8 +103,7 @@ class AutocastStage(_CountingStage):
     self.policy = policy
 
   def apply(self, program: Program, platform: str | None) -> Program:
-    return rewrite.transform(program, autocast_pass(self.policy), platform=platform,
-                             on_trace=self.on_trace)
+    return autocast_transform(program, self.policy, platform=platform, on_trace=self.on_trace)
 
   def reports(self) -> tuple[PassReport, ...]:
     return (AutocastReport(self.policy, self.counts),)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import source_info_util
 
 from tunedjax import rewrite
 from tunedjax.rewrite import _compat
@@ -351,8 +352,40 @@ def test_closed_call(inline):
   _assert_close(got, [f(x, w)])
 
 
+def _in_kept(ctx, eqn):
+  del eqn
+  return "kept" in str(source_info_util.current_name_stack())
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_keep_binds_a_marked_region_as_traced(fn_name):
+  """Inside ``named_scope("kept")`` no rule fires, not even in a call's body; a value
+  the pass holds enters the region materialized; outside, the rules fire as before."""
+  x, w = _data(7)
+  f = FUNCTIONS[fn_name]
+
+  def all_kept(x, w):
+    with jax.named_scope("kept"):
+      return f(x, w)
+
+  def sin_outside(x, w):
+    y = jnp.sin(x)
+    with jax.named_scope("kept"):
+      kept = f(jnp.arcsin(y), w)
+    return kept + jnp.tanh(y)
+
+  p = dataclasses.replace(toy_pass(inline_calls=True, boundary=TBoundary()), keep=_in_kept)
+  assert _counts(all_kept, p, x, w) == {}
+  counts = _counts(sin_outside, p, x, w)
+  assert counts == {"sin held transposed": 1, "ops on transposed values": 2}, counts
+  _check_matches(all_kept, p, x, w)
+  _check_matches(sin_outside, p, x, w)
+
+
 def test_pass_checks_its_hook_arguments():
   with pytest.raises(TypeError, match="boundary must be a rewrite.Boundary"):
     rewrite.Pass("p", boundary=object())
+  with pytest.raises(TypeError, match="keep must be None or a predicate"):
+    rewrite.Pass("p", keep="yes")
   with pytest.raises(TypeError, match="inline_calls must be a bool or a predicate"):
     rewrite.Pass("p", inline_calls="yes")

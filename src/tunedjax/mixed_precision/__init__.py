@@ -21,7 +21,9 @@ from tunedjax.mixed_precision._autocast import DEFAULT_FOLLOW as DEFAULT_FOLLOW
 from tunedjax.mixed_precision._autocast import OpLists as OpLists
 from tunedjax.mixed_precision._autocast import autocast as autocast
 from tunedjax.mixed_precision._autocast import autocast_pass as autocast_pass
-from tunedjax.mixed_precision._autocast import precision_region as precision_region
+from tunedjax.mixed_precision._scope import as_traced as as_traced
+from tunedjax.mixed_precision._scope import precision_region as precision_region
+from tunedjax.mixed_precision._scope import trace_compute_dtype as trace_compute_dtype
 from tunedjax.mixed_precision._loss_scale import DynamicLossScale as DynamicLossScale
 from tunedjax.mixed_precision._loss_scale import NoOpLossScale as NoOpLossScale
 from tunedjax.mixed_precision._loss_scale import StaticLossScale as StaticLossScale
@@ -45,6 +47,7 @@ __all__ = [
     "DEFAULT_DENY",
     "DEFAULT_FOLLOW",
     "OpLists",
+    "as_traced",
     "autocast",
     "autocast_pass",
     "data_parallel_value_and_grad",
@@ -66,5 +69,6 @@ __all__ = [
     "scaled_value_and_grad",
     "select_tree",
     "skip_nonfinite",
+    "trace_compute_dtype",
     "wrap",
 ]

@@ -22,29 +22,31 @@ rewrite engine's `materialize` hook.
 
 A region of the program can be given its own compute dtype with
 `precision_region(dtype)` (a `jax.named_scope`); `wrap` uses this to keep
-normalization layers in float32.
+normalization layers in float32. While the pass traces a function
+(`autocast_transform`), the policy is current for call sites that decide at
+trace time (`trace_compute_dtype`), and what such a call site runs in
+`as_traced` is bound as traced (`rewrite.Pass.keep`): see `_scope.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import source_info_util
 
 from tunedjax import rewrite
 from tunedjax._errors import did_you_mean
 from tunedjax._policy import (DTypeLike, PolicyError,
                                               PolicyLike, canonical_dtype,
                                               get_policy)
+from tunedjax.mixed_precision import _scope
+from tunedjax.mixed_precision._scope import precision_region as precision_region
 
 DEFAULT_ALLOW = ("dot_general", "conv_general_dilated")
 DEFAULT_DENY = (
@@ -68,36 +70,6 @@ DEFAULT_FOLLOW = (
 )
 KNOWN_PRIMITIVES = tuple(sorted({*DEFAULT_ALLOW, *DEFAULT_DENY, *DEFAULT_FOLLOW}))
 _ACCUMULATING = ("dot_general", "conv_general_dilated")
-
-_REGION_PREFIX = "tunedjax_precision_"
-_REGION_RE = re.compile(_REGION_PREFIX + r"([a-z0-9]+)")
-
-
-@contextlib.contextmanager
-def precision_region(dtype: DTypeLike) -> Iterator[None]:
-  """Marks the ops traced in its block to run allow/follow ops in `dtype`.
-
-  The mark is a `jax.named_scope`, so it also shows in profiles. Inside,
-  allowed and follow ops run in `dtype` (deny ops still in float32); the
-  innermost region wins.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> def f(x):
-    ...   with precision_region("float32"):
-    ...     return x @ x
-    >>> autocast(f, "mixed_bfloat16")(jnp.eye(2)).dtype
-    dtype('float32')
-  """
-  dtype = canonical_dtype(dtype)
-  with jax.named_scope(_REGION_PREFIX + dtype.name):
-    yield
-
-
-def _region_dtype() -> np.dtype | None:
-  found = _REGION_RE.findall(str(source_info_util.current_name_stack()))
-  return jnp.dtype(found[-1]) if found else None
-
 
 @dataclasses.dataclass(frozen=True)
 class OpLists:
@@ -180,12 +152,24 @@ def _floating_inputs(eqn: Any) -> list[bool]:
   return [_is_float_dtype(getattr(v.aval, "dtype", None)) for v in eqn.invars]
 
 
+AS_TRACED = "ops left as traced (a call site's own precision)"
+
+
+def _keep(ctx: rewrite.Context, eqn: Any) -> bool:
+  """Whether `eqn` stands inside `as_traced`: the engine then binds it as traced,
+  a loop's or a call's body included (`rewrite.Pass.keep`)."""
+  if not _scope.in_as_traced():
+    return False
+  ctx.count(AS_TRACED)
+  return True
+
+
 def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
   def rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     floating = _floating_inputs(eqn)
     if not any(floating):
       return ctx.default(eqn, invals)
-    target = _region_dtype() or compute
+    target = _scope.region_dtype() or compute
     new = [_cast(ctx, x, target) if f else x for x, f in zip(invals, floating)]
     name = eqn.primitive.name
     ctx.count(f"{name} in {target.name}")
@@ -249,7 +233,7 @@ def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]
   floating = _floating_inputs(eqn)
   if not any(floating):
     return ctx.default(eqn, invals)
-  region = _region_dtype()
+  region = _scope.region_dtype()
   strong = [_dtype_of(x) for x, f, v in zip(invals, floating, eqn.invars)
             if f and not getattr(v.aval, "weak_type", False) and _dtype_of(x) is not None]
   if region is not None:
@@ -299,7 +283,38 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
   # Plain calls are inlined, so half-precision values flow through `jax.nn`
   # helpers (which are jitted); a call that pins shardings is rebuilt as usual.
   return rewrite.Pass(f"autocast[{policy}]", rules, materialize=_materialize,
-                      inline_calls=True)
+                      inline_calls=True, keep=_keep)
+
+
+def autocast_transform(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
+                       allow: Iterable[str] = (), deny: Iterable[str] = (),
+                       accumulate_dtype: DTypeLike | None = jnp.float32,
+                       platform: str | None = None,
+                       on_trace: Callable[[rewrite.Context], None] | None = None
+                       ) -> Callable[..., Any]:
+  """`f` rewritten by `autocast_pass`, the policy current while `f` is traced.
+
+  What `autocast`, `wrap` and `tunedjax.jit`'s mixed-precision stage run (the
+  outputs are not cast to the output dtype here). While `f` is traced, call
+  sites can ask `trace_compute_dtype` what their matmuls will run in
+  (`_scope.tracing_under`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> autocast_transform(lambda x: x @ x)(jnp.eye(2)).dtype  # bfloat16 inside, cast back
+    dtype('float32')
+  """
+  policy = get_policy(policy)
+  pass_ = autocast_pass(policy, allow=allow, deny=deny, accumulate_dtype=accumulate_dtype)
+  current = _scope.TracePolicy(policy.compute_dtype,
+                               OpLists.resolve(allow=allow, deny=deny).allow)
+
+  @functools.wraps(f)
+  def traced(*args: Any, **kwargs: Any) -> Any:
+    with _scope.tracing_under(current):
+      return f(*args, **kwargs)
+
+  return rewrite.transform(traced, pass_, platform=platform, on_trace=on_trace)
 
 
 def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
@@ -342,8 +357,8 @@ def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
     ['bf16[4,3]', 'f32[4,2]']
   """
   policy = get_policy(policy)
-  pass_ = autocast_pass(policy, allow=allow, deny=deny, accumulate_dtype=accumulate_dtype)
-  rewritten = rewrite.transform(f, pass_, on_trace=on_trace)
+  rewritten = autocast_transform(f, policy, allow=allow, deny=deny,
+                                 accumulate_dtype=accumulate_dtype, on_trace=on_trace)
 
   @functools.wraps(f)
   def cast_outputs(*args: Any, **kwargs: Any) -> Any:

@@ -31,9 +31,8 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from tunedjax import rewrite
 from tunedjax._errors import did_you_mean, format_choices
-from tunedjax.mixed_precision._autocast import autocast_pass, precision_region
+from tunedjax.mixed_precision._autocast import autocast_transform, precision_region
 from tunedjax._policy import (Policy, PolicyError, PolicyLike,
                                               get_policy)
 
@@ -152,7 +151,7 @@ class MixedPrecision(nnx.Module):
       out = model(*call_args, **call_kwargs)
       return out, nnx.state(model, nnx.Not(nnx.Param))  # batch stats, RNG counts
 
-    out, new_state = rewrite.transform(pure, autocast_pass(policy))(state, arrays)
+    out, new_state = autocast_transform(pure, policy)(state, arrays)
     nnx.update(self.module, new_state)
     return policy.cast_to_output(out)
 
@@ -235,7 +234,7 @@ class LinenMixedPrecision:
       with nn.intercept_methods(_region_interceptor(self.regions)):
         return self.module.apply(variables, *call_args, mutable=mutable, **call_kwargs)
 
-    out = rewrite.transform(pure, autocast_pass(policy))(variables, arrays)
+    out = autocast_transform(pure, policy)(variables, arrays)
     if mutable:
       return policy.cast_to_output(out[0]), out[1]
     return policy.cast_to_output(out)

@@ -41,6 +41,11 @@ release spells it):
   `scan`, `while` and `cond` end a boundary: their operands are materialized.
 - A rule of the pass's own for a call primitive wins, and may call
   ``ctx.inline(eqn, invals)`` or ``ctx.rebuild(eqn, invals, boundary)``.
+- ``Pass(keep=predicate)`` leaves a region alone: an equation for which
+  ``predicate(ctx, eqn)`` holds (asked with its name stack current, so a
+  `jax.named_scope` marks the region) is bound exactly as traced
+  (`Context.as_traced`), its body never entered. Autocast keeps
+  `tunedjax.mixed_precision.as_traced` blocks this way.
 
 Example:
   >>> p = rewrite.Pass("sin_to_cos", {"sin": lambda ctx, e, x: [jnp.cos(x[0])]})

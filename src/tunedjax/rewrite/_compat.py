@@ -21,6 +21,7 @@ import jax.extend.core as jex_core
 import jax.extend.linear_util as lu
 import jax.extend.source_info_util as source_info_util
 # The only imports of jax._src in tunedjax.
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src.interpreters import partial_eval as _pe
@@ -93,6 +94,20 @@ def bind_equation(eqn: JaxprEqn, invals: Sequence[Any], params: dict[str, Any]) 
   bind_params = eqn.primitive.get_bind_params(params)
   out = eqn.primitive.bind(*invals, **bind_params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def trace_keyed_state(name: str, help_text: str) -> Callable[[str | None], Any]:
+  """A thread-local JAX setting (``None`` or a string) that keys JAX's trace caches.
+
+  Setting it (``with state("bfloat16"):``) while a function is traced makes
+  every nested `jax.jit`, `scan` or `checkpoint` body traced under another
+  value a different entry of JAX's caches, as JAX's own context-dependent
+  settings (``jax.default_matmul_precision``) do: what a call site decides
+  from it at trace time is never reused where it does not hold. Register a
+  name once per process.
+  """
+  return _config.optional_string_state(name=name, default=None, help=help_text,
+                                       include_in_trace_context=True)
 
 
 @contextlib.contextmanager

@@ -164,6 +164,11 @@ class Pass:
     patterns: functions ``(ctx, jaxpr) -> [rewrite.Match, ...]`` called on
       every jaxpr the pass evaluates (nested bodies too); the matches that
       can fire (`rewrite._pattern.plan`) replace their equations. Default ().
+    keep: a predicate ``(ctx, eqn) -> bool`` asked of each equation in its
+      equation context (its name stack current): an equation it holds for is
+      bound exactly as traced (`Context.as_traced`: inputs materialized, no
+      rule, no sub-jaxpr entered), so a pass can leave a marked region alone,
+      loops and calls in it included. Default None.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -184,6 +189,7 @@ class Pass:
   inline_calls: bool | InlinePredicate = False
   boundary: Boundary | None = None
   patterns: Sequence[_pattern.Pattern] = ()
+  keep: Callable[[Context, JaxprEqn], bool] | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -202,6 +208,9 @@ class Pass:
     if bad:
       raise TypeError(f"Pass {self.name!r}: patterns must be functions (ctx, jaxpr) -> "
                       f"[Match, ...], got {bad!r}.")
+    if self.keep is not None and not callable(self.keep):
+      raise TypeError(f"Pass {self.name!r}: keep must be None or a predicate (ctx, eqn) -> "
+                      f"bool, got {self.keep!r}.")
     if not (isinstance(self.inline_calls, bool) or callable(self.inline_calls)):
       raise TypeError(f"Pass {self.name!r}: inline_calls must be a bool or a "
                       f"predicate (ctx, eqn, invals) -> bool, got {self.inline_calls!r}.")
@@ -280,6 +289,12 @@ class Context:
                    self.pass_.name, name)
     return _compat.bind_equation(eqn, invals, eqn.params)
 
+  def as_traced(self, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """`eqn` bound exactly as traced: its inputs materialized to their traced
+    types, its params (sub-jaxprs included) as they are."""
+    invals = [self.materialize(x, v.aval) for x, v in zip(invals, eqn.invars)]
+    return _compat.bind_equation(eqn, invals, eqn.params)
+
   # -- evaluation -------------------------------------------------------------
 
   def plan(self, jaxpr: _compat.Jaxpr) -> _pattern.Plan:
@@ -321,7 +336,10 @@ class Context:
     invals = [_read(env, v) for v in eqn.invars]
     rule = self._rules.get(eqn.primitive.name)
     with _compat.equation_context(eqn):
-      outvals = rule(self, eqn, invals) if rule is not None else self.default(eqn, invals)
+      if self.pass_.keep is not None and self.pass_.keep(self, eqn):
+        outvals = self.as_traced(eqn, invals)
+      else:
+        outvals = rule(self, eqn, invals) if rule is not None else self.default(eqn, invals)
     if len(outvals) != len(eqn.outvars):
       raise _errors.RewriteError(
           f"Pass {self.pass_.name!r}: the rule for {eqn.primitive.name!r} "

@@ -31,7 +31,8 @@ makes the call ``is_causal=True`` without a mask; one that is the AND of the
 causal mask and others (``combine_masks(causal, padding)``) makes it causal
 with the others as its mask. So the call's bucket is ``causal``, and the
 kernels that take no mask (the block-skipping ones; on GPUs ``pallas_gpu``,
-and ``cudnn`` in bfloat16 or float16) are candidates.
+and ``cudnn`` in bfloat16 or float16) are candidates. Under a half-precision
+mixed-precision policy a call runs in the compute dtype, and is recorded so.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from flax import nnx
 
 from tunedjax import _tuning
 from tunedjax.ops.attention import _causal
-from tunedjax.ops.attention._function import attention
+from tunedjax.ops.attention._function import attention, half_compute_dtype
 from tunedjax._errors import TunedJaxError, show_value
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -80,8 +81,8 @@ class _Record:
   calls: dict[tuple[Any, ...], None] = dataclasses.field(default_factory=dict)
 
 
-def _sds(x: Any) -> jax.ShapeDtypeStruct | None:
-  return None if x is None else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+def _sds(x: Any, dtype: Any = None) -> jax.ShapeDtypeStruct | None:
+  return None if x is None else jax.ShapeDtypeStruct(tuple(x.shape), dtype or x.dtype)
 
 
 def _pad_rank(x: Any, ndim: int) -> Any:
@@ -121,9 +122,11 @@ def _tuned_call(record: _Record, lock: threading.Lock, query: Any, key: Any, val
     mask4 = mask4.astype(bool)  # Flax masks may be float 0/1 (nnx.make_causal_mask)
   if bias4 is not None and not jnp.issubdtype(bias4.dtype, jnp.floating):
     bias4 = bias4.astype(q.dtype)
+  run_in = half_compute_dtype()  # under a half-precision policy the bucket's dtype is its
   with lock:
     record.tuned = True
-    record.calls[(_sds(q), _sds(k), _sds(v), _sds(bias4), _sds(mask4), bool(is_causal))] = None
+    record.calls[(_sds(q, run_in), _sds(k, run_in), _sds(v, run_in), _sds(bias4, run_in),
+                  _sds(mask4), bool(is_causal))] = None
   out = attention(q, k, v, bias4, mask4, is_causal=bool(is_causal))
   return out.reshape(tuple(batch) + tuple(out.shape[-3:]))
 

@@ -2,7 +2,9 @@
 
 The arguments are checked here (errors name the bad value), the call becomes
 an `AttentionSpec`, and `autotune.dispatch("attention", ...)` runs the kernel
-kernel selection chose for its bucket, or the reference outside it.
+kernel selection chose for its bucket, or the reference outside it. Under a
+half-precision autocast policy the operands are cast to its compute dtype
+first (`half_compute_dtype`), so the bucket is the one that runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from tunedjax._errors import AutotuneError, format_choices, show_value
 from tunedjax import autotune
+from tunedjax import mixed_precision as mp
 from tunedjax.ops.attention import _causal
 from tunedjax.ops.attention import _family as _attn_family
 from tunedjax.ops.attention._spec import AttentionSpec
@@ -78,7 +81,11 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
   kind, causality, platform) runs its measured fastest kernel, each checked
   against the reference first, timed forward and backward: the ``"attention"``
   op family (see `tunedjax.autotune.kernels("attention")`), pinned with
-  ``kernel.hints={"attention": "blocked_256"}``.
+  ``kernel.hints={"attention": "blocked_256"}``. Under mixed precision with a
+  float16 or bfloat16 compute dtype (``mixed_precision.enable``, `Trainer`'s
+  ``precision``, `mixed_precision.autocast`), the call is decided and run in
+  that dtype (its bucket reads it; softmax still in float32) and returns
+  `query`'s dtype.
 
   Args:
     query: ``[batch, q_len, heads, head_dim]``, float16, bfloat16, float32 or float64.
@@ -120,10 +127,43 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
   mask = _broadcast_operand("mask", mask, logits, is_mask=True)
   causal, mask = _causal.split_mask(mask, t, k.shape[1])  # tril, iota >= iota, and padding
   is_causal = bool(is_causal) or causal
-  spec = AttentionSpec.from_arrays(q, k, bias, mask, scale=scale, is_causal=bool(is_causal))
-  operands = [q, k, v] + [x for x in (bias, mask) if x is not None]
-  out = autotune.dispatch(_attn_family.NAME, spec, *operands)
+  out = _dispatch(q, k, v, bias, mask, scale=scale, is_causal=bool(is_causal))
   return out[0] if unbatched else out
+
+
+def half_compute_dtype() -> np.dtype | None:
+  """The half-precision dtype the attention traced here is decided and run in, or None.
+
+  Under an autocast pass whose matmuls run in float16 or bfloat16 (`autocast`,
+  `tunedjax.jit` with ``mixed_precision.enable``, a `wrap`ped model), that
+  dtype, as the pass would compute the kernel's matmuls; None outside one,
+  where ``dot_general`` is denied, where the compute dtype is float32, or in a
+  float32 `precision_region`.
+  """
+  compute = mp.trace_compute_dtype("dot_general")
+  if compute is None or np.dtype(compute).itemsize > 2:
+    return None
+  return np.dtype(compute)
+
+
+def _dispatch(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+              mask: jax.Array | None, *, scale: float | None, is_causal: bool) -> jax.Array:
+  """The family's kernel for the call's bucket. Under a half-precision policy
+  (`half_compute_dtype`) the operands are cast to it before the bucket is
+  known, the kernel runs as traced (`as_traced`: its softmax statistics stay
+  float32, the autocast pass adds no cast), and its output is cast back to the
+  query's dtype, what the call returns without the pass."""
+  compute, out_dtype = half_compute_dtype(), q.dtype
+  if compute is not None:
+    q, k, v = (x.astype(compute) for x in (q, k, v))
+    bias = None if bias is None else bias.astype(compute)
+  spec = AttentionSpec.from_arrays(q, k, bias, mask, scale=scale, is_causal=is_causal)
+  operands = [q, k, v] + [x for x in (bias, mask) if x is not None]
+  if compute is None:
+    return autotune.dispatch(_attn_family.NAME, spec, *operands)
+  with mp.as_traced():
+    out = autotune.dispatch(_attn_family.NAME, spec, *operands)
+  return out.astype(out_dtype)
 
 
 def _checked_qkv(query: Any, key: Any, value: Any) -> tuple[jax.Array, jax.Array, jax.Array, bool]:
