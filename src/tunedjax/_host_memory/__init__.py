@@ -25,10 +25,16 @@ So tunedjax decides per machine and workload, by measurement
   time of a few early calls of each CPU program (`CallProbe`). Where one
   faults at least 16 MiB per call and spends at least a tenth of its time
   doing so, that is recorded (`_decisions`) and the settings are applied
-  from the next ``import tunedjax`` of the same workload on. Where tunedjax
-  starts the work itself before JAX's backend starts (the ``tunedjax demo``
-  command, a `Trainer` created first), they are applied at once
-  (`apply_for_training`).
+  from the next ``import tunedjax`` of the same workload on. The first
+  process of a workload gets the part that can act mid-process
+  (`RETENTION`) as soon as the measurement says it pays: its import made
+  JAX's CPU client synchronous (`_dispatch`), so XLA:CPU allocates each
+  step's temporaries on the calling thread, from glibc's main arena, which
+  keeps blocks of any size once mapping is off. A measurement that shows no
+  gain is recorded too, and later processes keep JAX's asynchronous
+  dispatch. Where tunedjax starts the work itself before JAX's backend
+  starts (the ``tunedjax demo`` command, a `Trainer` created first), the
+  settings are applied at once (`apply_for_training`).
 * ``retain``: always (as a launcher's ``MALLOC_*`` variables would).
 * ``default``: never, and nothing is measured.
 
@@ -66,7 +72,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tunedjax._errors import HostMemoryWarning, format_choices
-from tunedjax._host_memory import _decisions
+from tunedjax._host_memory import _decisions, _dispatch
 
 ENV_VAR = "TUNEDJAX_HOST_MEMORY"
 """``auto`` (the default: decided by measurement), ``retain`` (always set malloc up for
@@ -79,6 +85,10 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 SETTINGS = {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+# What can be set mid-process (an arena limit cannot: a thread keeps the arena it drew):
+# it keeps the blocks of glibc's main arena, which XLA:CPU allocates from when JAX's
+# dispatch is synchronous (`_dispatch`).
+RETENTION = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
 _PARAMS = {"M_ARENA_MAX": _M_ARENA_MAX, "M_MMAP_MAX": _M_MMAP_MAX,
            "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD}
 
@@ -105,6 +115,10 @@ class HostMemoryStatus:
     decision: the measurement the decision rests on (a record of the
       decisions file: ``pays``, ``faults_per_call``, ``system_ms_per_call``,
       ``call_ms``, ``program``, ``measured_at``), or None.
+    synchronous_dispatch: True when tunedjax made JAX's CPU client run each
+      program on the calling thread (``jax_cpu_enable_async_dispatch`` off, set
+      before JAX's backend started), so that the settings can act in the
+      process that measures them (``auto``, a workload's first process).
   """
 
   mode: str
@@ -113,6 +127,7 @@ class HostMemoryStatus:
   settings: dict[str, int] = dataclasses.field(default_factory=dict)
   workload: str | None = None
   decision: dict[str, Any] | None = None
+  synchronous_dispatch: bool = False
 
   def to_dict(self) -> dict[str, object]:
     """A JSON-able dict (for ``tunedjax info --json``)."""
@@ -226,9 +241,9 @@ def configure() -> HostMemoryStatus:
     return _STATUS
 
 
-def _mallopt(libc: ctypes.CDLL) -> str | None:
-  """Sets `SETTINGS`; the refusal, if glibc refused one."""
-  for name, value in SETTINGS.items():
+def _mallopt(libc: ctypes.CDLL, settings: dict[str, int] = SETTINGS) -> str | None:
+  """Sets `settings` (`SETTINGS` or `RETENTION`); the refusal, if glibc refused one."""
+  for name, value in settings.items():
     if libc.mallopt(_PARAMS[name], value) != 1:
       return f"glibc refused mallopt({name}, {value})"
   return None
@@ -278,7 +293,7 @@ def _decide_and_apply() -> HostMemoryStatus:
     decision = _decisions.lookup(_FOLDER, workload)
     if decision is None or not decision["pays"]:
       _MEASURING = True
-      return HostMemoryStatus(mode, False, _UNDECIDED, workload=workload, decision=decision)
+      return _measure_first(mode, workload, decision)
   backend = _jax_default_backend_if_started()
   if backend is not None:
     return _too_late(mode, backend, workload, decision)
@@ -295,6 +310,56 @@ def _decide_and_apply() -> HostMemoryStatus:
 
 _UNDECIDED = ("not set: no measurement of this workload on this machine has shown that they pay "
               "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+_SYNC = ("JAX's CPU client runs each program on the calling thread (its asynchronous dispatch "
+         "turned off by tunedjax before JAX's backend started), so they can be set in this "
+         "process the moment tunedjax.jit's measurement shows they pay")
+_PENDING = ("when JAX is imported, tunedjax turns its CPU client's asynchronous dispatch off "
+            "(on the CPU only), so they can be set in this process the moment tunedjax.jit's "
+            "measurement shows they pay")
+_NEXT_IMPORT = ("JAX's CPU client dispatches asynchronously (on XLA's threads, whose arenas "
+                "cannot keep a large block), so a decision applies from the next import")
+
+
+def _undecided_reason(decision: dict[str, Any] | None, dispatch: str) -> str:
+  """The reason of an ``auto`` status with nothing applied, by how dispatch stands."""
+  head = (_UNDECIDED if decision is None else
+          f"not set: {_describe(decision)}; tunedjax.jit measures its CPU programs again")
+  tail = {"set": _SYNC, "pending": _PENDING}.get(dispatch, _NEXT_IMPORT)
+  return f"{head}. {tail[0].upper()}{tail[1:]}"
+
+
+def _measure_first(mode: str, workload: str, decision: dict[str, Any] | None
+                   ) -> HostMemoryStatus:
+  """The status of a process that measures. A workload's first process (nothing recorded)
+  also gets synchronous dispatch, so that the settings can act in it (`_dispatch`); one
+  whose last measurement showed no gain keeps JAX's asynchronous dispatch."""
+  atexit.register(_record_if_none_paid)
+  dispatch = "kept" if decision is not None else _dispatch.request(
+      _likely_cpu_only, _dispatch_hook_acted)
+  return HostMemoryStatus(mode, False, _undecided_reason(decision, dispatch), workload=workload,
+                          decision=decision, synchronous_dispatch=dispatch == "set")
+
+
+def _dispatch_hook_acted(synchronous: bool) -> None:
+  """Called by `_dispatch`'s import hook once JAX's ``xla_bridge`` has been imported."""
+  global _STATUS
+  with _LOCK:
+    if _STATUS is not None and not _STATUS.applied and _MEASURING:
+      _STATUS = dataclasses.replace(
+          _STATUS, synchronous_dispatch=synchronous,
+          reason=_undecided_reason(_STATUS.decision, "set" if synchronous else "kept"))
+
+
+def _record_if_none_paid() -> bool:
+  """At exit of a process that measured programs and found none that pays: that is
+  recorded (the program closest to paying), so later processes of the workload keep JAX's
+  asynchronous dispatch. True if recorded."""
+  with _LOCK:
+    if (not _MEASURING or not _MEASURED or _STATUS is None or not _STATUS.workload
+        or _STATUS.decision is not None or _readonly_cache()):
+      return False
+    closest = max(_MEASURED, key=lambda r: (r["faults_per_call"], r["call_ms"]))
+    return _decisions.store(decisions_folder(), closest)
 
 
 def _describe(decision: dict[str, Any]) -> str:
@@ -382,8 +447,9 @@ def apply_for_training(who: str) -> HostMemoryStatus:
     if refused:
       return status
     _MEASURING = False
+    _dispatch.withdraw()  # one arena keeps XLA's blocks with JAX's asynchronous dispatch
     _STATUS = dataclasses.replace(
-        status, applied=True, settings=dict(SETTINGS),
+        status, applied=True, settings=dict(SETTINGS), synchronous_dispatch=False,
         reason=(f"set with mallopt when {who}, before JAX's backend started: CPU training "
                 "gains from reusing its steps' memory"))
     return _STATUS
@@ -467,12 +533,24 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
     if not (_MEASURING and record["pays"]):
       return False
     _MEASURING = False
-    if _readonly_cache() or not _decisions.store(decisions_folder(), record):
-      return False
-    _STATUS = dataclasses.replace(status, decision=record, reason=(
-        "not set in this process (decided after it started); recorded for the next import "
-        f"of this workload: {_describe(record)}"))
-    return True
+    now = _dispatch.synchronous() and _mallopt(_glibc(), RETENTION) is None
+    stored = not _readonly_cache() and _decisions.store(decisions_folder(), record)
+    if now:
+      _STATUS = dataclasses.replace(status, applied=True, settings=dict(RETENTION),
+                                    decision=record, reason=_retained_reason(record, stored))
+    elif stored:
+      _STATUS = dataclasses.replace(status, decision=record, reason=(
+          "not set in this process (decided after it started); recorded for the next import "
+          f"of this workload: {_describe(record)}"))
+    return now or stored
+
+
+def _retained_reason(record: dict[str, Any], stored: bool) -> str:
+  return (f"{' and '.join(RETENTION)} set with mallopt in this process as soon as "
+          f"tunedjax.jit measured that they pay: {_describe(record)}. JAX's CPU client runs "
+          "each program on the calling thread (made synchronous at import), whose arena keeps "
+          "the freed temporaries" + ("; recorded for the next import of this workload, which "
+                                     "sets all of them at import" if stored else ""))
 
 
 def measurements() -> list[dict[str, Any]]:
