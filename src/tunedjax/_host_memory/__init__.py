@@ -262,7 +262,12 @@ def _blocked(mode: str) -> HostMemoryStatus | None:
 def _confirm_later() -> None:
   global _CONFIRMING
   _CONFIRMING = True
-  atexit.register(_withdraw_if_unconfirmed)
+  _at_exit(_withdraw_if_unconfirmed)
+
+
+def _at_exit(fn: Callable[[], Any]) -> None:
+  atexit.unregister(fn)  # once, however often the status is decided (tests decide it again)
+  atexit.register(fn)
 
 
 def _withdraw_if_unconfirmed() -> bool:
@@ -333,7 +338,7 @@ def _measure_first(mode: str, workload: str, decision: dict[str, Any] | None
   """The status of a process that measures. A workload's first process (nothing recorded)
   also gets synchronous dispatch, so that the settings can act in it (`_dispatch`); one
   whose last measurement showed no gain keeps JAX's asynchronous dispatch."""
-  atexit.register(_record_if_none_paid)
+  _at_exit(_record_if_none_paid)
   dispatch = "kept" if decision is not None else _dispatch.request(
       _likely_cpu_only, _dispatch_hook_acted)
   return HostMemoryStatus(mode, False, _undecided_reason(decision, dispatch), workload=workload,

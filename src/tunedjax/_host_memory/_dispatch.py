@@ -87,9 +87,10 @@ class _AfterBridge(importlib.abc.MetaPathFinder):
 
   def __init__(self, allowed: Callable[[], bool]):
     self._allowed = allowed
+    self._module = _BRIDGE
 
   def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-    if fullname != _BRIDGE:
+    if fullname != self._module:
       return None
     _remove_hook()
     spec = None
