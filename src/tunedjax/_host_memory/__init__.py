@@ -25,16 +25,15 @@ So tunedjax decides per machine and workload, by measurement
   time of a few early calls of each CPU program (`CallProbe`). Where one
   faults at least 16 MiB per call and spends at least a tenth of its time
   doing so, that is recorded (`_decisions`) and the settings are applied
-  from the next ``import tunedjax`` of the same workload on. The first
-  process of a workload gets the part that can act mid-process
-  (`RETENTION`) as soon as the measurement says it pays: its import made
-  JAX's CPU client synchronous (`_dispatch`), so XLA:CPU allocates each
-  step's temporaries on the calling thread, from glibc's main arena, which
-  keeps blocks of any size once mapping is off. A measurement that shows no
-  gain is recorded too, and later processes keep JAX's asynchronous
-  dispatch. Where tunedjax starts the work itself before JAX's backend
-  starts (the ``tunedjax demo`` command, a `Trainer` created first), the
-  settings are applied at once (`apply_for_training`).
+  from the next ``import tunedjax`` of the same workload on. The process
+  that measured gets what can act mid-process (`RETENTION`) at once: its
+  `tunedjax.jit` programs split their temporaries into blocks of at most
+  `HEAP_BYTES` (XLA's ``xla_multiheap_size_constraint_per_heap``,
+  `compiler_options`), which the arenas of XLA's threads can keep once
+  mapping is off, trimming is off and the top pad is large. Where tunedjax
+  starts the work itself before JAX's backend starts (the ``tunedjax demo``
+  command, a `Trainer` created first), all of them are applied at once
+  (`apply_for_training`).
 * ``retain``: always (as a launcher's ``MALLOC_*`` variables would).
 * ``default``: never, and nothing is measured.
 
@@ -72,7 +71,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tunedjax._errors import HostMemoryWarning, format_choices
-from tunedjax._host_memory import _decisions, _dispatch
+from tunedjax._host_memory import _decisions
 
 ENV_VAR = "TUNEDJAX_HOST_MEMORY"
 """``auto`` (the default: decided by measurement), ``retain`` (always set malloc up for
@@ -84,13 +83,22 @@ MODES = ("auto", "retain", "default")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+_M_TOP_PAD = -2
 SETTINGS = {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
-# What can be set mid-process (an arena limit cannot: a thread keeps the arena it drew):
-# it keeps the blocks of glibc's main arena, which XLA:CPU allocates from when JAX's
-# dispatch is synchronous (`_dispatch`).
-RETENTION = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+# What can be set mid-process, where a measurement shows that the settings pay (an arena
+# limit cannot: each thread keeps the arena it drew at its first malloc). A thread arena
+# cannot hold a block over 64 MiB, so `compiler_options` splits XLA:CPU's temporaries; the
+# top pad keeps a thread arena from unmapping a heap it emptied (glibc's heap_trim).
+RETENTION = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1, "M_TOP_PAD": 64 * 2**20}
 _PARAMS = {"M_ARENA_MAX": _M_ARENA_MAX, "M_MMAP_MAX": _M_MMAP_MAX,
-           "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD}
+           "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD, "M_TOP_PAD": _M_TOP_PAD}
+HEAP_BYTES = 32 * 2**20
+"""The largest block XLA:CPU allocates a `tunedjax.jit` program's temporaries in, where
+tunedjax manages host memory (a soft limit: a larger single buffer gets a block of its own)."""
+XLA_HEAP_OPTION = "xla_multiheap_size_constraint_per_heap"
+# The in-process settings keep one copy of a program's temporaries per XLA thread that ran
+# it: they are set only where that fits in this share of the machine's memory.
+_RETENTION_MEMORY_SHARE = 0.25
 
 # Environment variables through which a user (or a launcher) already tuned malloc.
 _MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
@@ -115,10 +123,6 @@ class HostMemoryStatus:
     decision: the measurement the decision rests on (a record of the
       decisions file: ``pays``, ``faults_per_call``, ``system_ms_per_call``,
       ``call_ms``, ``program``, ``measured_at``), or None.
-    synchronous_dispatch: True when tunedjax made JAX's CPU client run each
-      program on the calling thread (``jax_cpu_enable_async_dispatch`` off, set
-      before JAX's backend started), so that the settings can act in the
-      process that measures them (``auto``, a workload's first process).
   """
 
   mode: str
@@ -127,7 +131,6 @@ class HostMemoryStatus:
   settings: dict[str, int] = dataclasses.field(default_factory=dict)
   workload: str | None = None
   decision: dict[str, Any] | None = None
-  synchronous_dispatch: bool = False
 
   def to_dict(self) -> dict[str, object]:
     """A JSON-able dict (for ``tunedjax info --json``)."""
@@ -262,12 +265,7 @@ def _blocked(mode: str) -> HostMemoryStatus | None:
 def _confirm_later() -> None:
   global _CONFIRMING
   _CONFIRMING = True
-  _at_exit(_withdraw_if_unconfirmed)
-
-
-def _at_exit(fn: Callable[[], Any]) -> None:
-  atexit.unregister(fn)  # once, however often the status is decided (tests decide it again)
-  atexit.register(fn)
+  atexit.register(_withdraw_if_unconfirmed)
 
 
 def _withdraw_if_unconfirmed() -> bool:
@@ -298,7 +296,7 @@ def _decide_and_apply() -> HostMemoryStatus:
     decision = _decisions.lookup(_FOLDER, workload)
     if decision is None or not decision["pays"]:
       _MEASURING = True
-      return _measure_first(mode, workload, decision)
+      return HostMemoryStatus(mode, False, _UNDECIDED, workload=workload, decision=decision)
   backend = _jax_default_backend_if_started()
   if backend is not None:
     return _too_late(mode, backend, workload, decision)
@@ -314,57 +312,9 @@ def _decide_and_apply() -> HostMemoryStatus:
 
 
 _UNDECIDED = ("not set: no measurement of this workload on this machine has shown that they pay "
-              "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
-_SYNC = ("JAX's CPU client runs each program on the calling thread (its asynchronous dispatch "
-         "turned off by tunedjax before JAX's backend started), so they can be set in this "
-         "process the moment tunedjax.jit's measurement shows they pay")
-_PENDING = ("when JAX is imported, tunedjax turns its CPU client's asynchronous dispatch off "
-            "(on the CPU only), so they can be set in this process the moment tunedjax.jit's "
-            "measurement shows they pay")
-_NEXT_IMPORT = ("JAX's CPU client dispatches asynchronously (on XLA's threads, whose arenas "
-                "cannot keep a large block), so a decision applies from the next import")
-
-
-def _undecided_reason(decision: dict[str, Any] | None, dispatch: str) -> str:
-  """The reason of an ``auto`` status with nothing applied, by how dispatch stands."""
-  head = (_UNDECIDED if decision is None else
-          f"not set: {_describe(decision)}; tunedjax.jit measures its CPU programs again")
-  tail = {"set": _SYNC, "pending": _PENDING}.get(dispatch, _NEXT_IMPORT)
-  return f"{head}. {tail[0].upper()}{tail[1:]}"
-
-
-def _measure_first(mode: str, workload: str, decision: dict[str, Any] | None
-                   ) -> HostMemoryStatus:
-  """The status of a process that measures. A workload's first process (nothing recorded)
-  also gets synchronous dispatch, so that the settings can act in it (`_dispatch`); one
-  whose last measurement showed no gain keeps JAX's asynchronous dispatch."""
-  _at_exit(_record_if_none_paid)
-  dispatch = "kept" if decision is not None else _dispatch.request(
-      _likely_cpu_only, _dispatch_hook_acted)
-  return HostMemoryStatus(mode, False, _undecided_reason(decision, dispatch), workload=workload,
-                          decision=decision, synchronous_dispatch=dispatch == "set")
-
-
-def _dispatch_hook_acted(synchronous: bool) -> None:
-  """Called by `_dispatch`'s import hook once JAX's ``xla_bridge`` has been imported."""
-  global _STATUS
-  with _LOCK:
-    if _STATUS is not None and not _STATUS.applied and _MEASURING:
-      _STATUS = dataclasses.replace(
-          _STATUS, synchronous_dispatch=synchronous,
-          reason=_undecided_reason(_STATUS.decision, "set" if synchronous else "kept"))
-
-
-def _record_if_none_paid() -> bool:
-  """At exit of a process that measured programs and found none that pays: that is
-  recorded (the program closest to paying), so later processes of the workload keep JAX's
-  asynchronous dispatch. True if recorded."""
-  with _LOCK:
-    if (not _MEASURING or not _MEASURED or _STATUS is None or not _STATUS.workload
-        or _STATUS.decision is not None or _readonly_cache()):
-      return False
-    closest = max(_MEASURED, key=lambda r: (r["faults_per_call"], r["call_ms"]))
-    return _decisions.store(decisions_folder(), closest)
+              "yet; tunedjax.jit measures the page faults of its CPU programs' first calls, "
+              f"and where one pays sets {', '.join(RETENTION)} in this process at once (one "
+              "arena from the next import)")
 
 
 def _describe(decision: dict[str, Any]) -> str:
@@ -389,6 +339,33 @@ def _too_late(mode: str, backend: str, workload: str | None,
         f"{ENVIRONMENT_HINT}. Set ${ENV_VAR}=default to silence this.",
         HostMemoryWarning, stacklevel=5)
   return HostMemoryStatus(mode, False, reason, workload=workload, decision=decision)
+
+
+def compiler_options(platform: str) -> dict[str, int]:
+  """The XLA compiler options `tunedjax.jit` adds to its programs for `platform`.
+
+  On the CPU, where tunedjax manages host memory (``auto`` or ``retain``, glibc,
+  the allocator not tuned by the environment): `XLA_HEAP_OPTION`, so that the
+  program's temporaries come in blocks of at most `HEAP_BYTES`, which a thread
+  arena can keep (`RETENTION`). The same in every process of a workload, so a
+  persistent compilation cache serves them all. Elsewhere: none.
+
+  Args:
+    platform: the platform the program is compiled for (``"cpu"``, ``"gpu"``...).
+
+  Returns:
+    A dict of options for `jax.jit`'s ``compiler_options`` (empty: none).
+
+  Example:
+    >>> compiler_options("gpu")
+    {}
+  """
+  if platform != "cpu":
+    return {}
+  status = configure()
+  if status.mode not in ("auto", "retain") or _blocked(status.mode) is not None:
+    return {}
+  return {XLA_HEAP_OPTION: HEAP_BYTES}
 
 
 def host_memory_status() -> HostMemoryStatus:
@@ -452,9 +429,8 @@ def apply_for_training(who: str) -> HostMemoryStatus:
     if refused:
       return status
     _MEASURING = False
-    _dispatch.withdraw()  # one arena keeps XLA's blocks with JAX's asynchronous dispatch
     _STATUS = dataclasses.replace(
-        status, applied=True, settings=dict(SETTINGS), synchronous_dispatch=False,
+        status, applied=True, settings=dict(SETTINGS),
         reason=(f"set with mallopt when {who}, before JAX's backend started: CPU training "
                 "gains from reusing its steps' memory"))
     return _STATUS
@@ -516,7 +492,8 @@ class CallProbe:
 
 
 def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> bool:
-  """Takes one program's measurement; records the decision where the settings pay.
+  """Takes one program's measurement; where the settings pay, sets `RETENTION` in this
+  process (where its memory fits: `_retention_fits`) and records the decision.
 
   Args:
     program: the program's name (for the record and ``tunedjax info``).
@@ -525,7 +502,8 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
     wall_s: seconds per call.
 
   Returns:
-    True if this measurement was recorded as paying.
+    True if this measurement pays and was acted on: `RETENTION` set in this
+    process, or the decision recorded for the next import (or both).
   """
   global _MEASURING, _CONFIRMING, _STATUS
   with _LOCK:
@@ -538,24 +516,39 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
     if not (_MEASURING and record["pays"]):
       return False
     _MEASURING = False
-    now = _dispatch.synchronous() and _mallopt(_glibc(), RETENTION) is None
+    fits = _retention_fits(faults)
+    now = fits and _mallopt(_glibc(), RETENTION) is None
     stored = not _readonly_cache() and _decisions.store(decisions_folder(), record)
     if now:
       _STATUS = dataclasses.replace(status, applied=True, settings=dict(RETENTION),
-                                    decision=record, reason=_retained_reason(record, stored))
+                                    decision=record, reason=_retained(record, stored))
     elif stored:
+      why = ("decided after it started" if fits else "one copy of its temporaries per XLA "
+             f"thread could take more than {_RETENTION_MEMORY_SHARE:.0%} of this machine's "
+             "memory")
       _STATUS = dataclasses.replace(status, decision=record, reason=(
-          "not set in this process (decided after it started); recorded for the next import "
-          f"of this workload: {_describe(record)}"))
+          f"not set in this process ({why}); recorded for the next import of this workload: "
+          f"{_describe(record)}"))
     return now or stored
 
 
-def _retained_reason(record: dict[str, Any], stored: bool) -> str:
-  return (f"{' and '.join(RETENTION)} set with mallopt in this process as soon as "
-          f"tunedjax.jit measured that they pay: {_describe(record)}. JAX's CPU client runs "
-          "each program on the calling thread (made synchronous at import), whose arena keeps "
-          "the freed temporaries" + ("; recorded for the next import of this workload, which "
-                                     "sets all of them at import" if stored else ""))
+def _retained(record: dict[str, Any], stored: bool) -> str:
+  return (f"{', '.join(RETENTION)} set with mallopt in this process as soon as tunedjax.jit "
+          f"measured that they pay: {_describe(record)}. tunedjax.jit's programs keep their "
+          f"temporaries in blocks of at most {HEAP_BYTES // 2**20} MiB ({XLA_HEAP_OPTION}), "
+          "which the arenas of XLA's threads keep"
+          + ("; recorded for the next import of this workload, which sets all of them (one "
+             "arena) at import" if stored else ""))
+
+
+def _retention_fits(faults: float) -> bool:
+  """Whether one copy of a program's temporaries (its faulted pages) per CPU, the most XLA
+  threads that may each keep one, fits in `_RETENTION_MEMORY_SHARE` of physical memory."""
+  try:
+    page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):  # not reported: assume it fits (as glibc's defaults would)
+    return True
+  return faults * page * (os.cpu_count() or 1) <= _RETENTION_MEMORY_SHARE * page * pages
 
 
 def measurements() -> list[dict[str, Any]]:
