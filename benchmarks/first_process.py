@@ -16,6 +16,10 @@ process:
   once the first has decided (the decision applied at import);
 - **tunedjax, malloc left alone**: ``TUNEDJAX_HOST_MEMORY=default`` (what a
   first process ran with before it could act in-process);
+- **tunedjax, one arena, temporaries in one block**: tunedjax's import-time
+  settings given through ``MALLOC_*`` variables, so tunedjax leaves malloc and
+  XLA's heaps alone (what a second process ran with before its programs split
+  their temporaries);
 - **A/A control**: a second PyTorch channels_last process.
 
 Each tunedjax worker makes 8 calls before timing (the first tunes and
@@ -49,10 +53,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE, NCHW, CONTROL = "PyTorch eager, channels_last", "PyTorch eager, NCHW", "A/A control"
 FIRST, SECOND = "tunedjax, first process", "tunedjax, second process"
 LEFT_ALONE = "tunedjax, malloc left alone"
+ONE_BLOCK = "tunedjax, one arena, temporaries in one block"
 # name: (worker kind, its host-memory mode or layout, shares the first process's folder)
 VARIANTS = {BASE: ("torch", "channels_last", False), NCHW: ("torch", "NCHW", False),
             FIRST: ("tunedjax", "auto", True), SECOND: ("tunedjax", "auto", True),
-            LEFT_ALONE: ("tunedjax", "default", False), CONTROL: ("torch", "channels_last", False)}
+            LEFT_ALONE: ("tunedjax", "default", True), ONE_BLOCK: ("tunedjax", "auto", True),
+            CONTROL: ("torch", "channels_last", False)}
+# tunedjax's import-time settings, set by the environment (tunedjax then leaves them alone).
+ENVIRONMENT_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                        "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 WARM_CALLS = 8  # tunes (call 1), is measured (calls 4-6) and decided before timing
 SECTION = "first_process"
 
@@ -147,6 +156,8 @@ def _spawn(name: str, folder: str, args: argparse.Namespace) -> subprocess.Popen
   env["TUNEDJAX_CACHE_DIR"] = folder
   if kind == "tunedjax":
     env["TUNEDJAX_HOST_MEMORY"] = what
+    if name == ONE_BLOCK:
+      env.update(ENVIRONMENT_SETTINGS)
   else:  # PyTorch alone: tunedjax (imported by vs_pytorch) leaves malloc as it is
     env["TUNEDJAX_HOST_MEMORY"] = "default"
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
@@ -163,10 +174,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict[str, 
   names = [n for n in VARIANTS if VARIANTS[n][0] == "tunedjax" or args.torch]
   shared = tempfile.mkdtemp(prefix="tunedjax-first-process-")  # empty: the first process's
   procs, ready = {}, {}
-  for name in names:
+  for name in names:  # the later tunedjax ones read the kernels the first process tuned
     folder = shared if VARIANTS[name][2] else tempfile.mkdtemp(prefix="tunedjax-first-")
-    if name == LEFT_ALONE:
-      folder = shared  # the kernels the first process tuned; nothing decided is read
     procs[name] = _spawn(name, folder, args)
     ready[name] = _workers.reply(procs[name])["ready"]
   runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -203,7 +212,10 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
        "or `MALLOC_*` variables but the variant's): **first process** on an empty "
        "tuning-cache folder (it tunes, measures and decides in-process), **second "
        "process** started on that folder after it, **malloc left alone** "
-       "(`TUNEDJAX_HOST_MEMORY=default`), and PyTorch eager alone in its own processes "
+       "(`TUNEDJAX_HOST_MEMORY=default`: the first process before it could act in-process), "
+       "**one arena, temporaries in one block** (the import-time settings through `MALLOC_*` "
+       "variables, so tunedjax leaves XLA's heaps alone: the second process before its "
+       "programs split their temporaries), and PyTorch eager alone in its own processes "
        f"(2 threads). {WARM_CALLS} calls of each tunedjax worker before timing; a round "
        f"asks each worker, in a rotated order, for {args.untimed} untimed steps and then "
        f"{args.steps} timed back to back (their mean); {args.rounds} rounds; speed = "
