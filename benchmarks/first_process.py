@@ -1,4 +1,4 @@
-"""The first process: a CPU training step under tunedjax in its first process and its next, against PyTorch.
+"""The first process: a CPU training step in its first process and its next, against PyTorch.
 
 A person trying tunedjax runs a script once and judges it by that run. This
 times the MobileNet-style train step written in plain JAX (`vs_pytorch.py`'s

@@ -12,6 +12,7 @@ timed, so these tests do not depend on the machine's load.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 import tunedjax as tj
 from tests import processes
 from tunedjax import _host_memory
-from tunedjax._host_memory import _decisions
+from tunedjax._host_memory import _decisions, _xla
 
 TEMP_BYTES = 80 * 2**20
 PAGES = TEMP_BYTES // 4096
@@ -173,9 +174,11 @@ def test_backend_started_before_import_warns_and_leaves_malloc_alone():
   assert _host_memory.ENVIRONMENT_HINT in warning
   quiet = _child("jax-first")  # auto, nothing decided: nothing to warn about
   assert quiet["warnings"] == []
-  # What acts mid-process needs nothing before JAX's threads start: set as it paid.
-  assert quiet["status"]["settings"] == _host_memory.RETENTION
-  assert quiet["faults"] < 0.05 * PAGES, quiet
+  # XLA read its flags when its backend started: its temporaries stay one block, which
+  # only the next import's one arena keeps. Measured and recorded for it, and said so.
+  assert "apply from the next import" in quiet["at_import"]["reason"]
+  assert quiet["status"]["applied"] is False and quiet["faults"] > 0.5 * PAGES, quiet
+  assert "recorded for the next import" in quiet["status"]["reason"]
 
 
 def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
@@ -184,8 +187,12 @@ def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
   in `folder` (mallopt is never called here: this process keeps its allocator)."""
   for name in _ALLOCATOR_ENV:
     monkeypatch.delenv(name, raising=False)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # what the decision adds is undone after
   for name, value in env.items():
     monkeypatch.setenv(name, value)
+  monkeypatch.setattr(_xla, "likely_cpu_only",  # no accelerator unless env says one
+                      lambda: os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu"))
+  monkeypatch.setattr(_host_memory, "_UNSPLIT", "not asked for")
   monkeypatch.setattr(_host_memory, "_STATUS", None)
   monkeypatch.setattr(_host_memory, "_MEASURING", False)
   monkeypatch.setattr(_host_memory, "_CONFIRMING", False)
@@ -331,34 +338,37 @@ def test_memory_kept_per_xla_thread_must_fit_or_waits_for_the_next_import(monkey
   assert _host_memory._retention_fits(18_000) and not _host_memory._retention_fits(1e12)
 
 
-def test_cpu_programs_split_their_temporaries_where_tunedjax_manages_host_memory(
-    monkeypatch, tmp_path):
-  import jax
-  import jax.numpy as jnp
-  heap = {_host_memory.XLA_HEAP_OPTION: _host_memory.HEAP_BYTES}
+def test_auto_has_xla_split_temporaries_where_it_can_still_act_on_the_cpu(monkeypatch, tmp_path):
+  flag = _xla.HEAP_FLAG
+  assert "in blocks of at most 32 MiB" in _decide(monkeypatch, tmp_path).reason
+  assert os.environ["XLA_FLAGS"] == flag and _host_memory._UNSPLIT is None
+  _decide(monkeypatch, tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+  assert os.environ["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"  # added
+  theirs = f"--{_xla.HEAP_OPTION}=16777216"
+  _decide(monkeypatch, tmp_path, XLA_FLAGS=theirs)
+  assert os.environ["XLA_FLAGS"] == theirs and _host_memory._UNSPLIT is None  # kept
+  status = _decide(monkeypatch, tmp_path, XLA_FLAGS=f"--{_xla.HEAP_OPTION}=-1")
+  assert "apply from the next import" in status.reason and f"to -1" in status.reason
+  for env in ({_host_memory.ENV_VAR: "default"}, RETAIN, {"MALLOC_ARENA_MAX": "2"}):
+    _decide(monkeypatch, tmp_path, **env)
+    assert "XLA_FLAGS" not in os.environ  # only where the process measures and may act
   _decide(monkeypatch, tmp_path)
-  assert _host_memory.compiler_options("cpu") == heap
-  assert _host_memory.compiler_options("gpu") == {} == _host_memory.compiler_options("tpu")
-  _decide(monkeypatch, tmp_path, **RETAIN)
-  assert _host_memory.compiler_options("cpu") == heap
-  _decide(monkeypatch, tmp_path, **{_host_memory.ENV_VAR: "default"})
-  assert _host_memory.compiler_options("cpu") == {}
-  _decide(monkeypatch, tmp_path, MALLOC_ARENA_MAX="2")  # the environment's allocator
-  assert _host_memory.compiler_options("cpu") == {}
-  # tunedjax.jit compiles its CPU programs with them, and computes the same.
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(_xla, "likely_cpu_only", lambda: False)  # an accelerator reads it too
+  monkeypatch.setattr(_host_memory, "_STATUS", None)
+  status = _host_memory.configure()
+  assert "XLA_FLAGS" not in os.environ and "may run on an accelerator" in status.reason
+  # After JAX's backend started, XLA has read its flags: nothing added, and a paying
+  # measurement waits for the next import.
   _decide(monkeypatch, tmp_path)
-  seen, real_jit = [], jax.jit
-  monkeypatch.setattr(jax, "jit", lambda f, **kw: seen.append(
-      (getattr(f, "__name__", None), kw.get("compiler_options"))) or real_jit(f, **kw))
-
-  def scaled_tanh(v):
-    return jnp.tanh(v) * 3.0
-
-  x = jnp.arange(8.0)
-  for level in ("O0", "O1"):
-    np.testing.assert_allclose(tj.jit(scaled_tanh, level=level)(x),
-                               np.tanh(np.arange(8.0)) * 3.0, rtol=1e-6)
-  assert [o for name, o in seen if name == "scaled_tanh"] == [heap, heap]
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: "cpu")
+  monkeypatch.setattr(_host_memory, "_STATUS", None)
+  assert "started before tunedjax" in _host_memory.configure().reason
+  assert "XLA_FLAGS" not in os.environ
+  assert _host_memory.observe("step", faults=18_000, system_s=0.032, wall_s=0.046) is True
+  status = _host_memory.host_memory_status()
+  assert not status.applied and "recorded for the next import" in status.reason
 
 
 def test_an_applied_decision_is_confirmed_by_a_large_program_or_withdrawn_at_exit(
@@ -442,7 +452,7 @@ def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, 
     assert not before.applied
 
 
-def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch):
+def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch, tmp_path):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert _host_memory._likely_cpu_only() is True
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
@@ -450,14 +460,22 @@ def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatc
   monkeypatch.delenv("JAX_PLATFORMS")
   import importlib.metadata
   import importlib.util
-  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr("sys.path", [str(tmp_path)])
+  (tmp_path / "numpy-2.0.dist-info").mkdir()  # a distribution without entry points
+  (tmp_path / "tool-1.0.dist-info").mkdir()
+  (tmp_path / "tool-1.0.dist-info" / "entry_points.txt").write_text("[console_scripts]\nt=t\n")
   assert _host_memory._likely_cpu_only() is True  # no plugin installed
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: name == "libtpu" or None)
   assert _host_memory._likely_cpu_only() is False
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: ["jax_cuda12_plugin"])
+  plugin = tmp_path / "jax_cuda12_plugin-0.10.2.dist-info"
+  plugin.mkdir()
+  (plugin / "entry_points.txt").write_text("[jax_plugins]\nxla_cuda12 = jax_cuda12_plugin\n")
   assert _host_memory._likely_cpu_only() is False
+  # The same answer as importlib.metadata's, which reads the same files.
+  assert _xla.jax_plugins_installed() == bool(importlib.metadata.entry_points(
+      group="jax_plugins"))
 
 
 def test_the_trainer_and_the_demo_command_ask_for_the_settings_first(monkeypatch):

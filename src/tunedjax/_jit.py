@@ -627,15 +627,13 @@ class Jitted(Generic[P, R]):
     return fn, new
 
   def _build(self, level: str, state: Hashable) -> Any:
-    # Host memory: on the CPU, temporaries in blocks a thread's malloc arena can keep.
-    options = _host_memory.compiler_options(self._platform or jax.default_backend()) or None
     if level == "O0":
-      return jax.jit(self.__wrapped__, **self._jit_options, compiler_options=options)
+      return jax.jit(self.__wrapped__, **self._jit_options)
     config = state[1]
     if level == "O2":
       enable_compilation_cache(config)
     traced = functools.wraps(self.__wrapped__)(self._rewriting(level, config, state))
-    return jax.jit(traced, **self._jit_options, compiler_options=options)
+    return jax.jit(traced, **self._jit_options)
 
   # -- the passes ---------------------------------------------------------------------
 

@@ -27,10 +27,9 @@ So tunedjax decides per machine and workload, by measurement
   doing so, that is recorded (`_decisions`) and the settings are applied
   from the next ``import tunedjax`` of the same workload on. The process
   that measured gets what can act mid-process (`RETENTION`) at once: its
-  `tunedjax.jit` programs split their temporaries into blocks of at most
-  `HEAP_BYTES` (XLA's ``xla_multiheap_size_constraint_per_heap``,
-  `compiler_options`), which the arenas of XLA's threads can keep once
-  mapping is off, trimming is off and the top pad is large. Where tunedjax
+  import had XLA:CPU allocate temporaries in blocks of at most 32 MiB
+  (`_xla`: ``$XLA_FLAGS``), which the arenas of XLA's threads keep once
+  mapping and trimming are off and the top pad is large. Where tunedjax
   starts the work itself before JAX's backend starts (the ``tunedjax demo``
   command, a `Trainer` created first), all of them are applied at once
   (`apply_for_training`).
@@ -59,7 +58,6 @@ import atexit
 import ctypes
 import dataclasses
 import functools
-import importlib.util
 import os
 import pathlib
 import resource
@@ -71,7 +69,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tunedjax._errors import HostMemoryWarning, format_choices
-from tunedjax._host_memory import _decisions
+from tunedjax._host_memory import _decisions, _xla
 
 ENV_VAR = "TUNEDJAX_HOST_MEMORY"
 """``auto`` (the default: decided by measurement), ``retain`` (always set malloc up for
@@ -87,15 +85,11 @@ _M_TOP_PAD = -2
 SETTINGS = {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
 # What can be set mid-process, where a measurement shows that the settings pay (an arena
 # limit cannot: each thread keeps the arena it drew at its first malloc). A thread arena
-# cannot hold a block over 64 MiB, so `compiler_options` splits XLA:CPU's temporaries; the
-# top pad keeps a thread arena from unmapping a heap it emptied (glibc's heap_trim).
+# cannot hold a block over 64 MiB, so `_xla` has XLA:CPU split its temporaries; the top
+# pad keeps a thread arena from unmapping a heap it emptied (glibc's heap_trim).
 RETENTION = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1, "M_TOP_PAD": 64 * 2**20}
 _PARAMS = {"M_ARENA_MAX": _M_ARENA_MAX, "M_MMAP_MAX": _M_MMAP_MAX,
            "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD, "M_TOP_PAD": _M_TOP_PAD}
-HEAP_BYTES = 32 * 2**20
-"""The largest block XLA:CPU allocates a `tunedjax.jit` program's temporaries in, where
-tunedjax manages host memory (a soft limit: a larger single buffer gets a block of its own)."""
-XLA_HEAP_OPTION = "xla_multiheap_size_constraint_per_heap"
 # The in-process settings keep one copy of a program's temporaries per XLA thread that ran
 # it: they are set only where that fits in this share of the machine's memory.
 _RETENTION_MEMORY_SHARE = 0.25
@@ -146,6 +140,8 @@ _MEASURING = False  # auto mode, not applied: tunedjax.jit's CPU programs are me
 _CONFIRMING = False
 CONFIRM_S = 0.002  # a call this long (with the settings) confirms the decision
 _MEASURED: list[dict[str, Any]] = []  # this process's measurements (for `tunedjax info`)
+# Why XLA:CPU's temporaries are not in blocks a thread arena keeps (None: they are).
+_UNSPLIT: str | None = "not asked for"
 
 
 @functools.cache
@@ -279,7 +275,7 @@ def _withdraw_if_unconfirmed() -> bool:
 
 
 def _decide_and_apply() -> HostMemoryStatus:
-  global _MEASURING
+  global _MEASURING, _UNSPLIT
   mode, complaint = _mode()
   if complaint:
     warnings.warn(complaint, HostMemoryWarning, stacklevel=4)
@@ -291,13 +287,14 @@ def _decide_and_apply() -> HostMemoryStatus:
   if blocked is not None:
     return blocked
   workload, decision = None, None
+  backend = _jax_default_backend_if_started()
   if mode == "auto":
+    _UNSPLIT = _xla.split_heaps(backend is not None)  # in every process of the workload
     workload = _decisions.workload()
     decision = _decisions.lookup(_FOLDER, workload)
     if decision is None or not decision["pays"]:
       _MEASURING = True
-      return HostMemoryStatus(mode, False, _UNDECIDED, workload=workload, decision=decision)
-  backend = _jax_default_backend_if_started()
+      return HostMemoryStatus(mode, False, _undecided(), workload=workload, decision=decision)
   if backend is not None:
     return _too_late(mode, backend, workload, decision)
   refused = _mallopt(_glibc())
@@ -311,10 +308,15 @@ def _decide_and_apply() -> HostMemoryStatus:
   return HostMemoryStatus(mode, True, reason, dict(SETTINGS), workload, decision)
 
 
-_UNDECIDED = ("not set: no measurement of this workload on this machine has shown that they pay "
-              "yet; tunedjax.jit measures the page faults of its CPU programs' first calls, "
-              f"and where one pays sets {', '.join(RETENTION)} in this process at once (one "
-              "arena from the next import)")
+def _undecided() -> str:
+  head = ("not set: no measurement of this workload on this machine has shown that they pay "
+          "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+  if _UNSPLIT is None:
+    return (f"{head}. XLA:CPU allocates temporaries in blocks of at most "
+            f"{_xla.HEAP_BYTES // 2**20} MiB ({_xla.HEAP_FLAG} in $XLA_FLAGS), so where one "
+            f"pays, {', '.join(RETENTION)} are set in this process at once (one arena from the "
+            "next import)")
+  return f"{head}, and where one pays they apply from the next import ({_UNSPLIT})"
 
 
 def _describe(decision: dict[str, Any]) -> str:
@@ -341,33 +343,6 @@ def _too_late(mode: str, backend: str, workload: str | None,
   return HostMemoryStatus(mode, False, reason, workload=workload, decision=decision)
 
 
-def compiler_options(platform: str) -> dict[str, int]:
-  """The XLA compiler options `tunedjax.jit` adds to its programs for `platform`.
-
-  On the CPU, where tunedjax manages host memory (``auto`` or ``retain``, glibc,
-  the allocator not tuned by the environment): `XLA_HEAP_OPTION`, so that the
-  program's temporaries come in blocks of at most `HEAP_BYTES`, which a thread
-  arena can keep (`RETENTION`). The same in every process of a workload, so a
-  persistent compilation cache serves them all. Elsewhere: none.
-
-  Args:
-    platform: the platform the program is compiled for (``"cpu"``, ``"gpu"``...).
-
-  Returns:
-    A dict of options for `jax.jit`'s ``compiler_options`` (empty: none).
-
-  Example:
-    >>> compiler_options("gpu")
-    {}
-  """
-  if platform != "cpu":
-    return {}
-  status = configure()
-  if status.mode not in ("auto", "retain") or _blocked(status.mode) is not None:
-    return {}
-  return {XLA_HEAP_OPTION: HEAP_BYTES}
-
-
 def host_memory_status() -> HostMemoryStatus:
   """What tunedjax did to the host allocator, and why.
 
@@ -384,20 +359,8 @@ def host_memory_status() -> HostMemoryStatus:
 
 
 def _likely_cpu_only() -> bool:
-  """Whether JAX will run on the CPU only: ``$JAX_PLATFORMS`` says so, or no
-  accelerator plugin is installed (read without importing JAX)."""
-  chosen = os.environ.get("JAX_PLATFORMS", "").strip()
-  if chosen:
-    return chosen.split(",")[0].strip().lower() == "cpu"
-  if importlib.util.find_spec("libtpu") is not None:
-    return False
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel  # not at import: ms
-    if metadata.entry_points(group="jax_plugins"):
-      return False
-  except Exception:  # pylint: disable=broad-except  # broken metadata: assume an accelerator
-    return False
-  return importlib.util.find_spec("jax_plugins") is None
+  """Whether JAX will run on the CPU only (`_xla.likely_cpu_only`; read without JAX)."""
+  return _xla.likely_cpu_only()
 
 
 def apply_for_training(who: str) -> HostMemoryStatus:
@@ -517,13 +480,14 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
       return False
     _MEASURING = False
     fits = _retention_fits(faults)
-    now = fits and _mallopt(_glibc(), RETENTION) is None
+    now = _UNSPLIT is None and fits and _mallopt(_glibc(), RETENTION) is None
     stored = not _readonly_cache() and _decisions.store(decisions_folder(), record)
     if now:
       _STATUS = dataclasses.replace(status, applied=True, settings=dict(RETENTION),
                                     decision=record, reason=_retained(record, stored))
     elif stored:
-      why = ("decided after it started" if fits else "one copy of its temporaries per XLA "
+      why = (f"decided after it started; {_UNSPLIT}" if _UNSPLIT is not None else
+             "decided after it started" if fits else "one copy of its temporaries per XLA "
              f"thread could take more than {_RETENTION_MEMORY_SHARE:.0%} of this machine's "
              "memory")
       _STATUS = dataclasses.replace(status, decision=record, reason=(
@@ -534,8 +498,8 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
 
 def _retained(record: dict[str, Any], stored: bool) -> str:
   return (f"{', '.join(RETENTION)} set with mallopt in this process as soon as tunedjax.jit "
-          f"measured that they pay: {_describe(record)}. tunedjax.jit's programs keep their "
-          f"temporaries in blocks of at most {HEAP_BYTES // 2**20} MiB ({XLA_HEAP_OPTION}), "
+          f"measured that they pay: {_describe(record)}. XLA:CPU allocates temporaries in "
+          f"blocks of at most {_xla.HEAP_BYTES // 2**20} MiB ({_xla.HEAP_FLAG} in $XLA_FLAGS), "
           "which the arenas of XLA's threads keep"
           + ("; recorded for the next import of this workload, which sets all of them (one "
              "arena) at import" if stored else ""))
