@@ -225,7 +225,6 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
       "",
       (f"First process: host memory {'applied' if first['applied'] else 'not applied'} "
        f"({', '.join(f'{k}={v}' for k, v in first['settings'].items()) or 'nothing set'}); "
-       f"dispatch {'synchronous' if first['synchronous_dispatch'] else 'asynchronous'}; "
        f"first call {ready[FIRST]['first_call_s']:.1f} s (tuning and compiling); page faults "
        f"per call over calls 2-{WARM_CALLS}: {ready[FIRST]['warm_faults']:,.0f}. Second "
        f"process: {'applied' if ready[SECOND]['status']['applied'] else 'not applied'} at "
@@ -276,6 +275,9 @@ def main(argv=None) -> int:
     print("torch is not installed here: the tunedjax rows only", file=sys.stderr)
   load0 = os.getloadavg()[0]
   runs, ready = measure(args)
+  raw = pathlib.Path(tempfile.mkstemp(prefix="first-process-", suffix=".json")[1])
+  raw.write_text(json.dumps({"runs": runs, "ready": ready}))
+  print(f"raw figures: {raw}", file=sys.stderr)
   text = report(runs, ready, args, (load0, os.getloadavg()[0]))
   print(text)
   if args.write and not args.quick:
