@@ -75,7 +75,7 @@ IN_PROCESS = {
     "in-process: one arena while JAX's backend starts, then restored + no mmap + trim": (
         {}, ("arena1", "restore", "mid")),
 }
-VARIANTS.update({name: env for name, (env, _) in IN_PROCESS.items()})
+TUNEDJAX = "arena 1 + no mmap + trim (tunedjax's)"
 BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
 SECTION = "malloc_settings"
 
@@ -191,13 +191,21 @@ def _ratio(runs, name):
   return statistics.median(a["s"] / b["s"] for a, b in zip(runs[name], runs[BASE]))
 
 
-def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float]) -> str:
+def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
+           in_process: bool = False) -> str:
   import _harness  # pylint: disable=import-outside-toplevel
+  how = ("each variant set through glibc's environment variables before Python starts"
+         if not in_process else
+         "the in-process variants act in a process that has started JAX (`IN_PROCESS`: "
+         "mallopt after the first warm-up run, the XLA flag through `XLA_FLAGS`, JAX's dispatch "
+         "before its backend starts), the others through glibc's environment variables")
   lines = [
-      "### Which malloc settings remove the faults, and what each costs a tiny call",
+      ("### Which malloc settings remove the faults, and what each costs a tiny call"
+       if not in_process else
+       "### Acting in a process that already runs: what removes the faults, at what cost"),
       "",
-      f"`benchmarks/malloc_settings.py --rounds {rounds}`: each variant set through glibc's "
-      "environment variables before Python starts; the MobileNet-style `tj.jit` step (kernel "
+      f"`benchmarks/malloc_settings.py {'--in-process ' if in_process else ''}--rounds "
+      f"{rounds}`: {how}; the MobileNet-style `tj.jit` step (kernel "
       "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls not waiting, "
       f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated rounds; ratio = median of "
       "per-round ratios to the unset baseline. "
@@ -223,6 +231,8 @@ def main(argv=None) -> int:
                       help="small shapes, 2 rounds, three variants (smoke)")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
+  parser.add_argument("--in-process", action="store_true",
+                      help="the in-process variants (IN_PROCESS), beside tunedjax's settings")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
   parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -232,9 +242,13 @@ def main(argv=None) -> int:
     worker(args.worker, args.cache, args.quick, tuple(filter(None, args.do.split(","))))
     return 0
   args.rounds = args.rounds or (2 if args.quick else 7)
-  only = (["arena 1 + no mmap + trim (tunedjax's)", *list(IN_PROCESS)[2:4]] if args.quick
-          else args.only)
-  variants = {n: e for n, e in VARIANTS.items() if not only or n in (BASE, CONTROL) or n in only}
+  if args.in_process or args.quick:
+    variants = {n: VARIANTS[n] for n in (BASE, CONTROL, TUNEDJAX)}
+    picked = list(IN_PROCESS)[2:4] if args.quick else list(IN_PROCESS)
+    variants.update({n: IN_PROCESS[n][0] for n in picked})
+  else:
+    variants = {n: e for n, e in VARIANTS.items()
+                if not args.only or n in (BASE, CONTROL) or n in args.only}
   load0 = os.getloadavg()[0]
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
   tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
@@ -242,11 +256,14 @@ def main(argv=None) -> int:
   tuner.communicate("")
   dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
   step = measure("step", variants, args.rounds, cache_dir, args.quick)
-  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]))
+  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]), args.in_process)
   print(text)
   if args.write and not args.quick:
     import _harness  # pylint: disable=import-outside-toplevel
-    _harness.write_section(SECTION, text)
+    if args.in_process:
+      _harness.write_section("malloc_in_process", text)
+    else:
+      _harness.write_section(SECTION, text)
   return 0
 
 
