@@ -50,6 +50,7 @@ _LAZY = {
     "LayoutError": ("tunedjax._errors", "LayoutError"),
     "RewriteError": ("tunedjax._errors", "RewriteError"),
     "TunedJaxError": ("tunedjax._errors", "TunedJaxError"),
+    "FirstCall": ("tunedjax._tuning._anatomy", "FirstCall"),
     "Jitted": ("tunedjax._jit", "Jitted"),
     "JitReport": ("tunedjax._jit", "JitReport"),
     "jit": ("tunedjax._jit", "jit"),
@@ -102,6 +103,7 @@ if _typing.TYPE_CHECKING:
   from tunedjax._host_memory import HostMemoryStatus as HostMemoryStatus
   from tunedjax._host_memory import host_memory_status as host_memory_status
   from tunedjax._host_memory import release_host_memory as release_host_memory
+  from tunedjax._tuning._anatomy import FirstCall as FirstCall
   from tunedjax._jit import JitReport as JitReport
   from tunedjax._jit import Jitted as Jitted
   from tunedjax._jit import jit as jit
@@ -116,6 +118,7 @@ __all__ = [
     "CacheWarning",
     "Config",
     "ConfigError",
+    "FirstCall",
     "History",
     "HostMemoryStatus",
     "HostMemoryWarning",

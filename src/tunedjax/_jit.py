@@ -44,6 +44,7 @@ from tunedjax import _tuning
 from tunedjax._config import LEVELS
 from tunedjax._config import Config
 from tunedjax._config import get_config
+from tunedjax._tuning import _anatomy
 from tunedjax.autotune import _hints
 from tunedjax.autotune import _routes
 from tunedjax.autotune import _select
@@ -112,6 +113,10 @@ class SignatureReport:
     trace_s: seconds to trace the function and run the passes (compiling
       not included).
     memory: the compiled program's `MemoryFigures` (filled by `report()`).
+    first_call: where the wall time of the call that traced this signature
+      went, seconds per stage (`tunedjax.FirstCall`); None when no call
+      traced it (``lower``, ``trace``, a call under another transformation
+      such as `jax.grad`, or inside another `tunedjax.jit` function).
 
   The properties below read the typed reports: `passes`, `policy`, `casts`,
   `layout`, `kernel_report`, `kernels`, `cache_hits`, `cache_misses`,
@@ -123,6 +128,7 @@ class SignatureReport:
   reports: tuple[PassReport, ...] = ()
   trace_s: float = 0.0
   memory: MemoryFigures | None = None
+  first_call: _tuning.FirstCall | None = None
 
   def report(self, name: str) -> PassReport | None:
     """The report of the pass called `name` (``"layout"``, ...), or None if it did not run."""
@@ -208,6 +214,8 @@ class SignatureReport:
         lines.append(f"  {r}")
     if self.memory is not None:
       lines.append(f"  memory: {self.memory}")
+    if self.first_call is not None:
+      lines += [f"  {line}" for line in str(self.first_call).splitlines()]
     return "\n".join(lines)
 
 
@@ -396,9 +404,10 @@ class _ProgramCheck:
       took = _verify.clock() - start
     finally:
       jitted._forced = None
-    verifier.record(variant, took, compiled=not new and traces == jitted._traces)
-    if verifier.next_variant() is None:
-      self.finish()
+    with _anatomy.first_call_stage("check"):
+      verifier.record(variant, took, compiled=not new and traces == jitted._traces)
+      if verifier.next_variant() is None:
+        self.finish()
     return out
 
   def finish(self) -> None:
@@ -503,6 +512,7 @@ class Jitted(Generic[P, R]):
     self._fast: tuple[Any, Any] | None = None  # (what the state depends on, jitted): per call
     # Runs of the horizon's unit per call (the Trainer's k-steps program: k).
     self._runs_per_call = 1
+    self._firsts = _anatomy.Pending()  # first calls being recorded (`_first_call_done`)
     functools.update_wrapper(self, fun)
     # Host memory (auto mode): a few early calls measured for page faults, then None.
     self._probe = _host_memory.CallProbe(self._name) if _host_memory.measuring() else None
@@ -518,17 +528,33 @@ class Jitted(Generic[P, R]):
 
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
     if self._check is not None and not self._paused:  # the whole-program check times it
-      return self._check.call(args, kwargs)
+      return self._first_call_done(self._check.call(args, kwargs))
     fn = self._jitted()
     # A tuned program traced by `lower` or `trace` before this call: time the call.
     start = None if self._pending is None else _verify.clock()
-    out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)
+    try:
+      out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)
+    except BaseException:
+      _anatomy.drop(self._firsts)
+      raise
     if self._pending is not None:  # this call traced (and compiled) a tuned program
       with self._lock:
         pending, self._pending = self._pending, None
       if pending is not None:  # else from the trace's start: tracing, compiling, running
         began = pending[2] if start is None else start
-        self._start_check(pending[:2], _verify.clock() - began, _arg_key(args, kwargs))
+        with _anatomy.first_call_stage("check"):
+          self._start_check(pending[:2], _verify.clock() - began, _arg_key(args, kwargs))
+    return out if not self._firsts.count else self._first_call_done(out)
+
+  def _first_call_done(self, out: Any) -> Any:
+    """Files this thread's first-call record, if this call traced one, on its
+    signature's report (`_anatomy.finish`: blocks on a first call's outputs)."""
+    done = _anatomy.finish(self._firsts, out)
+    if done is not None:
+      key, first_call = done
+      with self._lock:
+        if key in self._reports:
+          self._reports[key] = dataclasses.replace(self._reports[key], first_call=first_call)
     return out
 
   def _probed_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -632,8 +658,8 @@ class Jitted(Generic[P, R]):
     config = state[1]
     if level == "O2":
       enable_compilation_cache(config)
-    traced = functools.wraps(self.__wrapped__)(self._rewriting(level, config, state))
-    return jax.jit(traced, **self._jit_options)
+    traced = _anatomy.recording(self._rewriting(level, config, state), self._firsts)
+    return jax.jit(functools.wraps(self.__wrapped__)(traced), **self._jit_options)
 
   # -- the passes ---------------------------------------------------------------------
 
@@ -664,12 +690,13 @@ class Jitted(Generic[P, R]):
 
       def inner(*d_args: Any, **d_kwargs: Any) -> Any:
         full_args, full_kwargs = rebuild(*d_args, **d_kwargs)
-        return fun(*full_args, **full_kwargs)
+        with _anatomy.first_call_stage("trace"):
+          return fun(*full_args, **full_kwargs)
 
       stages = _pipeline.plan(config, platform)
       program: Callable[..., Any] = inner
       for stage in stages:
-        program = stage.apply(program, platform)
+        program = _anatomy.staged(f"pass:{stage.name}", stage.apply(program, platform))
       selection = None
       signature = _signature(dyn_args, dyn_kwargs, static)
       kernel_stages = [s for s in stages if isinstance(s, _pipeline.KernelStage)]
@@ -696,6 +723,7 @@ class Jitted(Generic[P, R]):
         self._reports.pop(key, None)
         self._reports[key] = report
         self._abstract[key] = (state, (abstract, static))
+      _anatomy.label(self._firsts, key)
       logger.info("tunedjax.jit(%s):\n%s", self._name, report)
       return out
 
@@ -841,7 +869,7 @@ class Jitted(Generic[P, R]):
           rep = dataclasses.replace(rep, memory=figures)
           with self._lock:
             if self._reports.get(key) is not None:
-              self._reports[key] = rep
+              rep = self._reports[key] = dataclasses.replace(self._reports[key], memory=figures)
       out.append(rep)
     return JitReport(self._name, tuple(out))
 
@@ -856,7 +884,8 @@ class Jitted(Generic[P, R]):
       args.insert(i, static[i])
     kwargs = {**d_kwargs, **{k: v for k, v in static.items() if isinstance(k, str)}}
     try:
-      return MemoryFigures.from_compiled(fn.lower(*args, **kwargs).compile())
+      with _anatomy.not_a_call():
+        return MemoryFigures.from_compiled(fn.lower(*args, **kwargs).compile())
     except Exception as e:  # pylint: disable=broad-except  # a report never fails a job
       logger.debug("tunedjax.jit: no memory figures for %s (%s)", self._name, e)
       return None
@@ -869,11 +898,13 @@ class Jitted(Generic[P, R]):
       >>> tj.jit(lambda x: x + 1).lower(jnp.ones(2)).compile()(jnp.ones(2)).tolist()
       [2.0, 2.0]
     """
-    return self._jitted().lower(*args, **kwargs)
+    with _anatomy.not_a_call():
+      return self._jitted().lower(*args, **kwargs)
 
   def trace(self, *args: Any, **kwargs: Any) -> Any:
     """Traces the rewritten function for `args`, as `jax.jit(f).trace` does."""
-    return self._jitted().trace(*args, **kwargs)
+    with _anatomy.not_a_call():
+      return self._jitted().trace(*args, **kwargs)
 
   def jaxpr(self, *args: Any, **kwargs: Any) -> Any:
     """The rewritten jaxpr for `args` (a `ClosedJaxpr`), for inspection.
@@ -927,7 +958,8 @@ class Jitted(Generic[P, R]):
       platform = self._platform or jax.default_backend()
       platforms = [_compat.lowering_platform(platform)]
     checks = [*disabled_checks, *_compat.tunedjax_custom_call_checks(platforms)]
-    with _compat.lowering_for(platforms, device_kind), _native.suspended():
+    with _compat.lowering_for(platforms, device_kind), _native.suspended(), \
+        _anatomy.not_a_call():
       return jax.export.export(self._jitted(), platforms=platforms,
                                disabled_checks=checks)(*args, **kwargs)
 
@@ -966,7 +998,10 @@ def jit(fun: Callable[P, R] | None = None, *, level: str | None = None,
   static_argnums=1)``). On each new input signature the function is traced,
   the enabled passes run (mixed precision, layout, kernel selection, then a
   cleanup), and the result is compiled by `jax.jit`; later calls with that
-  signature run the compiled program directly.
+  signature run the compiled program directly. That first call waits for
+  its outputs once, to time its first execution: where its time went is
+  ``report().last.first_call`` (`tunedjax.FirstCall`); later calls dispatch
+  asynchronously, as `jax.jit`'s do.
 
   Args:
     fun: the function.

@@ -15,7 +15,7 @@ from tunedjax import autotune
 RUN_FIELDS = {"name", "switch", "wall_s", "epoch_s", "steps", "images", "images_per_s",
               "steady_images_per_s", "median_step_ms", "accuracy", "eval_loss", "precision",
               "layout", "loader", "kernel_tuning_s", "kernel_cache_hits", "kernel_cache_misses",
-              "kernels", "losses", "step_times"}
+              "kernels", "losses", "step_times", "first_call"}
 
 
 def _demo_quick(tmp_path, out: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -36,7 +36,7 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   out = proc.stdout
   for line in ("time per epoch", "throughput", "median step", "loader", "layout", "precision",
                "kernel cache", "tuning (kernels + loader)", "final accuracy",
-               "bucket (conv: lhs * rhs)", "why", "report:", "plot:"):
+               "bucket (conv: lhs * rhs)", "why", "the step's first call", "report:", "plot:"):
     assert line in out, f"{line!r} missing from:\n{out}"
   report = json.loads((tmp_path / "out" / "report.json").read_text())
   assert set(report["runs"]) == {"baseline", "tunedjax"}
@@ -44,6 +44,9 @@ def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
     assert RUN_FIELDS <= set(run)
     assert run["steps"] == len(run["losses"]) > 0 and run["wall_s"] > 0
     assert 0.0 <= run["accuracy"] <= 1.0
+    first = run["first_call"]  # where the training step's first call spent its time
+    assert {"trace", "compile", "first_run"} <= set(first["stages"])
+    assert sum(first["stages"].values()) == pytest.approx(first["total_s"])
   base, tuned = report["runs"]["baseline"], report["runs"]["tunedjax"]
   assert base["loader"]["worker_count"] == 0 and base["kernels"] == {}
   assert tuned["kernel_cache_misses"] > 0 and tuned["kernel_tuning_s"] > 0  # a cold cache

@@ -19,6 +19,11 @@ names below, never another tuner's private modules.
 - **Who is tuning**: `TuningSession` (phase, step counter, statistics, and
   an in-process memo over the cache: `lookup`/`store`), `current_session`,
   `default_session`, `using_session`.
+- **Where a first call's time went**: `FirstCall` (seconds per stage of a
+  new signature's first call in `tunedjax.jit`; `FIRST_CALL_STAGES`, their
+  order) and `first_call_stage`, the context-local stage clock a tuner times
+  its work into (``tune:compile``, ``tune:time``; `_anatomy` says how the
+  rest is measured).
 
 Example:
   >>> from tunedjax import _tuning
@@ -28,6 +33,9 @@ Example:
   {'winner': 'xla'}
 """
 
+from tunedjax._tuning._anatomy import ORDER as FIRST_CALL_STAGES
+from tunedjax._tuning._anatomy import FirstCall as FirstCall
+from tunedjax._tuning._anatomy import first_call_stage as first_call_stage
 from tunedjax._tuning._cache import Cache as Cache
 from tunedjax._tuning._cache import CacheEntry as CacheEntry
 from tunedjax._tuning._cache import CacheLike as CacheLike

@@ -317,7 +317,8 @@ def _compile_all(functions: Mapping[str, Callable[..., Any]],
       times[name] = time.perf_counter() - start
 
   workers = max(1, min(len(functions), _tuning.usable_cores()))
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+  with _tuning.first_call_stage("tune:compile"), \
+      concurrent.futures.ThreadPoolExecutor(workers) as pool:
     return dict(zip(functions, pool.map(compile_one, functions.items())))
 
 
@@ -545,9 +546,10 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
          f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
          f"{saved:.3g} s at most to save, below the {cost:.3g} s tuning {others} other "
          f"candidate(s) is expected to cost")
+  basis = f" ({payback.basis})" if payback.basis else ""  # the platform's rule, not measured
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
-      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}{basis}"), {default: calls}, {})
 
 
 def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: float,

@@ -9,6 +9,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+from tunedjax import _tuning
 from tunedjax.autotune import BucketChoice
 from tunedjax.demo._run import RunResult
 
@@ -139,7 +140,32 @@ def format_report(report: dict[str, Any], baseline: RunResult, tuned: RunResult,
     parts += [trials, ""]
   parts += [_table(("bucket (conv: lhs * rhs)", "sites", "kernel", "xla ms", "kernel ms",
                     "speedup", "why"), kernel_rows(buckets)), ""]
+  first = first_call_rows(baseline, tuned)
+  if first:
+    parts += [_table(("the step's first call", "baseline", "tunedjax"), first), ""]
   return "\n".join(parts)
+
+
+def first_call_rows(baseline: RunResult, tuned: RunResult) -> list[tuple[str, str, str]]:
+  """Each run's first call of its training step, seconds per stage (`tunedjax.FirstCall`).
+
+  Example:
+    >>> import types
+    >>> b = types.SimpleNamespace(first_call={"total_s": 1.0, "stages": {"compile": 1.0}})
+    >>> t = types.SimpleNamespace(first_call={"total_s": 2.0, "stages": {"trace": 0.5,
+    ...                                                                  "compile": 1.5}})
+    >>> first_call_rows(b, t)
+    [('trace', '-', '0.50 s'), ('compile', '1.00 s', '1.50 s'), ('total', '1.00 s', '2.00 s')]
+  """
+  runs = [r.first_call for r in (baseline, tuned)]
+  if not any(runs):
+    return []
+  names = list(dict.fromkeys(n for r in runs if r for n in r["stages"]))
+  order = {n: i for i, n in enumerate(_tuning.FIRST_CALL_STAGES)}
+  names.sort(key=lambda n: order.get(n, len(order)))
+  cell = lambda r, n: "-" if not r or n not in r["stages"] else f"{r['stages'][n]:.2f} s"  # pylint: disable=unnecessary-lambda-assignment
+  rows = [(n, cell(runs[0], n), cell(runs[1], n)) for n in names]
+  return rows + [("total", *("-" if not r else f"{r['total_s']:.2f} s" for r in runs))]
 
 
 def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:

@@ -96,6 +96,8 @@ class RunResult:
   kernels: dict[str, int]
   losses: list[float]
   step_times: list[float]
+  # The training step's first call (`tunedjax.FirstCall.as_dict`: total and stages).
+  first_call: dict[str, Any] | None = None
 
 
 def load_data(options: DemoOptions) -> tuple[_data.EncodedImages, _data.EncodedImages]:
@@ -158,7 +160,8 @@ def train(name: str, train_data: _data.EncodedImages, eval_data: dict[str, np.nd
       kernel_cache_hits=int(tuning.get("kernel_cache_hits", 0)),
       kernel_cache_misses=int(tuning.get("kernel_cache_misses", 0)),
       kernels=dict(tuning.get("kernels", {})),
-      losses=[float(v) for v in history.losses], step_times=list(history.step_times))
+      losses=[float(v) for v in history.losses], step_times=list(history.step_times),
+      first_call=tuning.get("first_call"))
   return result, trainer
 
 

@@ -22,6 +22,7 @@ import jax.extend.linear_util as lu
 import jax.extend.source_info_util as source_info_util
 # The only imports of jax._src in tunedjax.
 from jax._src import core as _core
+from jax._src import linear_util as _lu
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
@@ -34,6 +35,13 @@ Var = jex_core.Var
 # Raised when an operation's output sharding cannot be inferred on Explicit
 # mesh axes (not exported by `jax.errors` in jax 0.10-0.12).
 ShardingTypeError = _core.ShardingTypeError
+
+# `jax.monitoring` duration events of lowering a program to StableHLO and of
+# XLA's compile (a persistent-cache read included), in jax 0.10-0.12; the first
+# call's anatomy (`_tuning._anatomy`) reads them.
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENTS = frozenset({LOWERING_EVENT, BACKEND_COMPILE_EVENT})
 
 # Higher-order primitives whose sub-jaxprs are code to rewrite, by the names
 # they carry across the supported JAX versions, mapped to the params that hold
@@ -389,3 +397,63 @@ def in_scope(eqn: JaxprEqn, scope: str) -> bool:
   """Whether `eqn` was traced inside ``jax.named_scope(scope)``."""
   return any(getattr(frame, "name", None) == scope
              for frame in getattr(eqn.source_info.name_stack, "stack", ()))
+
+
+def traced_computation(x: Any, max_eqns: int = 256
+                       ) -> tuple[Jaxpr, dict[Any, Any], dict[Any, Any]] | None:
+  """How the tracer `x` was computed so far in the trace that is recording it.
+
+  Walks back from `x` through the equations its trace has recorded (a jaxpr
+  being built by `jax.jit`, `jax.make_jaxpr` or `tunedjax.jit`) and returns
+  them as an open jaxpr whose one output is `x`'s variable: its inputs are
+  the trace's inputs that `x` depends on, its constants those of the trace's
+  constants it reads. What each variable's tracer is comes with it, so a
+  caller can keep computing with part of the computation.
+
+  Args:
+    x: any value.
+    max_eqns: a computation of more equations is not returned.
+
+  Returns:
+    ``(jaxpr, consts, tracers)``: the jaxpr, ``{constvar: value}``, and
+    ``{var: tracer}`` for every variable with a tracer; or None when `x` is
+    not a tracer of such a trace, or its computation is longer.
+  """
+  if not isinstance(x, _pe.DynamicJaxprTracer) or not isinstance(getattr(x, "val", None), Var):
+    return None
+  try:
+    return _traced_computation(x, max_eqns)
+  except (AttributeError, TypeError):  # a JAX whose trace keeps its state elsewhere
+    return None
+
+
+def _traced_computation(x: Any, max_eqns: int
+                        ) -> tuple[Jaxpr, dict[Any, Any], dict[Any, Any]] | None:
+  known = x._trace.frame.constvar_to_val  # pylint: disable=protected-access
+  order: list[Any] = []  # TracingEqns, each after those computing its inputs
+  tracers: dict[Any, Any] = {}
+  done: set[int] = set()
+  stack: list[tuple[Any, bool]] = [(x, False)]
+  while stack:
+    t, expanded = stack.pop()
+    parent = getattr(t, "parent", None)
+    if isinstance(t.val, Var):
+      tracers.setdefault(t.val, t)
+    if parent is None or (id(parent) in done and not expanded):
+      continue
+    if expanded:
+      order.append(parent)
+      continue
+    done.add(id(parent))
+    if len(done) > max_eqns:
+      return None
+    stack.append((t, True))
+    stack.extend((u, False) for u in parent.in_tracers)
+  defined = {v for e in order for v in e.outvars}
+  leaves = [v for v in tracers if v not in defined]
+  consts = {v: known[v] for v in leaves if v in known}
+  eqns = [JaxprEqn([u.val for u in e.in_tracers], list(e.outvars), e.primitive, e.params,
+                   e.effects, e.source_info, e.ctx) for e in order]
+  invars = [v for v in leaves if v not in consts]
+  debug = _lu.DebugInfo("traced_computation", "<traced value>", ("",) * len(invars), ("",))
+  return Jaxpr(list(consts), invars, [x.val], eqns, debug_info=debug), consts, tracers

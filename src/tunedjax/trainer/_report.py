@@ -37,6 +37,9 @@ def jit_summary(jitted: Any) -> dict[str, Any]:
   variants the whole-program check compared; ``"verification"`` says what
   that check found (`Jitted.verification`): decisions it undid run their
   default although ``"kernels"`` lists the tuned program's choices.
+  ``"first_call"`` is where that program's first call spent its time
+  (`tunedjax.FirstCall.as_dict`: ``total_s`` and seconds per stage), and
+  ``"first_calls"`` the same for every signature compiled, oldest first.
   """
   report = jitted.report(memory=False)
   if not len(report):
@@ -59,4 +62,7 @@ def jit_summary(jitted: Any) -> dict[str, Any]:
       "casts": dict(last.casts),
       "tuning_s": last.tuning_s,
       "verification": jitted.verification(),
+      "first_call": None if last.first_call is None else last.first_call.as_dict(),
+      "first_calls": [{"signature": r.signature, **r.first_call.as_dict()}
+                      for r in report if r.first_call is not None],
   }

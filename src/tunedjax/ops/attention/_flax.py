@@ -24,7 +24,14 @@ Flax's default (the user's own function) is left as it is.
 
 Flax's mask (``[batch..., heads or 1, q_len, kv_len]``, True or non-zero to
 attend) and bias become `tunedjax.attention`'s boolean mask and float bias;
-leading batch axes are flattened into one and restored.
+leading batch axes are flattened into one and restored. A mask that is the
+causal mask, by how it was computed (``jnp.tril(jnp.ones((T, T)))``,
+``make_causal_mask``, ``iota >= iota``; `_causal.py` says exactly which),
+makes the call ``is_causal=True`` without a mask; one that is the AND of the
+causal mask and others (``combine_masks(causal, padding)``) makes it causal
+with the others as its mask. So the call's bucket is ``causal``, and the
+kernels that take no mask (the block-skipping ones; on GPUs ``pallas_gpu``,
+and ``cudnn`` in bfloat16 or float16) are candidates.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from flax import linen as nn
 from flax import nnx
 
 from tunedjax import _tuning
+from tunedjax.ops.attention import _causal
 from tunedjax.ops.attention._function import attention
 from tunedjax._errors import TunedJaxError, show_value
 
@@ -58,8 +66,6 @@ DOT_GENERAL = "a custom einsum_dot_general"
 VALUE_DEPTH = "value head size {v} differs from query's {q}"
 DTYPE = "dtype {dtype}: tunedjax.attention takes float16, bfloat16, float32, float64"
 CUSTOM = "its attention_fn is not Flax's dot_product_attention: left as it is"
-MASKED = ("a mask, left to the attention pattern (which recognises a causal one, so the "
-          "causal kernels apply)")
 
 
 @dataclasses.dataclass
@@ -97,7 +103,11 @@ def _to_one_batch_axis(x: Any, batch: tuple[int, ...]) -> Any:
 
 def _tuned_call(record: _Record, lock: threading.Lock, query: Any, key: Any, value: Any,
                 bias: Any, mask: Any, is_causal: bool) -> jax.Array:
-  """`tunedjax.attention` on Flax's operands (already promoted to one dtype)."""
+  """`tunedjax.attention` on Flax's operands (already promoted to one dtype); a mask
+  that is, or has a part that is, the causal mask makes the call causal
+  (`_causal.split_mask`)."""
+  causal, mask = _causal.split_mask(mask, query.shape[-3], key.shape[-3])
+  is_causal = bool(is_causal) or causal
   batch = tuple(query.shape[:-3])
   if len(batch) == 1:
     q, k, v = query, key, value
@@ -147,9 +157,8 @@ class TunedAttentionFn:
   """
 
   def __init__(self, original: Callable[..., Any], record: _Record, lock: threading.Lock,
-               kind: str, defer_masked: bool = False):
+               kind: str):
     self.original, self.record, self._lock, self.kind = original, record, lock, kind
-    self.defer_masked = defer_masked  # tj.jit's route: masked calls to the pattern
     self._accepts = frozenset(inspect.signature(original).parameters)
 
   def __call__(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None,
@@ -169,8 +178,6 @@ class TunedAttentionFn:
       q, k, v = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     reason = _fallback_reason(q, v, dropout_rate=dropout_rate, deterministic=deterministic,
                               module=module, precision=precision, extras=extras)
-    if reason is None and self.defer_masked and mask is not None:
-      reason = MASKED
     if reason is None:
       # force_fp32_for_softmax needs nothing: tunedjax.attention's softmax is float32.
       return _tuned_call(self.record, self._lock, q, k, v, bias, mask, is_causal)
@@ -426,8 +433,7 @@ def _nnx_routed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     return original(self, *args, **kwargs)
   # attention_fn is a static attribute (graph definition, not state): set for this call only.
   object.__setattr__(self, "attention_fn",
-                     TunedAttentionFn(fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "nnx",
-                                      defer_masked=True))
+                     TunedAttentionFn(fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "nnx"))
   try:
     return original(self, *args, **kwargs)
   finally:
@@ -440,8 +446,7 @@ def _linen_route(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: 
       or context.method_name != "__call__" or module.attention_fn is not nn.dot_product_attention
       or getattr(_swapping, "depth", 0) or not _route_active()):
     return next_fun(*args, **kwargs)
-  tuned = TunedAttentionFn(module.attention_fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "linen",
-                           defer_masked=True)
+  tuned = TunedAttentionFn(module.attention_fn, _ROUTE_RECORD, _ROUTE_RECORD_LOCK, "linen")
   object.__setattr__(module, "attention_fn", tuned)
   try:
     return next_fun(*args, **kwargs)
@@ -462,10 +467,9 @@ def route_attention() -> Iterator[None]:
   ``__call__`` (installed while any thread is inside, acting only in
   threads that are), linen by an interceptor. A module swapped by
   `use_tuned_attention` keeps its swap, and calls `tunedjax.attention`
-  cannot take keep Flax's function, as there. A call with a mask keeps
-  Flax's function too: its attention is then found in the jaxpr by the
-  family's pattern, which tells a causal mask (``make_causal_mask``) from a
-  general one, so the causal kernels apply.
+  cannot take keep Flax's function, as there. A causal mask
+  (``make_causal_mask``, ``jnp.tril``, alone or combined with a padding
+  mask) makes the call causal, as there.
 
   Example:
     >>> from flax import nnx
@@ -492,6 +496,7 @@ def route_attention() -> Iterator[None]:
       _route_installed["count"] -= 1
       if _route_installed["count"] == 0:
         nnx.MultiHeadAttention.__call__ = _route_installed["original"]
+        _route_installed["original"] = None  # as before: no state left behind
 
 
 def route_record() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from tunedjax._errors import AutotuneError, format_choices, show_value
 from tunedjax import autotune
+from tunedjax.ops.attention import _causal
 from tunedjax.ops.attention import _family as _attn_family
 from tunedjax.ops.attention._spec import AttentionSpec
 
@@ -87,7 +88,10 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
     bias: an additive float bias broadcastable to ``[batch, heads, q_len,
       kv_len]`` (at most 4-D; leading axes may be left out), or None.
     mask: a boolean mask of such a shape, True where a query may attend a
-      key, or None.
+      key, or None. A mask that is the causal mask by how it was computed
+      (``jnp.tril`` of ones, ``iota >= iota``, Flax's ``make_causal_mask``),
+      alone or ANDed with others (a padding mask), makes the call causal, the
+      others remaining its mask: the same function, a causal bucket.
     scale: the logits' scale (default ``1 / sqrt(head_dim)``).
     is_causal: query ``i`` attends keys ``j <= i`` only.
 
@@ -114,6 +118,8 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
   logits = (b, n, t, k.shape[1])
   bias = _broadcast_operand("bias", bias, logits, is_mask=False)
   mask = _broadcast_operand("mask", mask, logits, is_mask=True)
+  causal, mask = _causal.split_mask(mask, t, k.shape[1])  # tril, iota >= iota, and padding
+  is_causal = bool(is_causal) or causal
   spec = AttentionSpec.from_arrays(q, k, bias, mask, scale=scale, is_causal=bool(is_causal))
   operands = [q, k, v] + [x for x in (bias, mask) if x is not None]
   out = autotune.dispatch(_attn_family.NAME, spec, *operands)

@@ -57,12 +57,13 @@ from typing import Any
 
 import numpy as np
 
+from tunedjax.ops.attention import _causal
 from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.ops.attention._view import FlatEqn, FlatView
 from tunedjax.rewrite import _compat
 
 NAME = "attention"
-LARGE_NEGATIVE = -1e4  # a mask's fill or additive value at most this: exp underflows to 0
+LARGE_NEGATIVE = _causal.LARGE_NEGATIVE  # a mask's fill at most this: exp underflows to 0
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 _CASTS = ("convert_element_type", "copy", "copy_p")
 _SHAPERS = ("broadcast_in_dim", "reshape")
@@ -417,18 +418,6 @@ def _source(walk: _Walk, v: Any, labels: dict[int, Any]) -> tuple[Any, dict[int,
   return _Const(const, v.aval), labels
 
 
-def _is_causal(kind: str, x: np.ndarray | None, q_len: int, kv_len: int) -> bool:
-  """Whether a constant mask (True: attend) or additive bias, in the family's 4-D
-  layout, is exactly the causal mask (top-left aligned, as JAX's)."""
-  if x is None or x.shape[-2:] != (q_len, kv_len):
-    return False
-  keep = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
-  if kind == "mask":
-    return bool(np.all(x == keep))
-  x = np.asarray(x, np.float64)
-  return bool(np.all(np.where(keep, x == 0, x <= LARGE_NEGATIVE)))
-
-
 def _match_at(view: FlatView, d2: FlatEqn, p_side: int) -> AttentionMatch:
   """The attention whose second product is `d2`, probabilities its operand `p_side`."""
   walk = _Walk(view)
@@ -456,6 +445,30 @@ def _match_at(view: FlatView, d2: FlatEqn, p_side: int) -> AttentionMatch:
   return _assemble(walk, (q, k, v), (q_labels, k_labels, v_labels), d2, out_labels, nb)
 
 
+def _causal_masks(walk: _Walk, q_len: int, kv_len: int) -> tuple[bool, list[tuple]]:
+  """Whether a mask of the site makes it causal, and its masks as operands
+  ``(source, labels, negate)``: a mask that is, or is an AND of, the causal mask and
+  others (`_causal.split_causal`) leaves the others; a negated one (``where(m, fill,
+  s)``) is causal when its negation is."""
+  causal, masks = False, []
+  for x, lab, neg in walk.masks:
+    rest = None if neg else _causal.split_causal(walk.view, x, lab, q=Q, k=K, q_len=q_len,
+                                                 kv_len=kv_len)
+    if rest is not None:
+      causal = True
+      masks.extend((*_source(walk, u, u_lab), False) for u, u_lab in rest)
+      continue
+    source, labels = _source(walk, x, lab)
+    const = source.value if isinstance(source, _Const) else walk.view.constant(source)
+    if neg and const is not None and _causal.is_causal_constant(
+        "mask", np.logical_not(_to_layout(np.asarray(const), labels, [B0, B1, Q, K])),
+        q_len, kv_len):
+      causal = True
+      continue
+    masks.append((source, labels, neg))
+  return causal, masks
+
+
 def _assemble(walk: _Walk, qkv: tuple[Any, Any, Any], labels: tuple[dict, dict, dict],
               d2: FlatEqn, out_labels: list[Any], nb: int) -> AttentionMatch:
   """The match of a recognised attention: spec, operands, result, inputs, equations."""
@@ -471,18 +484,13 @@ def _assemble(walk: _Walk, qkv: tuple[Any, Any, Any], labels: tuple[dict, dict, 
   s_len = shapes[1][1]
   extra_order = [B0, B1, Q, K]
   biases = [_source(walk, x, lab) for x, lab in walk.biases]
-  masks = [(*_source(walk, x, lab), neg) for x, lab, neg in walk.masks]
-  causal = False
-  for kind, items in (("mask", masks), ("bias", biases)):
-    for item in list(items):
-      const = item[0].value if isinstance(item[0], _Const) else view.constant(item[0])
-      if const is not None and kind == "mask" and item[2]:
-        const = np.logical_not(const)
-      if const is not None:
-        const = _to_layout(np.asarray(const), item[1], extra_order)
-      if _is_causal(kind, const, t, s_len):
-        items.remove(item)
-        causal = True
+  causal, masks = _causal_masks(walk, t, s_len)
+  for item in list(biases):  # an additive causal mask: 0 below the diagonal, -1e4 above
+    const = item[0].value if isinstance(item[0], _Const) else view.constant(item[0])
+    if const is not None and _causal.is_causal_constant(
+        "bias", _to_layout(np.asarray(const), item[1], extra_order), t, s_len):
+      biases.remove(item)
+      causal = True
   region = {e.owner for e in walk.region}
   data = [q, k, v] + [x for x, *_ in (*biases, *masks) if not isinstance(x, _Const)]
   for x in data:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -70,15 +71,22 @@ def _body(eqn: Any) -> Any:
 
 
 class FlatView:
-  """The flat equations of `jaxpr`, who defines and who reads each value."""
+  """The flat equations of `jaxpr`, who defines and who reads each value.
 
-  def __init__(self, jaxpr: Any):
+  `consts` gives the values of constants of `jaxpr` known to be constant
+  (`constant` returns them); other inputs and constants are not constant.
+  """
+
+  def __init__(self, jaxpr: Any, consts: Mapping[Any, Any] | None = None):
     self.jaxpr = jaxpr
     self.eqns: list[FlatEqn] = []
     self.top = set(jaxpr.invars) | set(jaxpr.constvars)
     self.inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     self._consts: dict[Any, np.ndarray] = {}  # body consts and evaluated constants
     self._not_constant: set[Any] = set()
+    for v, c in (consts or {}).items():
+      if not isinstance(c, jax.core.Tracer):
+        self._consts[v] = np.asarray(c)
     for i, eqn in enumerate(jaxpr.eqns):
       self.top.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
       self._add(eqn, list(eqn.invars), list(eqn.outvars), i, depth=0)
@@ -144,12 +152,81 @@ class FlatView:
       if c is None:
         return None
       vals.append(c)
-    try:
-      with jax.ensure_compile_time_eval():
-        outs = e.eqn.primitive.bind(*vals, **e.params)
-    except Exception:  # pylint: disable=broad-except  # not evaluable here: not a constant
-      return None
-    outs = outs if e.eqn.primitive.multiple_results else [outs]
+    outs = _in_numpy(e, vals)
+    if outs is None:
+      try:
+        with jax.ensure_compile_time_eval():
+          outs = e.eqn.primitive.bind(*vals, **e.params)
+      except Exception:  # pylint: disable=broad-except  # not evaluable here: not a constant
+        return None
+      outs = outs if e.eqn.primitive.multiple_results else [outs]
     for o, x in zip(e.outs, outs):
       self._consts[o] = np.asarray(x)
     return self._consts.get(v)
+
+
+# -- constants in NumPy: masks are iotas, comparisons and selections -----------------------
+# Evaluated by `primitive.bind`, each primitive is compiled for the default device the first
+# time it meets a shape (about 0.1 s each, more on a GPU); these are exact in NumPy.
+
+
+def _iota(*, dtype: Any, shape: tuple[int, ...], dimension: int, **_: Any) -> np.ndarray:
+  along = [1] * len(shape)
+  along[dimension] = shape[dimension]
+  return np.broadcast_to(np.arange(shape[dimension], dtype=dtype).reshape(along), shape)
+
+
+def _broadcast(x: np.ndarray, *, shape: tuple[int, ...],
+               broadcast_dimensions: tuple[int, ...], **_: Any) -> np.ndarray:
+  expanded = [1] * len(shape)
+  for j, d in enumerate(broadcast_dimensions):
+    expanded[d] = x.shape[j]
+  return np.broadcast_to(x.reshape(expanded), shape)
+
+
+def _elementwise(fn: Any) -> Any:
+  return lambda *xs, **_: fn(*xs)
+
+
+_EXACT = {  # exact whatever the dtype: moves, selections, comparisons, casts
+    "iota": _iota, "broadcast_in_dim": _broadcast,
+    "reshape": lambda x, *, new_sizes, dimensions=None, **_: (
+        x.reshape(new_sizes) if dimensions is None else None),
+    "squeeze": lambda x, *, dimensions, **_: np.squeeze(x, tuple(dimensions)),
+    "copy": lambda x, **_: x, "copy_p": lambda x, **_: x,
+    "convert_element_type": lambda x, **_: x,  # the cast is the result's dtype
+    "select_n": lambda p, *cases, **_: (
+        np.where(p, cases[1], cases[0]) if len(cases) == 2 and p.dtype == np.bool_ else
+        np.choose(np.asarray(p, np.int32), cases)),
+    "eq": _elementwise(np.equal), "ne": _elementwise(np.not_equal),
+    "ge": _elementwise(np.greater_equal), "gt": _elementwise(np.greater),
+    "le": _elementwise(np.less_equal), "lt": _elementwise(np.less),
+}
+_INTEGER = {  # exact on bool and integer operands (wrapping as XLA's)
+    "add": _elementwise(np.add), "sub": _elementwise(np.subtract),
+    "mul": _elementwise(np.multiply), "neg": _elementwise(np.negative),
+    "and": _elementwise(np.bitwise_and), "or": _elementwise(np.bitwise_or),
+    "not": _elementwise(np.invert), "xor": _elementwise(np.bitwise_xor),
+}
+
+
+def _in_numpy(e: FlatEqn, vals: list[np.ndarray]) -> list[np.ndarray] | None:
+  """`e`'s results computed in NumPy, or None where that is not known to be exact."""
+  avals = [x.aval for x in (*e.ins, *e.outs)]
+  if len(e.outs) != 1 or any(np.dtype(a.dtype).kind not in "biuf" for a in avals):
+    return None
+  fn = _EXACT.get(e.name)
+  if fn is None and all(np.dtype(a.dtype).kind in "biu" for a in avals):
+    fn = _INTEGER.get(e.name)
+  if fn is None or (e.name == "convert_element_type" and np.dtype(avals[0].dtype).kind == "f"
+                    and np.dtype(avals[-1].dtype).kind in "iu"):  # float to int: as XLA's?
+    return None
+  try:
+    with np.errstate(all="ignore"):  # integers wrap, as XLA's do
+      out = fn(*[np.asarray(c, x.aval.dtype) for c, x in zip(vals, e.ins)], **e.params)
+  except (TypeError, ValueError):  # params of another JAX release: bind instead
+    return None
+  aval = e.outs[0].aval
+  if out is None or np.shape(out) != tuple(aval.shape):
+    return None
+  return [np.asarray(out, aval.dtype)]
