@@ -70,6 +70,9 @@ SCREEN_MIN_S = 0.1
 # paid for, unless tuning would pay back even if only this share of it were
 # the kernel's own time (the rest one-time costs).
 WARM_SHARE = 0.25
+# Candidates predicted to compile within this many seconds may compile beside
+# the default, before the payback decision (`_compiled_ahead`).
+AHEAD_COMPILE_S = 0.5
 # The clock the tuner's own bookkeeping reads (tests replace it).
 _clock = time.perf_counter
 
@@ -516,9 +519,15 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
     executable and its first call's time (its screening round).
   """
   default = bucket.default
+  ahead = _compiled_ahead(bucket)
   compile_start = _clock()
-  compiled = _compile_all({default: bucket.functions[default]}, bucket.args, bucket.compile_s)
-  compile_s = _clock() - compile_start
+  compiled = _compile_all({default: bucket.functions[default], **ahead}, bucket.args,
+                          bucket.compile_s)
+  # The default's compile is its own thread's time, and deciding is counted
+  # as if it had compiled alone: the compiles beside it belong to tuning the
+  # rest (`decided_s`).
+  compile_s = bucket.compile_s[default]
+  beside_s = max(0.0, _clock() - compile_start - compile_s)
   ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
   screen = list(_tuning.time_interleaved(
       {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
@@ -536,11 +545,13 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
       cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
-      decided_s=float(_clock() - bucket.start),
+      decided_s=float(max(0.0, _clock() - bucket.start - beside_s)),
       kept=compile_bound or not payback.pays(default_s, cost))
-  bucket.temps.update(_temps_of(compiled))
   if not bucket.record["kept"]:
+    compiled = {n: c for n, c in compiled.items() if n in bucket.functions}
+    bucket.temps.update(_temps_of(compiled))
     return compiled, screen
+  bucket.temps.update(_temps_of({default: compiled[default]}))
   saved = payback.most_saved(default_s)
   why = (f"no candidate predicted to beat it saves its compile within the horizon (at "
          f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
@@ -549,6 +560,32 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
       f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+
+
+def _compiled_ahead(bucket: _Bucket) -> dict[str, Callable[..., Any]]:
+  """The candidates compiled beside the default, before the payback decision.
+
+  Compiling the default alone leaves the other cores idle (XLA compiles
+  without the GIL, and a small program's compile is one thread's work), so
+  the candidates a `Prediction` ranks best among those that could win
+  (`Prediction.could_win`, unbounded) compile at the same time, one per
+  spare core. What they cost is what a bucket that turns out to be kept
+  wastes on cores that would have been idle; a bucket that is tuned has its
+  best candidates compiled already. Only a candidate predicted to compile
+  within `AHEAD_COMPILE_S` goes ahead (the default waits for it: a long
+  compile is left to the payback decision). Nothing is compiled ahead
+  without a prediction (exhaustive tuning compiles every candidate after
+  the decision, as before) or on one core.
+  """
+  spare = _tuning.usable_cores() - 1
+  plan = _pruning(bucket) if spare > 0 else None
+  if plan is None:
+    return {}
+  estimates = bucket.prediction.estimates
+  quick = [n for n in plan[0] if n != bucket.default and n in estimates
+           and estimates[n].compile_s is not None and estimates[n].compile_s <= AHEAD_COMPILE_S]
+  ranked = sorted(quick, key=lambda n: estimates[n].ratio)
+  return {n: plan[0][n] for n in ranked[:spare]}
 
 
 def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: float,
