@@ -823,9 +823,12 @@ def _copied(tree: Any) -> Any:
 
   ``jax.device_put(..., may_alias=False)`` copies without compiling
   (``jnp.copy`` compiles a program per leaf shape: about 30 small compiles
-  for a ResNet-style model's state, before its first step).
+  for a ResNet-style model's state, before its first step). Each leaf's
+  sharding is given: without it a PRNG key array would come back on one
+  device, uncommitted, and the step would be traced again for it.
   """
-  return jax.device_put(tree, may_alias=False)
+  shardings = jax.tree_util.tree_map(lambda x: x.sharding, tree)
+  return jax.device_put(tree, shardings, may_alias=False)
 
 
 def _size(batch: Any) -> int:
