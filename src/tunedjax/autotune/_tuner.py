@@ -420,8 +420,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
-    compiled.update(_compile_all({n: f for n, f in bucket.functions.items()
-                                  if n not in compiled}, bucket.args, bucket.compile_s))
+    rest = {n: f for n, f in bucket.functions.items() if n not in compiled}
+    if rest:  # none where the candidates compiled beside the default were all that is left
+      compiled.update(_compile_all(rest, bucket.args, bucket.compile_s))
     # The budget bounds timing only: compiles (above) are not counted, so a
     # loaded machine that compiles slowly still times every candidate.
     bucket.timing_start = _clock()
