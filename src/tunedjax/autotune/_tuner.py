@@ -420,9 +420,8 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
-    rest = {n: f for n, f in bucket.functions.items() if n not in compiled}
-    if rest:  # none where the candidates compiled beside the default were all that is left
-      compiled.update(_compile_all(rest, bucket.args, bucket.compile_s))
+    rest = {n: f for n, f in bucket.functions.items() if n not in compiled}  # not beside it
+    compiled.update(_compile_all(rest, bucket.args, bucket.compile_s) if rest else {})
     # The budget bounds timing only: compiles (above) are not counted, so a
     # loaded machine that compiles slowly still times every candidate.
     bucket.timing_start = _clock()
