@@ -79,8 +79,11 @@ bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 
 # The Python 3.12 wheels the GPU image lacks (it has jax 0.11 with CUDA, flax,
-# optax, orbax-checkpoint), into .whl/ (git-ignored, carried to the device
-# machine; under 64 MiB). BENCHMARKS.md gives the device command that installs them.
+# optax, torch): grain and two of its dependencies and the tested orbax-checkpoint,
+# into .whl/ (git-ignored, carried to the device machine; 6 MiB); tunedjax runs
+# from src/. `.ci/device-wheels --dry-run` prints what it fetches.
+# BENCHMARKS.md, "GPU", gives the device command that installs them and runs
+# benchmarks/gpu.py.
 device-wheels:
 	PYTHON=$(PYTHON) .ci/device-wheels .whl
 

@@ -1,328 +1,301 @@
-"""GPU benchmarks: what tunedjax's tuners are for, measured on a GPU.
+"""GPU benchmarks: tunedjax against `jax.jit`, cuDNN and PyTorch, in one command.
 
-Five tables, each timed in interleaved rounds against its baseline (median of
-per-round ratios, with an A/A control; see `_harness`):
+Parts (each a few worker processes; see `_gpu_names.PLAN` for their time limits):
 
-1. a ResNet-50 train step (NHWC, batch 128, 224x224, SGD), float32 against
-   the same step under the ``mixed_bfloat16`` autocast pass (`tj.jit`);
-2. ResNet-50's convolution buckets (forward), the ``pallas`` implicit-GEMM
-   kernel against XLA's convolution (cuDNN), in float32 and bfloat16;
-3. a float16 ResNet-50 train step written NCHW (as a PyTorch port), with and
-   without the layout pass (`tj.jit`, ``layout.enable``; the GPU prefers NHWC
-   for half precision);
-4. the ``attention`` kernel candidates, when that op family is registered;
-5. ``tunedjax demo`` at its default sizes (baseline against set_config(None)).
+a. ``resnet50``: the Flax ImageNet example's ResNet-50 (linen, BatchNorm), batch
+   128, 224x224, SGD with momentum: `jax.jit` in float32 and with the example's
+   ``dtype=bfloat16``; `tj.jit` with ``set_config(None)``, with
+   ``set_config(None)`` plus mixed precision, and with mixed precision and layout
+   but no kernel selection; torchvision's ResNet-50, channels_last, float32 and
+   AMP bfloat16. First call (s) and images/s.
+b. ``attention``: causal self-attention, bfloat16 [8, T, 16, 128], forward and
+   backward, T = 2,048 and 8,192: hand-written under `jax.jit`, cuDNN's, `tj.jit`
+   over ``tj.attention`` and over the hand-written one, PyTorch's SDPA. ms,
+   ratio, TFLOP/s, first call.
+c. ``lm``: `tj.Trainer` on a miniGPT (6 blocks, width 512, 8 heads, 1,024
+   tokens, batch 16), ``autotune`` off against on, float32 and mixed precision.
+d. ``conv_buckets`` (the ``pallas`` kernel against XLA/cuDNN per ResNet-50
+   convolution) and ``layout_f16`` (a float16 NCHW ResNet-50 with and without
+   the layout pass).
 
-On a GPU machine: ``python benchmarks/gpu.py --write`` (BENCHMARKS.md, "GPU",
-gives the device command). ``--smoke`` (or ``--quick``) runs every part at
-tiny sizes on any backend, Pallas in interpret mode off the GPU; nothing it
-measures is a figure.
+Each worker prints what it measures as it goes and stops itself at its time
+limit (the driver kills it a few seconds later); what it printed is kept. The
+first-call anatomy (`f.report().last.first_call`) of every tunedjax variant is
+printed. ``--out DIR`` gets ``gpu.json`` (every figure), ``gpu.md`` (the
+BENCHMARKS.md sections) and ``gpu.log``; ``--write`` rewrites BENCHMARKS.md's
+``gpu_*`` sections; ``--render DIR/gpu.json --write`` does that later, from the
+JSON of a run on another machine. ``--smoke`` runs every part at tiny sizes on
+any backend (Pallas in interpret mode off a GPU): a check that it runs, no figures.
 
-Run: `.venv/bin/python benchmarks/gpu.py [--smoke] [--write] [--rounds N] [--only PART ...]`.
+Run: ``python benchmarks/gpu.py [--smoke] [--write] [--out DIR] [--only PART ...]
+[--rounds N] [--budget WORKER=SECONDS ...]``; BENCHMARKS.md, "GPU", gives the
+device command.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import concurrent.futures
+import datetime
+import faulthandler
+import json
 import os
+import pathlib
 import sys
 import tempfile
+import threading
 import time
-import traceback
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
+import _gpu_names as names
+import _gpu_render as render
+import _gpu_run as run
 
-import _harness
-import tunedjax as tj
-from tunedjax.ops.conv import _pallas as _conv_pallas
-from tunedjax.autotune import _registry as reg
-
-PARTS = ("resnet50", "conv_buckets", "layout_f16", "attention", "demo")
-OFF = {"mixed_precision": {"enable": False}, "layout": {"enable": False},
-       "kernel": {"enable": False}, "dataloader": {"enable": False}}
+SCRIPT = pathlib.Path(__file__).resolve()
+TOTAL_S = 500.0  # all parts together, on a GPU: within the 9-minute device command
+# A smoke run's programs are tiny and its figures meaningless: XLA compiles them unoptimised
+# (4x faster on a CPU).
+SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-  batch: int = 128
-  image: int = 224
-  stages: tuple[int, ...] = (3, 4, 6, 3)
-  width: int = 64
-  rounds: int = 10
-  bucket_batch: int = 128
-  bucket_scale: int = 1   # spatial size divided by this
-  bucket_channels: int = 10**6  # channels capped at this
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--smoke", "--quick", dest="smoke", action="store_true",
+                 help="tiny sizes on any backend (a check that it runs, no figures)")
+  p.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's gpu_* sections")
+  p.add_argument("--out", help="folder for gpu.json, gpu.md and gpu.log")
+  p.add_argument("--only", nargs="+", choices=names.PARTS, default=list(names.PARTS))
+  p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; smoke 2)")
+  p.add_argument("--budget", nargs="+", default=[], metavar="WORKER=SECONDS",
+                 help="a worker's time limit instead of the plan's")
+  p.add_argument("--total-s", type=float, default=None,
+                 help=f"all parts together at most this (default {TOTAL_S:.0f} s on a GPU)")
+  p.add_argument("--jobs", type=int, default=None,
+                 help="workers at a time, --smoke only (default 2 with --smoke, else 1)")
+  p.add_argument("--render", metavar="JSON", help="make the sections from a run's gpu.json")
+  p.add_argument("--worker", help=argparse.SUPPRESS)
+  p.add_argument("--until", type=float, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.jobs = args.jobs or (2 if args.smoke else 1)
+  if args.jobs > 1 and not args.smoke:
+    p.error("--jobs > 1 needs --smoke: on a GPU the workers run one at a time")
+  return args
 
 
-FULL = Sizes()
-SMOKE = Sizes(batch=2, image=32, stages=(1, 1, 1, 1), width=8, rounds=2, bucket_batch=2,
-              bucket_scale=8, bucket_channels=16)
+# --- a worker --------------------------------------------------------------------------
 
 
-# --- ResNet-50, functional, in either layout ----------------------------------------
-
-
-def _dn(layout: str) -> tuple[str, str, str]:
-  return ("NHWC", "HWIO", "NHWC") if layout == "NHWC" else ("NCHW", "OIHW", "NCHW")
-
-
-def _weight(rng, k: int, cin: int, cout: int, layout: str, dtype) -> jax.Array:
-  w = rng.normal(size=(k, k, cin, cout), scale=(2.0 / (k * k * cin)) ** 0.5)
-  if layout == "NCHW":
-    w = w.transpose(3, 2, 0, 1)
-  return jnp.asarray(w, dtype)
-
-
-def resnet50(sizes: Sizes, *, layout: str = "NHWC", dtype=jnp.float32, seed: int = 0):
-  """(params, loss(params, x, y), x, y): a ResNet-50 (bottlenecks) and a batch."""
-  rng = np.random.default_rng(seed)
-  w0 = sizes.width
-  params: dict[str, Any] = {"stem": _weight(rng, 7, 3, w0, layout, dtype), "blocks": []}
-  cin = w0
-  for i, n in enumerate(sizes.stages):
-    mid = w0 * 2**i
-    for j in range(n):
-      stride = 2 if (j == 0 and i > 0) else 1
-      block = {"c1": _weight(rng, 1, cin, mid, layout, dtype),
-               "c2": _weight(rng, 3, mid, mid, layout, dtype),
-               "c3": _weight(rng, 1, mid, 4 * mid, layout, dtype),
-               "g": jnp.ones(4 * mid, dtype), "b": jnp.zeros(4 * mid, dtype),
-               "stride": stride}
-      if j == 0:
-        block["proj"] = _weight(rng, 1, cin, 4 * mid, layout, dtype)
-      params["blocks"].append(block)
-      cin = 4 * mid
-  params["head"] = jnp.asarray(rng.normal(size=(cin, 1000), scale=cin**-0.5), dtype)
-  strides = [b.pop("stride") for b in params["blocks"]]
-  channel = -1 if layout == "NHWC" else 1
-  spatial = (1, 2) if layout == "NHWC" else (2, 3)
-  dn = _dn(layout)
-
-  def conv(x, w, stride=1):
-    return lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=dn)
-
-  def norm(x, g, b):
-    axes = tuple(a for a in range(4) if a != channel % 4)
-    mean = x.mean(axis=axes, keepdims=True)
-    var = x.var(axis=axes, keepdims=True)
-    shape = [1, 1, 1, 1]
-    shape[channel] = -1
-    return (x - mean) * lax.rsqrt(var + 1e-5) * g.reshape(shape) + b.reshape(shape)
-
-  def loss(params, x, y):
-    h = jax.nn.relu(conv(x, params["stem"], 2))
-    for blk, s in zip(params["blocks"], strides):
-      r = h if "proj" not in blk else conv(h, blk["proj"], s)
-      h = jax.nn.relu(conv(h, blk["c1"]))
-      h = jax.nn.relu(conv(h, blk["c2"], s))
-      h = jax.nn.relu(norm(conv(h, blk["c3"]), blk["g"], blk["b"]) + r)
-    logits = (h.mean(axis=spatial) @ params["head"]).astype(jnp.float32)
-    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 1000), axis=-1))
-
-  shape = ((sizes.batch, sizes.image, sizes.image, 3) if layout == "NHWC"
-           else (sizes.batch, 3, sizes.image, sizes.image))
-  x = jnp.asarray(rng.normal(size=shape), dtype)
-  y = jnp.asarray(rng.integers(0, 1000, size=sizes.batch), jnp.int32)
-  return params, loss, x, y
-
-
-def sgd_step(loss: Callable[..., Any]) -> Callable[..., Any]:
-  def step(params, x, y):
-    value, grads = jax.value_and_grad(loss)(params, x, y)
-    return value, jax.tree.map(lambda p, g: p - (0.01 * g).astype(p.dtype), params, grads)
-  return step
-
-
-def _blocked(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-  return lambda: jax.block_until_ready(fn(*args))
-
-
-def _compiled_under(config: dict[str, Any], step: Callable[..., Any], *args: Any):
-  """`tj.jit(step)` traced and compiled under `config`; (call, report)."""
-  with tj.config_context(config):
-    f = tj.jit(step)
-    jax.block_until_ready(f(*args))  # traces, rewrites, compiles
-    compiled = f.lower(*args).compile()
-  return _blocked(compiled, *args), f.report(memory=False).last
-
-
-# --- the parts ------------------------------------------------------------------------
-
-
-def part_resnet50(sizes: Sizes, cache: str) -> str:
-  params, loss, x, y = resnet50(sizes)
-  step = sgd_step(loss)
-  base = {**OFF, "cache": {"dir": cache}}
-  f32, _ = _compiled_under(base, step, params, x, y)
-  bf16, rep = _compiled_under(
-      {**base, "mixed_precision": {"enable": True, "policy": "mixed_bfloat16"}}, step,
-      params, x, y)
-  t = _harness.interleaved({"float32": f32, "mixed_bfloat16 (autocast)": bf16},
-                           baseline="float32", rounds=sizes.rounds)
-  ips = {n: sizes.batch / t.median(n) for n in t.runs}
-  notes = {n: f"{ips[n]:.0f} images/s" for n in t.runs}
-  return "\n".join([
-      f"### ResNet-50 train step: float32 against mixed_bfloat16",
-      "",
-      f"Batch {sizes.batch}, {sizes.image}x{sizes.image}, NHWC, SGD, `tj.jit` with every "
-      "tuner off but mixed precision; the autocast pass: "
-      f"{', '.join(f'{k}: {v}' for k, v in sorted(rep.casts.items())) or 'nothing'}.",
-      "",
-      _harness.ratio_table(t, notes=notes),
-  ])
-
-
-RESNET50_BUCKETS = (  # (spatial, cin, cout, kernel, stride): ResNet-50's forward convs
-    (224, 3, 64, 7, 2), (56, 64, 64, 1, 1), (56, 64, 64, 3, 1), (56, 64, 256, 1, 1),
-    (56, 256, 64, 1, 1), (56, 128, 128, 3, 2), (28, 128, 128, 3, 1), (28, 128, 512, 1, 1),
-    (14, 256, 256, 3, 1), (14, 1024, 256, 1, 1), (7, 512, 512, 3, 1), (7, 512, 2048, 1, 1),
-)
-
-
-def part_conv_buckets(sizes: Sizes) -> str:
-  rng = np.random.default_rng(0)
-  rows = ["### Convolution buckets: `pallas` (Triton) against XLA (cuDNN)", "",
-          f"ResNet-50's forward convolutions, NHWC, batch {sizes.bucket_batch}; ratio = "
-          "pallas time / XLA time (median of per-round ratios; below 1: pallas faster); "
-          "error = relative L2 error against XLA"
-          + ("" if jax.default_backend() == "gpu" else "; not a GPU: Pallas in interpret mode")
-          + ".", "",
-          "| bucket | dtype | XLA (ms) | pallas (ms) | ratio | A/A | error |",
-          "|---|---|---:|---:|---:|---:|---:|"]
-  for hw, cin, cout, k, s in RESNET50_BUCKETS:
-    hw = max(hw // sizes.bucket_scale, k)
-    cin, cout = min(cin, sizes.bucket_channels), min(cout, sizes.bucket_channels)
-    for dtype in (jnp.float32, jnp.bfloat16):
-      x = jnp.asarray(rng.normal(size=(sizes.bucket_batch, hw, hw, cin)), dtype)
-      w = jnp.asarray(rng.normal(size=(k, k, cin, cout), scale=(k * k * cin) ** -0.5), dtype)
-      spec = reg.ConvSpec.from_arrays(x, w, window_strides=(s, s), padding="SAME",
-                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
-      name = f"{k}x{k}/{s}, {hw}x{hw}, {cin}->{cout}"
-      if not _conv_pallas.supports(spec):
-        rows.append(f"| {name} | {jnp.dtype(dtype).name} | | | not supported | | |")
-        continue
-      xla = jax.jit(lambda a, b, sp=spec: lax.conv_general_dilated_p.bind(a, b, **sp.params()))
-      pallas = jax.jit(lambda a, b, sp=spec: _conv_pallas.conv_pallas(a, b, sp))
-      want = np.asarray(xla(x, w), np.float32)
-      got = np.asarray(pallas(x, w), np.float32)
-      err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-      t = _harness.interleaved({"xla": _blocked(xla, x, w), "pallas": _blocked(pallas, x, w)},
-                               baseline="xla", rounds=sizes.rounds)
-      rows.append(f"| {name} | {jnp.dtype(dtype).name} | {1e3 * t.median('xla'):.3f} | "
-                  f"{1e3 * t.median('pallas'):.3f} | {t.ratio('pallas'):.2f} | "
-                  f"{t.ratio(_harness.CONTROL):.2f} | {err:.1e} |")
-  return "\n".join(rows)
-
-
-def part_layout_f16(sizes: Sizes, cache: str) -> str:
-  params, loss, x, y = resnet50(sizes, layout="NCHW", dtype=jnp.float16)
-  step = sgd_step(loss)
-  base = {**OFF, "cache": {"dir": cache}}
-  plain, _ = _compiled_under(base, step, params, x, y)
-  relaid, rep = _compiled_under({**base, "layout": {"enable": True}}, step, params, x, y)
-  t = _harness.interleaved({"NCHW as written": plain, "layout pass": relaid},
-                           baseline="NCHW as written", rounds=sizes.rounds)
-  lay = rep.layout
-  return "\n".join([
-      "### float16 ResNet-50 written NCHW: with and without the layout pass", "",
-      f"Batch {sizes.batch}, {sizes.image}x{sizes.image}, float16 parameters and inputs, SGD "
-      f"train step; `tj.jit` with only the layout pass: {lay.decision} -> {lay.target} "
-      f"({lay.reason}), {lay.convolutions} convolutions.", "",
-      _harness.ratio_table(t),
-  ])
-
-
-def part_attention(sizes: Sizes, cache: str) -> str:
-  title = "### Attention candidates"
-  try:
-    candidates = reg.kernels("attention")
-  except tj.TunedJaxError as e:
-    return f"{title}\n\nNot run: no `attention` op family in this tree ({e})."
-  attention = getattr(tj, "attention")
-  rng = np.random.default_rng(0)
-  b, t_, h, d = (2, 64, 2, 16) if sizes is SMOKE else (16, 2048, 16, 128)
-  q, k, v = (jnp.asarray(rng.normal(size=(b, t_, h, d)), jnp.bfloat16) for _ in range(3))
-  variants = {}
-  for kernel in candidates:
-    with tj.config_context({**OFF, "cache": {"dir": cache}, "kernel": {"enable": True}}), \
-        tj.autotune.hint(attention=kernel.name):
-      f = tj.jit(lambda q, k, v: attention(q, k, v, is_causal=True))
-      try:
-        jax.block_until_ready(f(q, k, v))
-        variants[kernel.name] = _blocked(f.lower(q, k, v).compile(), q, k, v)
-      except Exception as e:  # pylint: disable=broad-except  # one candidate failing is a row
-        print(f"attention {kernel.name}: {type(e).__name__}: {e}", file=sys.stderr)
-  if "xla" not in variants:
-    return f"{title}\n\nNot run: the `xla` attention candidate did not run."
-  t = _harness.interleaved(variants, baseline="xla", rounds=sizes.rounds)
-  return "\n".join([title, "", f"Causal self-attention, bfloat16, [batch {b}, tokens {t_}, "
-                    f"heads {h}, head_dim {d}], each candidate by hint.", "",
-                    _harness.ratio_table(t)])
-
-
-def part_demo(smoke: bool, out: str) -> str:
-  from tunedjax import demo  # pylint: disable=import-outside-toplevel
-  lines: list[str] = []
-  options = demo.QUICK if smoke else demo.DEFAULT
-  demo.run_demo(options, out=out, progress=False, echo=lines.append)
-  return "\n".join(["### `tunedjax demo`" + (" --quick" if smoke else " (default sizes)"), "",
-                    "```", *[str(l) for l in lines], "```"])
-
-
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--smoke", "--quick", dest="smoke", action="store_true",
-                      help="tiny sizes on any backend (a check that it runs, no figures)")
-  parser.add_argument("--write", action="store_true",
-                      help="update BENCHMARKS.md (one section per part)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--only", nargs="+", choices=PARTS, default=PARTS)
-  args = parser.parse_args(argv)
-  sizes = SMOKE if args.smoke else FULL
+def worker_main(args: argparse.Namespace) -> int:
+  """Runs one worker (``--worker NAME``) until ``--until`` (seconds since the epoch)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import _gpu_measure as measure  # pylint: disable=import-outside-toplevel  # imports JAX
+  sizes = measure.SMOKE if args.smoke else measure.FULL
   if args.rounds:
     sizes = dataclasses.replace(sizes, rounds=args.rounds)
-  if jax.default_backend() != "gpu" and not args.smoke:
-    print("gpu.py: no GPU here (backend %r); use --smoke for a check run." %
-          jax.default_backend(), file=sys.stderr)
-    return 2
-  cache = tempfile.mkdtemp(prefix="tunedjax-bench-gpu-")
-  device = jax.devices()[0]
-  where = (f"`benchmarks/gpu.py{' --smoke' if args.smoke else ''}` on {device.device_kind} "
-           f"({len(jax.devices())} device(s)). {_harness.machine_line()}")
-  failed = []
-  warnings.simplefilter("ignore", tj.autotune.HintWarning)
-  for part in args.only:
-    start = time.perf_counter()
-    print(f"gpu.py: {part} ...", file=sys.stderr)
-    try:
-      body = {"resnet50": lambda: part_resnet50(sizes, cache),
-              "conv_buckets": lambda: part_conv_buckets(sizes),
-              "layout_f16": lambda: part_layout_f16(sizes, cache),
-              "attention": lambda: part_attention(sizes, cache),
-              "demo": lambda: part_demo(args.smoke, os.path.join(cache, "demo"))}[part]()
-    except Exception:  # pylint: disable=broad-except  # the other parts still run
-      traceback.print_exc()
-      failed.append(part)
-      body = f"### {part}\n\nFailed: see the run's log."
-    seconds = time.perf_counter() - start
-    # Each part has its own section, so that parts can run in separate commands.
-    body = body.replace("\n", f"\n\n{where} This part took {seconds:.0f} s.\n", 1)
-    print(body + "\n")
-    print(f"gpu.py: {part} took {seconds:.1f} s", file=sys.stderr)
-    if args.write and part not in failed:
-      _harness.write_section(f"gpu_{part}", body)
-      print(f"wrote the gpu_{part} section of {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  if failed:
-    print(f"gpu.py: failed parts: {', '.join(failed)}", file=sys.stderr)
-    return 1
+  deadline = run.Deadline(args.until - time.time())
+  # Where it was, if its time runs out: every thread's stack, just before the driver kills it.
+  faulthandler.dump_traceback_later(max(args.until - time.time() + 0.5, 1.0), exit=False)
+  part, _, which = args.worker.partition(".")
+  run.emit("env", sizes=dataclasses.asdict(sizes))
+  if which != "torch":
+    measure.env_record()
+    backend = measure.jax.default_backend()
+    if backend != "gpu" and not args.smoke:
+      run.emit("no_gpu", backend=backend)
+      run.say(f"gpu.py: no GPU here (backend {backend!r}); use --smoke for a check run.")
+      return 2
+  _workers(part, which)(sizes, deadline)
   return 0
+
+
+def _workers(part: str, which: str) -> Any:
+  # pylint: disable=import-outside-toplevel  # each worker imports only what it runs
+  if which == "torch":
+    import _gpu_torch
+    return {"resnet50": _gpu_torch.worker_resnet, "attention": _gpu_torch.worker_attention}[part]
+  if part == "resnet50":
+    import _gpu_resnet
+    return _gpu_resnet.WORKERS[which]
+  if part == "attention":
+    import _gpu_attention
+    return _gpu_attention.WORKERS[which]
+  if part == "lm":
+    import _gpu_lm
+    return _gpu_lm.WORKERS[which]
+  import _gpu_conv
+  return _gpu_conv.WORKERS[part]
+
+
+# --- the driver ------------------------------------------------------------------------
+
+
+class Log:
+  """Prints (flushed) and keeps every line for ``--out``'s gpu.log; thread-safe."""
+
+  def __init__(self, out: pathlib.Path | None):
+    self.file = None if out is None else open(out / "gpu.log", "w", encoding="utf-8")
+    self.lock = threading.Lock()
+
+  def __call__(self, line: str) -> None:
+    with self.lock:
+      print(line, flush=True)
+      if self.file is not None:
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+def _budgets(args: argparse.Namespace) -> dict[str, float]:
+  out = {}
+  for item in args.budget:
+    worker, _, seconds = item.partition("=")
+    known = [w for plan in names.PLAN.values() for w, _ in plan]
+    if worker not in known or not seconds:
+      raise SystemExit(f"gpu.py: --budget {item!r}: expected WORKER=SECONDS, WORKER one of "
+                       f"{', '.join(known)}")
+    out[worker] = float(seconds)
+  return out
+
+
+def _worker_env(cache: str, smoke: bool) -> dict[str, str]:
+  env = dict(os.environ, TUNEDJAX_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+  if smoke:  # tiny sizes: the C++ kernels' build and XLA's optimisations would be most of it
+    env.setdefault("TUNEDJAX_NATIVE", "0")
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *SMOKE_XLA_FLAGS]).strip()
+  return env
+
+
+def run_worker(worker: str, budget: float, args: argparse.Namespace,
+               log: Callable[[str], None]) -> run.WorkerResult:
+  """One worker, with a tuning cache of its own (empty: a new user's first call)."""
+  log(f"gpu.py: {worker} (at most {budget:.0f} s) ...")
+  extra = [*(["--smoke"] if args.smoke else []),
+           *(["--rounds", str(args.rounds)] if args.rounds else []),
+           "--until", f"{time.time() + budget:.3f}"]
+  with tempfile.TemporaryDirectory(prefix="tunedjax-gpu-cache-") as cache:
+    result = run.supervise(worker, run.worker_command(str(SCRIPT), worker, extra), budget,
+                           env=_worker_env(cache, args.smoke), echo=log)
+  log(f"gpu.py: {worker}: {result.status} after {result.seconds:.1f} s "
+      f"({result.cpu_s:.1f} s of CPU)")
+  return result
+
+
+def _keep(results: dict[str, Any], part: str, result: run.WorkerResult) -> None:
+  entry = results["parts"].setdefault(part, {"seconds": 0.0, "workers": []})
+  entry["workers"].append(result.to_dict())
+  entry["seconds"] += result.seconds
+  for record in result.records:
+    if record.get("kind") == "env":
+      results["env"].update({k: v for k, v in record.items() if k != "kind"})
+
+
+def run_part(part: str, args: argparse.Namespace, results: dict[str, Any], log: Log,
+             total_end: float, out: pathlib.Path | None) -> None:
+  """Runs a part's workers one after another, saving the results after each."""
+  budgets = _budgets(args)
+  results["parts"][part] = {"seconds": 0.0, "workers": []}
+  for worker, planned in names.PLAN[part]:
+    limit = budgets.get(worker, names.SMOKE_BUDGET_S if args.smoke else planned)
+    budget = min(limit, total_end - time.monotonic())
+    if budget < 5:
+      why = ("its time limit is under 5 s" if limit < 5 else
+             f"the run's {args.total_s or TOTAL_S:.0f} s are spent")
+      log(f"gpu.py: {worker}: not run ({why})")
+      _keep(results, part, run.WorkerResult(worker, 0.0, status="skipped"))
+      continue
+    result = run_worker(worker, budget, args, log)
+    if any(r.get("kind") == "no_gpu" for r in result.records):
+      raise SystemExit(2)
+    _keep(results, part, result)
+    save(results, out)
+
+
+def run_parallel(args: argparse.Namespace, results: dict[str, Any], log: Log) -> None:
+  """A smoke run's workers, `args.jobs` at a time (a GPU run's are one at a time)."""
+  budgets = _budgets(args)
+  tasks = [(part, worker) for part in args.only for worker, _ in names.PLAN[part]]
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    futures = [pool.submit(run_worker, worker, budgets.get(worker, names.SMOKE_BUDGET_S), args,
+                           lambda line, w=worker: log(f"[{w}] {line}"))
+               for _, worker in tasks]
+    for (part, _), future in zip(tasks, futures):
+      _keep(results, part, future.result())
+
+
+def save(results: dict[str, Any], out: pathlib.Path | None) -> None:
+  """gpu.json and gpu.md in `out` (written again after every worker)."""
+  if out is None:
+    return
+  tmp = out / "gpu.json.tmp"
+  tmp.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+  tmp.replace(out / "gpu.json")
+  text = "\n\n".join(f"<!-- {n}:start -->\n{body}\n<!-- {n}:end -->"
+                     for n, body in render.sections(results).items())
+  (out / "gpu.md").write_text(text + "\n", encoding="utf-8")
+
+
+def problems(results: dict[str, Any]) -> list[str]:
+  """Workers that failed and variants that raised (a smoke run must have none)."""
+  found = []
+  for part_name, part in results["parts"].items():
+    for w in part["workers"]:
+      if w["status"] in ("failed", "budget"):
+        found.append(f"{w['name']}: {w['status']}")
+    for key, row in render.merged_rows(part, "tokens", "precision", "bucket", "dtype").items():
+      if row.get("error"):
+        found.append(f"{part_name} {', '.join(str(k) for k in key if k is not None)}: "
+                     f"{row['error']}")
+  return found
+
+
+def publish(results: dict[str, Any], write: bool, log: Log) -> None:
+  """Prints every section; with `write`, puts them into BENCHMARKS.md."""
+  for name, body in render.sections(results).items():
+    log("\n" + body + "\n")
+    if write:
+      import _harness  # pylint: disable=import-outside-toplevel  # imports JAX
+      _harness.write_section(name, body)
+      log(f"gpu.py: wrote the {name} section of {_harness.BENCHMARKS_MD}")
+
+
+def drive(args: argparse.Namespace, argv: Sequence[str]) -> int:
+  out = None if args.out is None else pathlib.Path(args.out)
+  if out is not None:
+    out.mkdir(parents=True, exist_ok=True)
+  log = Log(out)
+  results: dict[str, Any] = {
+      "command": "python benchmarks/gpu.py " + " ".join(argv),
+      "date": datetime.date.today().isoformat(),
+      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "smoke": bool(args.smoke), "env": {}, "parts": {}}
+  total_end = time.monotonic() + (args.total_s or (1e9 if args.smoke else TOTAL_S))
+  if args.jobs > 1:
+    run_parallel(args, results, log)
+    save(results, out)
+  for part in args.only:
+    if args.jobs == 1:
+      run_part(part, args, results, log, total_end, out)
+    log("\n" + render.RENDER[part](results, results["parts"][part]) + "\n")
+  if args.write:
+    publish(results, True, lambda line: None if line.startswith("\n") else log(line))
+  found = problems(results)
+  log(f"gpu.py: done; {'problems: ' + '; '.join(found) if found else 'no problems'}")
+  if out is not None:
+    log(f"gpu.py: figures in {out / 'gpu.json'}, sections in {out / 'gpu.md'}")
+  return 1 if found else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
+  if args.worker:
+    return worker_main(args)
+  if args.render:
+    results = json.loads(pathlib.Path(args.render).read_text(encoding="utf-8"))
+    publish(results, args.write, Log(None))
+    return 0
+  run.stop_on_sigterm()
+  return drive(args, argv)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,12 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
 # Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
 # each (the others) run with `make bench-smoke`, not in `make test`, which must
 # stay under 15 minutes with the demo and the notebooks.
-LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native", "gpu", "host_memory",
+LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native", "host_memory",
               "import_dispatch", "input_pipeline", "jit_overhead", "kernel_priors", "kernels", "layout",
               "malloc_settings", "mixed_precision", "rewrite_overhead", "trainer", "vs_pytorch",
               "xla_options"}
+# Scripts whose smoke run has a test file of its own (which checks what it writes, too).
+OWN_SMOKE_TEST = {"gpu"}  # tests/test_gpu_bench.py
 # The README is the front page; the detail lives in docs/.
 README_MAX_LINES = 250
 # Sections of BENCHMARKS.md that a script rewrites but whose name is not a string
@@ -168,7 +170,7 @@ def test_pages_speak_of_dates_machines_and_commands(page):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [
     pytest.param(p, marks=pytest.mark.bench_smoke) if p.stem in LONG_SMOKE else p
-    for p in BENCHMARKS], ids=lambda p: p.stem)
+    for p in BENCHMARKS if p.stem not in OWN_SMOKE_TEST], ids=lambda p: p.stem)
 def test_benchmark_smoke_run(script, tmp_path):
   result = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=600,

@@ -203,3 +203,98 @@ def test_op_family_packages_are_found_through_entry_points(monkeypatch):
   finally:
     if "tj_plugin" in [f.name for f in _registry.op_families()]:
       _registry.unregister_op_family("tj_plugin")
+
+
+def test_the_running_package_declares_the_families_its_build_installs():
+  """`entry_points.txt` in the package is what pyproject.toml builds the metadata from."""
+  import pathlib
+  import tomllib
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+  project = tomllib.loads((root / "pyproject.toml").read_text())
+  assert "entry-points" in project["project"]["dynamic"]
+  source = project["tool"]["setuptools"]["dynamic"]["entry-points"]["file"]
+  assert (root / source).resolve() == (root / "src/tunedjax/entry_points.txt").resolve()
+  assert "entry_points.txt" in project["tool"]["setuptools"]["package-data"]["tunedjax"]
+  own = {e.name: e.value for e in reg.own_entry_points()}
+  assert own == {"conv": "tunedjax.ops.conv", "batch_norm": "tunedjax.ops.batch_norm",
+                 "attention": "tunedjax.ops.attention"}
+
+
+_SOURCE_TREE_SCRIPT = """
+import json, sys, warnings
+sys.path[:0] = {path!r}
+import importlib.metadata as md
+import tunedjax
+from tunedjax import autotune
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  found = {{op: [k.name for k in autotune.kernels(op)]
+           for op in ("conv", "attention", "batch_norm")}}
+  families = [f.name for f in autotune.op_families()]
+print(json.dumps({{
+    "found": found, "families": families, "file": tunedjax.__file__,
+    "warnings": [str(w.message) for w in caught],
+    "installed": sorted(d.version for d in md.distributions()
+                        if d.metadata["Name"] == "tunedjax")}}))
+"""
+
+_PLUGIN = """
+from tunedjax import autotune
+autotune.register_op_family(autotune.OpFamily(
+    name="tj_toy", spec_type=tuple, key=lambda spec, bucket: {}, operands=lambda s, r: ()))
+# A plug-in may add a kernel to a family tunedjax ships: those load first.
+autotune.register_kernel("conv", "tj_toy_conv", lambda l, r, s: l,
+                         applicable=lambda spec, platform: False)
+"""
+
+
+def _dist_info(folder, name, version, entry_points):
+  info = folder / f"{name}-{version}.dist-info"
+  info.mkdir(parents=True)
+  (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+  (info / "entry_points.txt").write_text(entry_points)
+
+
+def test_a_source_tree_without_metadata_loads_its_families_and_plugins_still_load(tmp_path):
+  """tunedjax imported from a copy of src/ with no tunedjax metadata (as a checkout
+  on PYTHONPATH on a cluster): the shipped families load from the package's own
+  declaration; a plug-in's entry point still loads (after them), and a stale
+  installed tunedjax's metadata adds nothing."""
+  import os
+  import pathlib
+  import shutil
+  import subprocess
+
+  src = pathlib.Path(__file__).resolve().parents[2] / "src" / "tunedjax"
+  tree = tmp_path / "checkout"
+  shutil.copytree(src, tree / "tunedjax", ignore=shutil.ignore_patterns("__pycache__"))
+  # The interpreter's site-packages without any tunedjax metadata (the editable
+  # install this suite runs from has some): a folder of links to everything else.
+  site = pathlib.Path(jax.__file__).resolve().parents[1]
+  deps = tmp_path / "site"
+  deps.mkdir()
+  for entry in site.iterdir():
+    if "tunedjax" not in entry.name.lower():
+      os.symlink(entry, deps / entry.name)
+  plugins = tmp_path / "plugins"
+  plugins.mkdir()
+  (plugins / "tj_toy_plugin.py").write_text(_PLUGIN)
+  _dist_info(plugins, "tj_toy_plugin", "1.0",
+             "[tunedjax.op_families]\ntj_toy = tj_toy_plugin\n")
+  # Another tunedjax's metadata (an old install): its entry points are not this copy's.
+  _dist_info(plugins, "tunedjax", "0.0.1",
+             "[tunedjax.op_families]\nconv = tunedjax.ops.conv\ngone = tunedjax.ops.gone\n")
+  script = _SOURCE_TREE_SCRIPT.format(path=[str(tree), str(plugins), str(deps)])
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  env["JAX_PLATFORMS"] = "cpu"
+  done = subprocess.run([sys.executable, "-I", "-S", "-c", script], capture_output=True,
+                        text=True, env=env, timeout=240, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  assert pathlib.Path(out["file"]).resolve().is_relative_to(tree.resolve())
+  assert out["installed"] == ["0.0.1"]  # only the stale one: this copy has no metadata
+  assert out["found"]["conv"][0] == "xla" and "tj_toy_conv" in out["found"]["conv"]
+  assert "cudnn" in out["found"]["attention"] and "fused" in out["found"]["batch_norm"]
+  assert out["families"] == ["attention", "batch_norm", "conv", "tj_toy"]
+  assert not [w for w in out["warnings"] if "op family" in w], out["warnings"]

@@ -63,6 +63,7 @@ from tunedjax._errors import CacheWarning
 from tunedjax._errors import TunedJaxError
 from tunedjax._tuning._fingerprint import DeviceFingerprint
 from tunedjax._tuning._fingerprint import device_fingerprint
+from tunedjax._tuning._platform import canonical_platform
 
 log = logging.getLogger("tunedjax.autotune.cache")
 
@@ -644,8 +645,9 @@ _DEFAULTS: dict[tuple[str, bool, str], Cache] = {}
 _DEFAULTS_LOCK = threading.Lock()
 
 
-def default_cache() -> Cache:
-  """The cache of the active config and this process's default device.
+def default_cache(platform: str | None = None) -> Cache:
+  """The cache of the active config and this process's default device (or its
+  `platform` device: ``"cpu"``, ``"gpu"``, ...).
 
   One `Cache` object per (folder, readonly, device), so that its in-memory
   copy of the file is shared by every tuner of the process.
@@ -657,7 +659,7 @@ def default_cache() -> Cache:
     True
   """
   config = get_config().cache
-  fingerprint = device_fingerprint()
+  fingerprint = device_fingerprint(platform)
   memo_key = (str(config.resolved_dir), config.readonly, fingerprint.digest)
   with _DEFAULTS_LOCK:
     cache = _DEFAULTS.get(memo_key)
@@ -670,13 +672,21 @@ def default_cache() -> Cache:
 CacheLike = Any  # Cache | str | os.PathLike | None | False
 
 
-def resolve_cache(cache: CacheLike) -> Cache | None:
+def resolve_cache(cache: CacheLike, platform: str | None = None) -> Cache | None:
   """The one meaning of a tuner's ``cache=`` argument, for every tuner.
+
+  With a `platform`, the cache of that platform's device: what is measured
+  for a GPU is read from and written to the GPU's file, never the CPU's (a
+  `Cache` of another platform's device is swapped for its folder's file of
+  this one), and a platform this process has no device of gets none
+  (nothing of it can have been measured here).
 
   Args:
     cache: None (or True) for the config's default cache (`default_cache`);
       False for no persistent cache (measurements kept in memory only); a
       `Cache`; or a folder path.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (or a JAX backend name), or
+      None for the device a `Cache` names (the default backend's otherwise).
 
   Returns:
     A `Cache`, or None for no persistent cache.
@@ -689,15 +699,42 @@ def resolve_cache(cache: CacheLike) -> Cache | None:
     True
     >>> isinstance(resolve_cache("/tmp/tj-doc-cache"), Cache)
     True
+    >>> resolve_cache("/tmp/tj-doc-cache", platform="tpu") is None  # no TPU here
+    True
   """
-  if cache is None or cache is True:
-    return default_cache()
   if cache is False:
     return None
+  if platform is not None:
+    return _for_platform(cache, platform)
+  if cache is None or cache is True:
+    return default_cache()
   if isinstance(cache, Cache):
     return cache
   if isinstance(cache, (str, os.PathLike)):
     return Cache(cache)
-  raise TypeError(f"cache must be None or True (the default cache), False (none), a "
-                  f"tunedjax.autotune.Cache or a folder path, got {cache!r} "
-                  f"(type {type(cache).__name__}).")
+  raise _not_a_cache(cache)
+
+
+def _for_platform(cache: CacheLike, platform: str) -> Cache | None:
+  """`resolve_cache` for the device of `platform`; None without one here."""
+  platform = canonical_platform(platform)
+  if isinstance(cache, Cache) and canonical_platform(cache.fingerprint.platform) == platform:
+    return cache
+  if not (cache is None or cache is True or isinstance(cache, (Cache, str, os.PathLike))):
+    raise _not_a_cache(cache)
+  try:
+    fingerprint = device_fingerprint(platform)
+  except TunedJaxError:  # no such device in this process
+    return None
+  if cache is None or cache is True:
+    return default_cache(platform)
+  if isinstance(cache, Cache):
+    return Cache(cache.dir, readonly=cache.readonly, fingerprint=fingerprint,
+                 max_entries=cache.max_entries)
+  return Cache(cache, fingerprint=fingerprint)
+
+
+def _not_a_cache(cache: Any) -> TypeError:
+  return TypeError(f"cache must be None or True (the default cache), False (none), a "
+                   f"tunedjax.autotune.Cache or a folder path, got {cache!r} "
+                   f"(type {type(cache).__name__}).")

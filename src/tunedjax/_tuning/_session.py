@@ -26,8 +26,10 @@ Its **horizon** is how many times the tuned program is expected to run (the
 `Trainer` sets it to the steps of each fit; None, the default, means
 unbounded). Kernel selection tunes a bucket only when what tuning it could
 save within the horizon exceeds what tuning it is expected to cost; the
-session keeps the measured cost of past buckets (`record_tuning_cost`) so
-that estimate follows this machine (`tuning_cost_factor`).
+session keeps the measured cost of past buckets (`record_tuning_cost`), per
+platform, so that the estimate follows what tuning takes on the device it is
+made for (`tuning_costs`, `tuning_cost_factor`): what tuning cost on the CPU
+never stands for a GPU's.
 
 Example:
   >>> import tunedjax as tj
@@ -50,6 +52,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from tunedjax._config import get_config
+from tunedjax._tuning._platform import canonical_platform
 
 logger = logging.getLogger("tunedjax.autotune")
 
@@ -143,9 +146,10 @@ def _check_horizon(value: Any) -> int | None:
                    f"the tuned program is expected to make), got {value!r}.")
 
 
-def _memo_key(cache: Any, namespace: str, key: Mapping[str, Any]) -> tuple[str, str, str]:
+def _memo_key(cache: Any, namespace: str, key: Mapping[str, Any],
+              platform: str | None) -> tuple[str, str, str, str]:
   where = str(getattr(cache, "path", None) or id(cache))
-  return (where, namespace, json.dumps(key, sort_keys=True, default=str))
+  return (where, str(platform), namespace, json.dumps(key, sort_keys=True, default=str))
 
 
 class TuningSession:
@@ -176,7 +180,7 @@ class TuningSession:
     self._per_step: dict[int | None, list[Any]] = {}
     self._buckets_tuned = 0
     self._buckets_kept = 0
-    self._costs: list[float] = []
+    self._costs: dict[str, list[float]] = {}
     self._measured: dict[tuple[str, str, str], dict[str, Any]] = {}
     self._warned: set[Hashable] = set()
     self._observe_done = False
@@ -335,33 +339,55 @@ class TuningSession:
       self._buckets_tuned += int(tuned)
       self._buckets_kept += int(kept)
 
-  def record_tuning_cost(self, estimated_s: float, measured_s: float) -> None:
+  def record_tuning_cost(self, estimated_s: float, measured_s: float, *,
+                         platform: str | None = None) -> None:
     """Remembers what tuning one bucket was estimated to cost and what it took.
 
     Args:
       estimated_s: the estimate made before tuning (> 0).
       measured_s: the seconds the tuning then took.
+      platform: the platform the bucket was tuned on (``"cpu"``, ``"gpu"``,
+        ``"tpu"``; None: JAX's default backend). Each platform's costs are
+        kept apart.
     """
     if not (estimated_s > 0 and measured_s >= 0):
       return
+    platform = canonical_platform(platform)
     with self._lock:
-      self._costs.append(measured_s / estimated_s)
-      del self._costs[:-_COST_SAMPLES]
+      costs = self._costs.setdefault(platform, [])
+      costs.append(measured_s / estimated_s)
+      del costs[:-_COST_SAMPLES]
 
-  def tuning_cost_factor(self) -> float:
-    """How much the last buckets' tuning cost over its estimate (median; 1.0 before two).
+  def tuning_costs(self, platform: str | None = None) -> tuple[float, ...]:
+    """The last buckets' measured tuning cost over its estimate on `platform`, oldest first.
+
+    Only that platform's: a GPU's tuning is never costed by what the CPU's took.
 
     Example:
       >>> s = TuningSession()
-      >>> s.tuning_cost_factor()
+      >>> s.record_tuning_cost(1.0, 2.0, platform="cpu")
+      >>> s.tuning_costs("cpu"), s.tuning_costs("gpu")
+      ((2.0,), ())
+    """
+    platform = canonical_platform(platform)
+    with self._lock:
+      return tuple(self._costs.get(platform, ()))
+
+  def tuning_cost_factor(self, platform: str | None = None) -> float:
+    """How much the last buckets' tuning on `platform` cost over its estimate (the
+    median; 1.0 before two). Kernel selection uses its own rule for a platform
+    with fewer than two (`tunedjax.autotune._payback.cost_factor`).
+
+    Example:
+      >>> s = TuningSession()
+      >>> s.tuning_cost_factor("cpu")
       1.0
       >>> for est, took in ((1.0, 2.0), (1.0, 3.0), (2.0, 5.0)):
-      ...   s.record_tuning_cost(est, took)
-      >>> s.tuning_cost_factor()
-      2.5
+      ...   s.record_tuning_cost(est, took, platform="cpu")
+      >>> s.tuning_cost_factor("cpu"), s.tuning_cost_factor("gpu")
+      (2.5, 1.0)
     """
-    with self._lock:
-      costs = list(self._costs)
+    costs = self.tuning_costs(platform)
     return float(statistics.median(costs)) if len(costs) >= 2 else 1.0
 
   def stats(self, config: Any = None) -> Stats:
@@ -398,37 +424,42 @@ class TuningSession:
 
   # -- what this session measured ----------------------------------------------
 
-  def lookup(self, cache: Any, namespace: str, key: Mapping[str, Any]) -> dict[str, Any] | None:
+  def lookup(self, cache: Any, namespace: str, key: Mapping[str, Any], *,
+             platform: str | None = None) -> dict[str, Any] | None:
     """A measured value: what this session stored first, then the persistent cache.
 
     Args:
       cache: a `Cache`, or None for this session's memory only.
       namespace: the tuner's namespace (``"conv"``, ``"layout"``, ...).
       key: the full key (JSON).
+      platform: the platform the value was measured on, for a tuner that
+        measures for several: this session's memory keeps them apart (as
+        the cache does, one file per device) even without a cache.
 
     Returns:
       The value, or None on a miss.
     """
+    memo = _memo_key(cache, namespace, key, platform)
     with self._lock:
-      found = self._measured.get(_memo_key(cache, namespace, key))
+      found = self._measured.get(memo)
     if found is not None or cache is None:
       return found
     found = cache.get(namespace, key)
     if found is not None:
       with self._lock:
-        self._measured[_memo_key(cache, namespace, key)] = found
+        self._measured[memo] = found
     return found
 
   def store(self, cache: Any, namespace: str, key: Mapping[str, Any],
-            value: Mapping[str, Any]) -> None:
+            value: Mapping[str, Any], *, platform: str | None = None) -> None:
     """Remembers `value` in this session and writes it to `cache` (if any).
 
     A cache that cannot be written (a read-only or full disk) warns once and
     keeps the value in memory (`Cache` never raises `OSError`); it is kept
-    for this session either way.
+    for this session either way. `platform` as for `lookup`.
     """
     with self._lock:
-      self._measured[_memo_key(cache, namespace, key)] = dict(value)
+      self._measured[_memo_key(cache, namespace, key, platform)] = dict(value)
     if cache is not None:  # an unusable folder warns there and keeps the entry in memory
       cache.put(namespace, key, value)
 

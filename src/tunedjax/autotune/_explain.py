@@ -59,6 +59,11 @@ class BucketChoice:
     matched: for sites an op family's pattern found written out (a batch
       norm in primitive ops), each one's spelling and source line
       (``"two-pass rsqrt affine at net.py:12 (bn)"``).
+    predicted: the candidates in the order the tuner would predict them
+      now, fastest first, for the platform asked about: from that platform's
+      measurements (its device's cache), the family's priors for its machine
+      class, else the family's rule for the platform (`OpFamily.presumed`),
+      then those nothing predicts; empty for a family without features.
   """
 
   bucket: str
@@ -78,6 +83,7 @@ class BucketChoice:
   compiled: int | None = None
   compile_s: float = 0.0
   matched: tuple[str, ...] = ()
+  predicted: tuple[str, ...] = ()
 
 
 def _kept_for(value: Mapping[str, Any]) -> int | None:
@@ -144,24 +150,27 @@ def explain(f: Callable[..., Any], *args: Any, cache: Any = None, platform: str 
   for label, entry in selection.buckets.items():
     found.setdefault(label, [entry[0], entry[1], 0])[2] += entry[2]
   matched = _matched_by_bucket(selection)
-  return [_bucket_row(name, key, candidates, count, tuple(matched.get(name, ())),
-                      selection.cache)
+  return [_bucket_row(name, key, candidates, count, tuple(matched.get(name, ())), selection)
           for name, (key, candidates, count) in found.items()]
 
 
 def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
-                matched: tuple[str, ...], store: Any) -> BucketChoice:
+                matched: tuple[str, ...], selection: Any) -> BucketChoice:
   """One bucket's `BucketChoice`: what the cache holds for it, if anything."""
   op = key["op"]
-  default = _registry.op_family(op).default
+  family = _registry.op_family(op)
+  default = family.default
   names = tuple(k.name for k in candidates)
   if names == (default,):
     return BucketChoice(name, count, names, default, reason=f"only {default} applies",
-                        op=op, matched=matched)
-  value = _tuning.current_session().lookup(store, op, key)
+                        op=op, matched=matched, predicted=names)
+  prediction = _select.predict_bucket(family, key, candidates, selection)
+  predicted = prediction.order() if prediction is not None else ()
+  value = _tuning.current_session().lookup(selection.cache, op, key,
+                                           platform=selection.platform)
   if value is None:
     return BucketChoice(name, count, names, None, reason="not in the cache", op=op,
-                        matched=matched)
+                        matched=matched, predicted=predicted)
   winner, timings = value["winner"], value.get("timings", {})
   base = timings.get(default) or ()
   won = timings.get(winner) or ()
@@ -176,4 +185,5 @@ def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
       temp_bytes=dict(value.get("temp_bytes", {})), horizon=_kept_for(value),
       decided=_result.decided(value), regret=_result.regret(value),
       compiled=len(value["compile_s"]) if value.get("compile_s") else None,
-      compile_s=float(sum((value.get("compile_s") or {}).values())), matched=matched)
+      compile_s=float(sum((value.get("compile_s") or {}).values())), matched=matched,
+      predicted=predicted)

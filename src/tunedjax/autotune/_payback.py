@@ -7,12 +7,19 @@ decides from the default kernel's measured compile and call whether tuning the
 other candidates can pay back; `still_cannot_pay_back` re-checks a cached
 "cannot pay back" decision against a new horizon; `validate_payback` checks
 the record a decision leaves in a cache value (`TuneResult.payback`).
+
+Costs belong to a platform (`for_platform`): the correction is what tuning
+took on the platform the bucket is tuned for, in this session; until it has
+measured that, a rule for the platform stands in (`UNMEASURED_COST_FACTOR`),
+and the decision's reason says so. A CPU's measured costs never cost a GPU's
+tuning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,8 +28,21 @@ from tunedjax.autotune._report import CANNOT_PAY_BACK
 
 # CANNOT_PAY_BACK: the reason a bucket kept its default without tuning (the
 # report's `why`); `TuneResult.reason` starts with it.
-__all__ = ["CANNOT_PAY_BACK", "Payback", "is_number", "still_cannot_pay_back",
-           "validate_payback"]
+__all__ = ["CANNOT_PAY_BACK", "MEASURED_SAMPLES", "Payback", "UNMEASURED_COST_FACTOR",
+           "for_platform", "is_number", "still_cannot_pay_back", "validate_payback"]
+
+# Each candidate's compile and timing are expected to cost the default's own
+# compile and call times this factor, until this session has measured tuning
+# on the platform (`MEASURED_SAMPLES` buckets; then the median of measured over
+# estimated). On a CPU a candidate is an XLA program of the default's size, as
+# cheap to compile. On a GPU or TPU a candidate may be a Pallas kernel that
+# Triton or Mosaic compiles, and XLA autotunes the GEMMs and convolutions of
+# every candidate as it compiles it, so each is presumed to cost twice the
+# default's, which keeps a first call from tuning what may not pay back; the
+# platform's own measurements replace the rule as soon as there are two.
+UNMEASURED_COST_FACTOR = {"cpu": 1.0, "gpu": 2.0, "tpu": 2.0}
+# Measured buckets a platform needs before its median replaces the rule.
+MEASURED_SAMPLES = 2
 
 
 def is_number(x: Any) -> bool:
@@ -75,6 +95,9 @@ class Payback:
     sites: calls of the bucket per run of the program, as far as known when
       it is decided (>= 1).
     cost_factor: measured tuning cost over the estimate in this session (> 0).
+    basis: where `cost_factor` comes from, for the decision's reason: empty
+      when measured on this platform in this session, else the rule that
+      stands in (`for_platform`).
 
   Example:
     >>> p = Payback(horizon=48)
@@ -89,6 +112,7 @@ class Payback:
   horizon: int
   sites: int = 1
   cost_factor: float = 1.0
+  basis: str = ""
 
   def __post_init__(self):
     for field in ("horizon", "sites"):
@@ -124,6 +148,36 @@ class Payback:
   def pays(self, default_s: float, cost_s: float) -> bool:
     """Whether tuning costing `cost_s` can pay back against a default taking `default_s`."""
     return self.most_saved(default_s) >= cost_s
+
+
+def for_platform(session: Any, platform: str, *, horizon: int, sites: int = 1) -> Payback:
+  """The `Payback` of a bucket tuned for `platform`, costed by that platform's numbers.
+
+  The cost factor is the median of what tuning took over its estimate on
+  `platform` in this session (`TuningSession.tuning_costs`), once it has
+  `MEASURED_SAMPLES`; before that `UNMEASURED_COST_FACTOR`'s rule for the
+  platform stands in (the largest of them for a platform it does not name),
+  and `Payback.basis` names it. Another platform's measurements are never used.
+
+  Example:
+    >>> from tunedjax._tuning import TuningSession
+    >>> s = TuningSession()
+    >>> for est, took in ((1.0, 0.5), (1.0, 0.7)):
+    ...   s.record_tuning_cost(est, took, platform="cpu")
+    >>> cpu, gpu = (for_platform(s, p, horizon=10) for p in ("cpu", "gpu"))
+    >>> cpu.cost_factor, cpu.basis
+    (0.6, '')
+    >>> gpu.cost_factor, gpu.basis
+    (2.0, "nothing tuned on gpu yet: each candidate costed as 2x the default's compile and call (gpu's rule)")
+  """
+  measured = session.tuning_costs(platform)
+  if len(measured) >= MEASURED_SAMPLES:
+    return Payback(horizon=horizon, sites=sites,
+                   cost_factor=float(statistics.median(measured)))
+  factor = UNMEASURED_COST_FACTOR.get(platform, max(UNMEASURED_COST_FACTOR.values()))
+  return Payback(horizon=horizon, sites=sites, cost_factor=factor, basis=(
+      f"nothing tuned on {platform} yet: each candidate costed as {factor:g}x the "
+      f"default's compile and call ({platform}'s rule)"))
 
 
 def still_cannot_pay_back(value: Mapping[str, Any], *, horizon: int | None,

@@ -18,7 +18,14 @@ What a prediction is made from, all of it measurements:
   class (`machine_class`: CPU ISA level, GPU generation), shipped with the
   family as JSON data (`OpFamily.priors`, ``<folder>/<class>.json``, with
   their provenance: date, machine, JAX version, the command that measured
-  them). ``benchmarks/kernel_priors.py`` regenerates them.
+  them). ``benchmarks/kernel_priors.py`` regenerates them. A class belongs
+  to one platform: a GPU never reads a CPU's priors (`priors` refuses a
+  file whose class is not the platform's).
+
+Where neither is near a bucket, the family's rule for the platform
+(`OpFamily.presumed`: data in the family, such as "on a GPU, cuDNN's fused
+attention first") gives the candidates it names a wide estimate (`RULE_SPREAD`,
+``Estimate.source == "rule"``) until that platform has measured them.
 
 For each candidate, the measured buckets near this one (a Gaussian weight of
 the feature distance; a prior counts `PRIOR_WEIGHT` of a local measurement)
@@ -82,6 +89,9 @@ DISTANCE_SPREAD = 0.10
 # A candidate that could beat the predicted best by less than this fraction
 # is not worth compiling: the most it could have saved over it.
 TOLERANCE = 0.20
+# Log-ratio spread of an estimate from a family's rule (`OpFamily.presumed`):
+# an order, not a measurement (at Z spreads, a presumed 2x stays above 1.37x).
+RULE_SPREAD = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +121,16 @@ class Estimate:
     spread: standard deviation of the log ratio.
     compile_s: predicted compile seconds, or None where no neighbour recorded one.
     support: the neighbours' total weight.
+    source: ``"measured"`` (from measured buckets: this machine's or priors)
+      or ``"rule"`` (the family's rule for a platform with nothing measured
+      near, `OpFamily.presumed`).
   """
 
   ratio: float
   spread: float
   compile_s: float | None = None
   support: float = 0.0
+  source: str = "measured"
 
   @property
   def low(self) -> float:
@@ -154,6 +168,16 @@ class Prediction:
   def ratios(self) -> dict[str, float]:
     """``{kernel: predicted ratio}``, the default's 1.0 included."""
     return {self.default: 1.0, **{n: e.ratio for n, e in self.estimates.items()}}
+
+  def order(self) -> tuple[str, ...]:
+    """The candidates predicted fastest first (the default at 1.0), then the unknown.
+
+    Example:
+      >>> Prediction("xla", {"a": Estimate(2.0, 0.1), "b": Estimate(0.5, 0.1)}, ("c",)).order()
+      ('b', 'xla', 'a', 'c')
+    """
+    ratios = self.ratios()
+    return (*sorted(ratios, key=lambda n: (ratios[n], n != self.default)), *self.unknown)
 
   def could_win(self, *, margin: float, horizon_s: float | None = None,
                 default_compile_s: float = 0.0) -> tuple[list[str], dict[str, str]]:
@@ -202,22 +226,22 @@ class Prediction:
         kept.append(name)
         continue
       if est.low >= threshold:
-        pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best "
+        pruned[name] = (f"{_verb(est)} {est.ratio:.2g}x {self.default} (at best "
                         f"{est.low:.2g}x, needs < {threshold:.2f}x)")
         continue
       if best_est is None:  # the default is predicted best: a candidate against it alone
         if value(name, est.low) >= value(self.default, 1.0):
           kept.append(name)
         else:
-          pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best {est.low:.2g}x):"
-                          f" cannot save its compile ({est.compile_s or default_compile_s:.2g}"
-                          " s) within the horizon")
+          pruned[name] = (f"{_verb(est)} {est.ratio:.2g}x {self.default} (at best "
+                          f"{est.low:.2g}x): cannot save its compile "
+                          f"({est.compile_s or default_compile_s:.2g} s) within the horizon")
         continue
       if self._worth(name, best, value, threshold, best_compile_s=compile_of(best)):
         kept.append(name)
       else:
-        pruned[name] = (f"predicted {est.ratio:.2g}x {self.default} (at best {est.low:.2g}x), "
-                        f"{best} {best_est.ratio:.2g}x")
+        pruned[name] = (f"{_verb(est)} {est.ratio:.2g}x {self.default} (at best "
+                        f"{est.low:.2g}x), {best} {best_est.ratio:.2g}x")
     return kept + list(self.unknown), pruned
 
 
@@ -244,6 +268,12 @@ class Prediction:
       return True
     # The best itself may fail to beat the default: then this one is a second chance.
     return best_est.high > threshold and est.low < threshold and value(name, est.low) >= floor
+
+
+def _verb(est: Estimate) -> str:
+  """How a pruned candidate's reason says it was ranked."""
+  return ("presumed by the platform's rule (nothing measured)" if est.source == "rule"
+          else "predicted")
 
 
 def _distance(a: Mapping[str, float], b: Mapping[str, float]) -> float:
@@ -325,7 +355,7 @@ def _weighted(near: Iterable[tuple[Point, float, float]],
 
 
 def predict(features: Mapping[str, float], candidates: Sequence[str], points: Sequence[Point],
-            *, default: str) -> Prediction:
+            *, default: str, presumed: Mapping[str, float] | None = None) -> Prediction:
   """Each candidate's `Estimate` from measured `points` (see the module docstring).
 
   Args:
@@ -333,17 +363,30 @@ def predict(features: Mapping[str, float], candidates: Sequence[str], points: Se
     candidates: the applicable kernels' names (the default among them).
     points: the measured buckets (this machine's and the priors).
     default: the family's default kernel.
+    presumed: ``{kernel: time ratio to the default}``: the family's rule for
+      this platform (`OpFamily.presumed`), for the candidates no measured
+      bucket is near; their estimates get `RULE_SPREAD` and ``source="rule"``.
 
   Returns:
     A `Prediction`.
+
+  Example:
+    >>> pred = predict({"n": 1.0}, ["xla", "fast", "other", "new"], [], default="xla",
+    ...                presumed={"fast": 0.25, "other": 2.0})
+    >>> pred.order(), pred.estimates["fast"].source, pred.could_win(margin=0.1)[0]
+    (('fast', 'xla', 'other', 'new'), 'rule', ['xla', 'fast', 'new'])
   """
   near = _near(features, points)
   estimates, unknown = {}, []
+  rule = {str(k): float(v) for k, v in (presumed or {}).items()
+          if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
   for name in candidates:
     if name == default:
       continue
     est = _weighted(near, lambda p, n=name: p.ratios.get(n),
                     lambda p, n=name: p.compile_s.get(n))
+    if est is None and name in rule:
+      est = Estimate(rule[name], RULE_SPREAD, source="rule")
     if est is None:
       unknown.append(name)
     else:
@@ -400,7 +443,9 @@ def machine_class(fingerprint: Any) -> tuple[str, ...]:
   """The classes of machine whose priors fit this one, the closest first.
 
   CPUs by ISA level (``cpu-avx512``, ``cpu-avx2``, ``cpu-neon``, ``cpu``), GPUs by
-  compute capability (``gpu-sm90``), TPUs by device kind.
+  compute capability (``gpu-sm90``), TPUs by device kind; every class of a
+  platform is named after it (`class_platform`), and only a CPU's classes
+  are CPU classes (another platform, ``"METAL"``, gets its own name alone).
 
   Example:
     >>> import types
@@ -416,6 +461,8 @@ def machine_class(fingerprint: Any) -> tuple[str, ...]:
   if platform == "tpu":
     kind = "".join(c if c.isalnum() else "-" for c in str(fingerprint.device_kind).lower())
     return (f"tpu-{kind}", "tpu")
+  if platform != "cpu":
+    return (str(platform).lower(),)
   features = set(fingerprint.cpu_features)
   classes = []
   if "avx512f" in features:
@@ -427,6 +474,16 @@ def machine_class(fingerprint: Any) -> tuple[str, ...]:
   return (*classes, "cpu")
 
 
+def class_platform(name: str) -> str:
+  """The platform a machine class belongs to: ``"gpu"`` for ``"gpu-sm90"``.
+
+  Example:
+    >>> class_platform("cpu-avx512"), class_platform("gpu")
+    ('cpu', 'gpu')
+  """
+  return str(name).partition("-")[0]
+
+
 def priors_file(folder: Any, classes: Sequence[str]) -> pathlib.Path | None:
   """The first ``<folder>/<class>.json`` that exists, or None."""
   for name in classes:
@@ -436,8 +493,10 @@ def priors_file(folder: Any, classes: Sequence[str]) -> pathlib.Path | None:
   return None
 
 
-def read_priors(path: Any, *, family: str) -> list[dict[str, Any]]:
-  """The bucket records of a priors file; raises ValueError on a malformed one.
+def read_priors(path: Any, *, family: str, machine: str | None = None
+                ) -> list[dict[str, Any]]:
+  """The bucket records of a priors file; raises ValueError on a malformed one,
+  or on one measured on another class of machine than `machine` (when given).
 
   A file is ``{"format": "tunedjax-kernel-priors", "version": 1, "family":
   ..., "machine_class": ..., "provenance": {...}, "buckets": [{"features":
@@ -450,6 +509,9 @@ def read_priors(path: Any, *, family: str) -> list[dict[str, Any]]:
     raise ValueError(f"version {data.get('version')!r}, expected {PRIORS_VERSION}")
   if data.get("family") != family:
     raise ValueError(f"priors of family {data.get('family')!r}, expected {family!r}")
+  if machine is not None and data.get("machine_class") != machine:
+    raise ValueError(f"measured on machine class {data.get('machine_class')!r}, not "
+                     f"{machine!r} as its name says")
   buckets = data.get("buckets")
   if not isinstance(buckets, list):
     raise ValueError("'buckets' must be a list")
@@ -472,7 +534,7 @@ def _load_priors(folder: str, classes: tuple[str, ...], family: str, default: st
                 family, "/".join(classes), folder)
     return ()
   try:
-    buckets = read_priors(path, family=family)
+    buckets = read_priors(path, family=family, machine=path.stem)
   except (OSError, ValueError) as e:
     warnings.warn(f"tunedjax: the {family} kernel priors {path} cannot be read ({e}); "
                   "tuning without them (every unmeasured candidate is compiled).",
@@ -482,13 +544,28 @@ def _load_priors(folder: str, classes: tuple[str, ...], family: str, default: st
                            for b in buckets) if p is not None)
 
 
-def priors(family: Any, fingerprint: Any) -> tuple[Point, ...]:
+def priors(family: Any, fingerprint: Any, platform: str | None = None) -> tuple[Point, ...]:
   """The family's priors for this machine's class, as `Point`s; none when the
-  family ships none, or (with a `CacheWarning`) when its file is unreadable."""
+  family ships none, or (with a `CacheWarning`) when its file is unreadable.
+
+  Args:
+    family: the `OpFamily`.
+    fingerprint: the device's `DeviceFingerprint` (its `machine_class`), or
+      a tuple of machine classes (for a platform this process has no device
+      of: ``("gpu",)``).
+    platform: the platform the priors are for (default: the fingerprint's);
+      a class of another platform is never read, so a GPU's decisions never
+      rest on a CPU's measurements.
+  """
   folder = getattr(family, "priors", None)
   if folder is None or getattr(family, "features", None) is None:
     return ()
-  return _load_priors(str(folder), machine_class(fingerprint), family.name, family.default)
+  classes = tuple(fingerprint) if isinstance(fingerprint, tuple) else machine_class(fingerprint)
+  if platform is None and not isinstance(fingerprint, tuple):
+    platform = "gpu" if fingerprint.compute_capability else fingerprint.platform
+  if platform is not None:
+    classes = tuple(c for c in classes if class_platform(c) == str(platform).lower())
+  return _load_priors(str(folder), classes, family.name, family.default) if classes else ()
 
 
 def provenance(*, machine: str, jax_version: str, command: str) -> dict[str, str]:

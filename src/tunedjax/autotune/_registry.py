@@ -15,6 +15,11 @@ each kernel, the default first); `load_op_families` imports every package
 named by a ``tunedjax.op_families`` entry point (tunedjax's own convolution,
 batch norm and attention, and any plug-in's) the first time a family is
 looked up, so asking for ``"conv"`` finds it without importing it first.
+tunedjax's own entry points are read from the running package's
+``entry_points.txt`` (the file its build makes the installed metadata
+from), so a source tree on ``PYTHONPATH`` with no metadata has its families,
+and an installed copy's metadata never loads another copy's list;
+plug-ins come from the installed metadata.
 
 Example:
   >>> import numpy as np
@@ -31,10 +36,12 @@ Example:
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import importlib.resources
 import inspect
 import sys
 import threading
@@ -127,6 +134,13 @@ class OpFamily:
       selection evaluates; each site found is decided like any other and,
       when its kernel is not the default, replaced by it (its forward, and
       in a differentiated jaxpr its backward too, `autotune._sites`).
+    presumed: ``presumed(key, platform) -> {kernel: time ratio to the
+      default}``: the family's rule for a platform where nothing measured
+      (this device's cache, priors of its machine class) is near a bucket,
+      such as "on a GPU, cuDNN's fused attention first": each kernel it names
+      is ranked at that ratio, with a wide spread, until the platform has
+      measured it; a kernel it leaves out is unknown (compiled). Used only
+      with `features`. None: no rule.
   """
 
   name: str
@@ -142,6 +156,7 @@ class OpFamily:
   features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
   priors: Any = None
   patterns: tuple[Callable[..., Any], ...] = ()
+  presumed: Callable[[Mapping[str, Any], str], Mapping[str, float]] | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -154,9 +169,10 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
-    if self.features is not None and not callable(self.features):
-      raise AutotuneError(f"OpFamily({self.name!r}).features must be callable or None, got "
-                          f"{self.features!r}.")
+    for field in ("features", "presumed"):
+      if getattr(self, field) is not None and not callable(getattr(self, field)):
+        raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable or None, got "
+                            f"{getattr(self, field)!r}.")
     object.__setattr__(self, "patterns", tuple(self.patterns))
     if not all(callable(p) for p in self.patterns):
       raise AutotuneError(f"OpFamily({self.name!r}).patterns must be functions "
@@ -207,6 +223,11 @@ _REGISTRY: dict[str, dict[str, Kernel]] = {}
 ENTRY_POINT_GROUP = "tunedjax.op_families"
 """The entry-point group whose packages register op families when imported."""
 
+# The top-level package this registry belongs to, and the file in it that declares its
+# own entry points (the build writes the installed metadata's from it).
+_PACKAGE = __name__.partition(".")[0]
+_OWN_ENTRY_POINTS = "entry_points.txt"
+
 _PLUGIN_LOCK = threading.RLock()  # re-entrant: a family's own registrations look families up
 _PLUGINS = {"loading": False, "done": False}
 
@@ -214,7 +235,9 @@ _PLUGINS = {"loading": False, "done": False}
 def load_op_families() -> None:
   """Imports the packages of the ``tunedjax.op_families`` entry points, once per process.
 
-  Each registers its family and kernels on import. A package that fails to
+  tunedjax's own first, then the plug-ins' (`family_entry_points`), so a
+  plug-in may add kernels to a family tunedjax ships. Each registers its
+  family and kernels on import. A package that fails to
   import is left out with a warning that names it; the others still load.
   Called by every lookup that could miss, so nobody needs to call it.
 
@@ -230,7 +253,7 @@ def load_op_families() -> None:
       return
     _PLUGINS["loading"] = True
     try:
-      for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+      for entry in family_entry_points():
         try:
           entry.load()
         except Exception as err:  # pylint: disable=broad-except  # a broken plug-in
@@ -239,6 +262,48 @@ def load_op_families() -> None:
                         f"left out: {err!r}", RuntimeWarning, stacklevel=2)
     finally:
       _PLUGINS["done"] = True
+
+
+def own_entry_points(group: str = ENTRY_POINT_GROUP) -> list[importlib.metadata.EntryPoint]:
+  """The entry points of `group` the running tunedjax package declares itself.
+
+  Read from the package's ``entry_points.txt`` (the file ``pyproject.toml``
+  builds the installed metadata's entry points from), so they are there
+  whether or not tunedjax is installed: a source tree on ``PYTHONPATH`` has
+  them too. Empty when the file is missing (a package someone trimmed).
+
+  Example:
+    >>> sorted(e.name for e in own_entry_points())
+    ['attention', 'batch_norm', 'conv']
+  """
+  try:
+    text = importlib.resources.files(_PACKAGE).joinpath(_OWN_ENTRY_POINTS).read_text(
+        encoding="utf-8")
+  except (OSError, ModuleNotFoundError):
+    return []
+  parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+  parser.optionxform = str  # entry-point names keep their case
+  parser.read_string(text)
+  if not parser.has_section(group):
+    return []
+  return [importlib.metadata.EntryPoint(name, value.strip(), group)
+          for name, value in parser.items(group)]
+
+
+def family_entry_points() -> list[Any]:
+  """The ``tunedjax.op_families`` entry points to load, each once: the running
+  tunedjax's own first (`own_entry_points`), then the installed metadata's
+  that point outside tunedjax (plug-ins).
+
+  An installed entry point into tunedjax's own modules is left out: the
+  running package's list stands for it, so an installed copy's metadata
+  (another version, or an editable install of another checkout) never adds
+  a family this tunedjax does not ship, and none is listed twice.
+  """
+  own = own_entry_points()
+  plugins = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+             if e.value.partition(":")[0].strip().split(".")[0] != _PACKAGE]
+  return [*own, *plugins]
 
 
 def _source_of(obj: Any) -> str:

@@ -19,8 +19,9 @@ With a tuning horizon (`TuningSession.horizon`: the Trainer sets the steps
 of its fit) and ``kernel.payback`` on (the default), step 4 first compiles and times the default alone, and keeps it
 untuned when tuning the other candidates could not pay back within the
 horizon (`_payback.Payback`: the default's time x the bucket's sites so far in
-this program x the horizon, against the expected cost of tuning; reason
-``"cannot pay back"``). That decision is cached with its horizon and the
+this program x the horizon, against the expected cost of tuning, costed by
+what tuning took on this platform or its rule until measured,
+`_payback.for_platform`; reason ``"cannot pay back"``). That decision is cached with its horizon and the
 numbers it was made from: a later lookup with an equal or shorter horizon
 reuses it (a hit, no cost); a longer horizon, a None one, or a further site
 of the same bucket in the program that makes tuning pay, tunes the bucket
@@ -55,7 +56,7 @@ import jax
 
 from tunedjax import _tuning
 from tunedjax._config import get_config
-from tunedjax._errors import AutotuneError
+from tunedjax._errors import AutotuneError, TunedJaxError
 from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _registry, _report,
                                _sites, _tuner, _verdict)
 from tunedjax.autotune._bucket import bucket_key
@@ -131,10 +132,12 @@ def new_selection(*, platform: str | None = None, config: Any = None,
                   options: _tuner.TuneOptions = _tuner.TuneOptions(),
                   explain_only: bool = False) -> Selection:
   """A `Selection` with defaults filled in (JAX's backend, the config, the current session)."""
-  return Selection(platform=_tuning.canonical_platform(platform),
+  platform = _tuning.canonical_platform(platform)
+  # The cache of the platform's device: a GPU's decisions never read the CPU's file.
+  return Selection(platform=platform,
                    config=get_config() if config is None else config,
                    session=_tuning.current_session() if session is None else session,
-                   cache=_tuning.resolve_cache(cache), options=options,
+                   cache=_tuning.resolve_cache(cache, platform=platform), options=options,
                    explain_only=explain_only)
 
 
@@ -243,7 +246,8 @@ def _observe(site: _Site, names: list[str], selection: Selection, bucket: str
   value = None
   if jax.process_count() == 1 and _verdict.load(session, selection.cache,
                                                 selection.context) is not None:
-    value = session.lookup(selection.cache, family.name, site.key)
+    value = session.lookup(selection.cache, family.name, site.key,
+                           platform=selection.platform)
   final = value is not None and value.get("winner") in names and (
       not value.get("payback", {}).get("kept")  # kept untuned: final if the tune phase keeps it
       or _payback.still_cannot_pay_back(value, horizon=site.horizon, sites=site.sites))
@@ -291,7 +295,8 @@ def _leader_decides(site: _Site, selection: Selection, why: dict[str, Any]) -> s
   """The kernel process 0 chooses (every process, in a single-process run): the
   cache's, the default in the apply phase, or one tuned now. Says why in `why`."""
   config, session = selection.config, selection.session
-  value = session.lookup(selection.cache, site.family.name, site.key)
+  value = session.lookup(selection.cache, site.family.name, site.key,
+                         platform=selection.platform)
   if value is not None and (not value.get("payback", {}).get("kept")
                             or _payback.still_cannot_pay_back(value, horizon=site.horizon,
                                                             sites=site.sites)):
@@ -313,19 +318,22 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
   options = selection.options
   if options.objective != config.kernel.objective:
     options = dataclasses.replace(options, objective=config.kernel.objective)
-  payback = None if site.horizon is None or not weigh_payback else _payback.Payback(
-      horizon=site.horizon, sites=site.sites, cost_factor=session.tuning_cost_factor())
-  prediction = (_prediction(site, selection)
+  # Costed by what tuning took on this platform (or its rule until measured there).
+  payback = None if site.horizon is None or not weigh_payback else _payback.for_platform(
+      session, selection.platform, horizon=site.horizon, sites=site.sites)
+  prediction = (predict_bucket(site.family, site.key, site.candidates, selection)
                 if options.predict and config.kernel.predict else None)
   with _tuning.first_call_stage("tune:time"):  # its compiles: "tune:compile"
     result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
                                 options=options, label=site.label, family=site.family,
                                 payback=payback, prediction=prediction)
-  session.store(selection.cache, site.family.name, site.key, result.to_value())
+  session.store(selection.cache, site.family.name, site.key, result.to_value(),
+                platform=selection.platform)
   selection.measured.append((site.key, result.to_value()))
   record = result.payback
   if record and not result.kept:  # what tuning the rest took, against its estimate
-    session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"])
+    session.record_tuning_cost(record["estimate_s"], result.tuning_s - record["decided_s"],
+                               platform=selection.platform)
   session.record(hit=False, tuning_s=result.tuning_s, tuned=not result.kept,
                  kept=result.kept, config=config)
   selection.tally.add_tuning(result.tuning_s)
@@ -338,26 +346,42 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
   return result.winner
 
 
-def _prediction(site: _Site, selection: Selection) -> _predict.Prediction | None:
-  """The candidates' predicted times for the site's bucket: from the family's
-  buckets this machine measured (the cache's, this trace's) and its priors;
-  None for a family without `OpFamily.features`."""
-  family = site.family
+def predict_bucket(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,
+                   selection: Selection) -> _predict.Prediction | None:
+  """The candidates' predicted times for a bucket on the selection's platform.
+
+  All of it that platform's: the family's buckets measured on its device
+  (the selection's cache is that device's file; this trace's buckets where
+  there is no cache), the family's priors for its machine class, and where
+  neither is near, the family's rule for the platform (`OpFamily.presumed`).
+  None for a family without `OpFamily.features`.
+  """
   if family.features is None:
     return None
   try:
-    features = family.features(site.key)
+    features = family.features(key)
+    presumed = family.presumed(key, selection.platform) if family.presumed else None
   except Exception as e:  # pylint: disable=broad-except  # a family's bug: tune exhaustively
-    logger.warning("autotune %s: the %s family's features failed (%s: %s); every candidate "
-                   "is timed.", site.label, family.name, type(e).__name__, e)
+    logger.warning("autotune %s: the %s family's features or rule failed (%s: %s); every "
+                   "candidate is timed.", family.label(key), family.name, type(e).__name__, e)
     return None
   cache = selection.cache
   entries = ([(e.key, e.value) for e in cache.entries(family.name)] if cache is not None
              else selection.measured)
   points = _predict.measured_points(family, entries)
-  points += _predict.priors(family, _tuning.device_fingerprint(selection.platform))
-  return _predict.predict(features, [k.name for k in site.candidates], points,
-                          default=family.default)
+  points += _predict.priors(family, _machine_classes(selection.platform),
+                            selection.platform)
+  return _predict.predict(features, [k.name for k in candidates], points,
+                          default=family.default, presumed=presumed)
+
+
+def _machine_classes(platform: str) -> tuple[str, ...]:
+  """The machine classes of this process's `platform` device (the platform's
+  name alone where it has none: rewriting for another machine)."""
+  try:
+    return _predict.machine_class(_tuning.device_fingerprint(platform))
+  except TunedJaxError:
+    return (platform,)
 
 
 def _count(selection: Selection, op: str, name: str, why: str) -> None:

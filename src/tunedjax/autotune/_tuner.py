@@ -557,9 +557,10 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
          f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
          f"{saved:.3g} s at most to save, below the {cost:.3g} s tuning {others} other "
          f"candidate(s) is expected to cost")
+  basis = f" ({payback.basis})" if payback.basis else ""  # the platform's rule, not measured
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
-      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}"), {default: calls}, {})
+      f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}{basis}"), {default: calls}, {})
 
 
 def _compiled_ahead(bucket: _Bucket) -> dict[str, Callable[..., Any]]:

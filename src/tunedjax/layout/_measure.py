@@ -5,7 +5,10 @@ device): in the current `TuningSession` (so a readonly cache still serves
 what this run measured), and in the persistent tuning cache (namespace
 ``"layout"``), so a restarted program does not measure again. Keys are stored in full (the jaxpr
 digest, the signature, the target, the jax version); the device is the cache
-file's own key.
+file's own key. The device is the one of the platform rewritten for: a
+program laid out for a GPU is timed on a GPU, and where this process has
+none nothing is measured (`can_measure`: the heuristic decides); a CPU's
+timing never decides a GPU's layout.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -61,20 +64,29 @@ def cache_key(closed: Any, target: str) -> dict[str, Any]:
   }
 
 
-def _default_cache() -> Any:
+def can_measure(platform: str | None) -> bool:
+  """Whether this process has a `platform` device to time layouts on."""
   try:
-    return _tuning.default_cache()
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
+def _default_cache(platform: str | None = None) -> Any:
+  try:
+    return _tuning.resolve_cache(None, platform=platform)
   except Exception as e:  # a broken cache never stops the program  # pylint: disable=broad-except
     warnings.warn(f"tunedjax.layout: tuning cache not usable ({e}); measuring again.",
                   stacklevel=3)
     return None
 
 
-def lookup(closed: Any, target: str) -> dict[str, Any] | None:
-  """A remembered decision: the current session's first, then the persistent cache."""
+def lookup(closed: Any, target: str, platform: str | None = None) -> dict[str, Any] | None:
+  """A remembered decision for `platform` (None: the default backend): the current
+  session's first, then the persistent cache of that platform's device."""
   try:
-    return _tuning.current_session().lookup(_default_cache(), NAMESPACE,
-                                            cache_key(closed, target))
+    return _tuning.current_session().lookup(_default_cache(platform), NAMESPACE,
+                                            cache_key(closed, target), platform=platform)
   except Exception as e:  # a broken cache never stops the program  # pylint: disable=broad-except
     warnings.warn(f"tunedjax.layout: tuning cache not readable ({e}); measuring again.",
                   stacklevel=2)
@@ -83,7 +95,7 @@ def lookup(closed: Any, target: str) -> dict[str, Any] | None:
 
 def measure(closed: Any, target: str, original: Callable[..., Any],
             relaid: Callable[..., Any], *, rounds: int = 5,
-            budget_s: float | None = 30.0) -> dict[str, Any]:
+            budget_s: float | None = 30.0, platform: str | None = None) -> dict[str, Any]:
   """Times `original` and `relaid` (flat args in) on random inputs; stores the decision.
 
   Args:
@@ -93,6 +105,8 @@ def measure(closed: Any, target: str, original: Callable[..., Any],
     relaid: the re-laid function, same signature.
     rounds: timed rounds (interleaved, order rotated).
     budget_s: stop timing after this many seconds (at least one round).
+    platform: the platform to time on (its first device; `can_measure` must
+      hold), and whose cache keeps the decision; None: the default backend.
 
   Returns:
     The decision: ``{"choice": "relaid"|"original", "target": ...,
@@ -101,7 +115,8 @@ def measure(closed: Any, target: str, original: Callable[..., Any],
   args = _tuning.random_inputs(closed.in_avals)
   # Run for real even inside a jit trace; a first call counts it as tuning.
   with jax.ensure_compile_time_eval(), _tuning.first_call_stage("tune:time"):
-    args = [jax.device_put(a) for a in args]
+    device = jax.devices(platform)[0] if platform is not None else None
+    args = [jax.device_put(a, device) for a in args]
     fns = {"original": jax.jit(original), "relaid": jax.jit(relaid)}
     times = _tuning.time_interleaved(
         {name: (lambda fn=fn: fn(*args)) for name, fn in fns.items()},
@@ -109,6 +124,6 @@ def measure(closed: Any, target: str, original: Callable[..., Any],
   seconds = {name: _tuning.median(ts) for name, ts in times.items()}
   choice = "relaid" if seconds["relaid"] < seconds["original"] else "original"
   value = {"choice": choice, "target": target, "seconds": seconds}
-  _tuning.current_session().store(_default_cache(), NAMESPACE, cache_key(closed, target),
-                                  value)
+  _tuning.current_session().store(_default_cache(platform), NAMESPACE,
+                                  cache_key(closed, target), value, platform=platform)
   return value

@@ -141,18 +141,21 @@ class Optimized:
 
   def _measured(self, closed: Any, flat: list[Any], target: str, platform: str,
                 reason: str, base: dict[str, Any]) -> tuple[list[Any], LayoutReport]:
-    if _has_tracer_consts(closed):
+    unmeasured = ("the function closes over traced values" if _has_tracer_consts(closed)
+                  else None if _measure.can_measure(platform)
+                  else f"no {platform} here to time it on")  # never another platform's times
+    if unmeasured:
       outs, state = _run_relaid(closed, flat, target, platform)
       return outs, self._relaid_report(
-          state, target, reason + "; not measured: the function closes over traced "
-          "values, so the heuristic decided", base)
-    value = _measure.lookup(closed, target)
+          state, target, reason + f"; not measured: {unmeasured}, so the heuristic decided",
+          base)
+    value = _measure.lookup(closed, target, platform)
     cached = value is not None
     if value is None:
       value = _measure.measure(
           closed, target,
           lambda *a: _run_plain(closed, list(a)),
-          lambda *a: _run_relaid(closed, list(a), target, platform)[0])
+          lambda *a: _run_relaid(closed, list(a), target, platform)[0], platform=platform)
     seconds = value.get("seconds") or None
     timing = ""
     if seconds and "original" in seconds and "relaid" in seconds:

@@ -5,7 +5,8 @@ bucket key, its kernels (with their C++ sources in ``csrc/``), its Flax
 adapter and its public function. Importing it registers the family with
 `tunedjax.autotune` through the public extension API (`register_op_family`,
 `register_kernel`), as a user's own family would; the tuning core finds the
-packages through the ``tunedjax.op_families`` entry points, so nothing needs
+packages through the ``tunedjax.op_families`` entry points that
+``tunedjax/entry_points.txt`` declares (installed or not), so nothing needs
 to import them by hand. Subpackages are imported when first used.
 
 Example:

@@ -205,10 +205,37 @@ def conv_features(key: Mapping[str, Any]) -> dict[str, float]:
   }
 
 
+# Each kernel's time over xla's as presumed on a platform that has measured
+# nothing near a bucket (no entries in its device's cache, no priors for its
+# machine class). On a GPU, xla's convolution is cuDNN's, its algorithm chosen by
+# XLA's own autotuner: xla comes first and every other kernel (the Pallas one, the
+# matmul rewrites) is presumed slower, so none is compiled until the GPU's own
+# measurements or priors (`benchmarks/kernel_priors.py` run on a GPU) say
+# otherwise. No GPU measurement of them exists yet. Platforms not named have no
+# rule: their unmeasured kernels are compiled and timed.
+PRESUMED = {"gpu": 1.5}
+
+
+def conv_presumed(key: Mapping[str, Any], platform: str) -> dict[str, float]:
+  """The family's rule for a platform with nothing measured near a bucket (`PRESUMED`).
+
+  Example:
+    >>> conv_presumed({"candidates": {"xla": "", "pallas": ""}}, "gpu")
+    {'pallas': 1.5}
+    >>> conv_presumed({"candidates": {"xla": "", "pallas": ""}}, "cpu")
+    {}
+  """
+  ratio = PRESUMED.get(platform)
+  if ratio is None:
+    return {}
+  return {name: ratio for name in key.get("candidates", {}) if name != "xla"}
+
+
 FAMILY = autotune.OpFamily(
     name=NAME, spec_type=ConvSpec, key=conv_key, operands=conv_operands, default="xla",
     primitive=PRIMITIVE, from_equation=ConvSpec.from_equation, describe=describe_conv,
-    features=conv_features, priors=pathlib.Path(__file__).resolve().parent / "priors")
+    features=conv_features, priors=pathlib.Path(__file__).resolve().parent / "priors",
+    presumed=conv_presumed)
 
 
 def register() -> None:

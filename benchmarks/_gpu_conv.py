@@ -1,0 +1,109 @@
+"""Part (d) of `benchmarks/gpu.py`: convolution buckets and the float16 layout pass.
+
+* ``conv_buckets``: ResNet-50's forward convolutions, NHWC, the ``pallas``
+  implicit-GEMM kernel (Triton on a GPU, interpret mode elsewhere) against
+  XLA's convolution (cuDNN on a GPU), float32 and bfloat16, one row per bucket
+  as it is measured.
+* ``layout_f16``: a float16 ResNet-50 written NCHW (as a PyTorch port), its
+  SGD train step under `jax.jit` against `tj.jit` with only the layout pass
+  (the GPU prefers NHWC for half precision), interleaved.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import _harness
+import tunedjax as tj
+from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
+                          out_of_time, steady_state, step_of, timing_fields)
+from _gpu_models import functional_resnet
+from _gpu_names import LAYOUT_PASS, LAYOUT_PLAIN
+from _gpu_run import Deadline, emit, say
+from tunedjax.ops.conv import ConvSpec
+from tunedjax.ops.conv import _pallas as conv_pallas
+
+RESNET50_BUCKETS = (  # (spatial, cin, cout, kernel, stride): ResNet-50's forward convs
+    (224, 3, 64, 7, 2), (56, 64, 64, 1, 1), (56, 64, 64, 3, 1), (56, 64, 256, 1, 1),
+    (56, 256, 64, 1, 1), (56, 128, 128, 3, 2), (28, 128, 128, 3, 1), (28, 128, 512, 1, 1),
+    (14, 256, 256, 3, 1), (14, 1024, 256, 1, 1), (7, 512, 512, 3, 1), (7, 512, 2048, 1, 1),
+)
+
+
+def _bucket(sizes: Sizes, rng, bucket, dtype, deadline: Deadline) -> None:
+  hw, cin, cout, k, s = bucket
+  hw = max(hw // sizes.bucket_scale, k)
+  cin, cout = min(cin, sizes.bucket_channels), min(cout, sizes.bucket_channels)
+  name = f"{k}x{k}/{s}, {hw}x{hw}, {cin}->{cout}"
+  fields = {"bucket": name, "dtype": jnp.dtype(dtype).name}
+  x = jnp.asarray(rng.normal(size=(sizes.bucket_batch, hw, hw, cin)), dtype)
+  w = jnp.asarray(rng.normal(size=(k, k, cin, cout), scale=(k * k * cin) ** -0.5), dtype)
+  spec = ConvSpec.from_arrays(x, w, window_strides=(s, s), padding="SAME",
+                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  if not conv_pallas.supports(spec):
+    emit("row", variant="pallas", note="not supported", **fields)
+    return
+  xla = jax.jit(lambda a, b: lax.conv_general_dilated_p.bind(a, b, **spec.params()))
+  pallas = jax.jit(lambda a, b: conv_pallas.conv_pallas(a, b, spec))
+  with step_of(f"bucket {name} {fields['dtype']}"):
+    want = np.asarray(xla(x, w), np.float32)
+    got = np.asarray(pallas(x, w), np.float32)
+  err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+  measured = steady_state({"xla": Runner(xla, x, w), "pallas": Runner(pallas, x, w)}, "xla",
+                          deadline, sizes)
+  if measured is not None:
+    t, n = measured
+    fields.update(xla_ms=1e3 * t.median("xla") / n, pallas_ms=1e3 * t.median("pallas") / n,
+                  ratio=t.ratio("pallas"), aa=t.ratio(_harness.CONTROL))
+  emit("row", variant="pallas", rel_error=err, **fields)
+  say(f"  {name} {fields['dtype']}: {fields}")
+
+
+def worker_conv_buckets(sizes: Sizes, deadline: Deadline) -> None:
+  """Each bucket in bfloat16, then float32, as long as the time lasts."""
+  rng = np.random.default_rng(0)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for bucket in RESNET50_BUCKETS[:sizes.bucket_count]:
+      if out_of_time(f"bucket {bucket} {jnp.dtype(dtype).name}", deadline, 3):
+        continue
+      guarded(f"bucket {bucket}", lambda b=bucket, d=dtype: _bucket(sizes, rng, b, d, deadline),
+              bucket=str(bucket), dtype=jnp.dtype(dtype).name)
+
+
+def worker_layout_f16(sizes: Sizes, deadline: Deadline) -> None:
+  """A float16 NCHW ResNet-50 step: as written, and with the layout pass."""
+  configure({"layout": {"enable": True}}, sizes)
+  params, step, x, y = functional_resnet(batch=sizes.layout_batch, image=sizes.image,
+                                         stages=sizes.stages, width=sizes.width,
+                                         layout="NCHW", dtype=jnp.float16)
+  runners, firsts = {}, {}
+  for name, jit in ((LAYOUT_PLAIN, jax.jit), (LAYOUT_PASS, tj.jit)):
+    if out_of_time(name, deadline):
+      continue
+    runner = Runner(jit(step), jax.tree.map(jnp.copy, params), x, y, stateful=True)
+    first = guarded(name, lambda n=name, r=runner: first_call(n, r))
+    if first is None:
+      continue
+    runners[name], firsts[name] = runner, first
+    emit("row", variant=name, first_call_s=first)
+    if jit is tj.jit:
+      layout = runner.fn.report(memory=False).last.layout
+      emit("row", variant=name, layout=None if layout is None else (
+          f"{layout.decision} -> {layout.target} ({layout.reason}), "
+          f"{layout.convolutions} convolutions"))
+      anatomy(name, runner.fn)
+  if runners:
+    base = LAYOUT_PLAIN if LAYOUT_PLAIN in runners else next(iter(runners))
+    measured = steady_state(runners, base, deadline, sizes)
+    for name in runners:
+      fields = {"first_call_s": firsts[name]}
+      if measured is not None:
+        fields.update(timing_fields(*measured, name))
+      emit("row", variant=name, **fields)
+      say(f"  {name}: {fields}")
+
+
+WORKERS = {"conv_buckets": worker_conv_buckets, "layout_f16": worker_layout_f16}
