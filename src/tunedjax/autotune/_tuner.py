@@ -20,6 +20,7 @@ candidate 10x faster than xla in the screening round wins at once
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -365,7 +366,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
                 family: _registry.OpFamily | None = None,
                 payback: Payback | None = None,
-                prediction: Prediction | None = None) -> TuneResult:
+                prediction: Prediction | None = None, prepared: _Bucket | None = None,
+                quiet: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+                ) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
   The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
@@ -393,6 +396,10 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     family: the `OpFamily` (default: the one whose spec type `spec` has).
     payback: the tuning horizon and the bucket's sites, or None (unbounded).
     prediction: the candidates' predicted times, or None: compile them all.
+    prepared: this bucket's operands and compiled default, made ahead by
+      `prepared_default` (`_prefetch`), or None: made now.
+    quiet: a context manager factory every timing runs inside (the
+      `Prefetcher`'s, so that no work ahead shares the cores with it).
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -412,7 +419,8 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     >>> r.winner, sorted(r.rejected)
     ('xla', ['wrong'])
   """
-  bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
+  bucket = _begin(spec, candidates, platform, options, label, family, prepared)
+  bucket.quiet = quiet or bucket.quiet
   if options.predict and prediction is not None:
     bucket.prediction = prediction
   with jax.ensure_compile_time_eval():
@@ -470,6 +478,8 @@ class _Bucket:
   prediction: Prediction | None = None
   pruned: dict[str, str] = dataclasses.field(default_factory=dict)
   every: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
+  quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
   @property
   def default(self) -> str:
@@ -509,6 +519,37 @@ class _Bucket:
                               and self.prediction.estimates else {}))
 
 
+def prepared_default(spec: Any, candidates: Sequence[Any], *, platform: str,
+                     options: TuneOptions, label: str, family: Any) -> _Bucket:
+  """A bucket's operands drawn and its default kernel compiled, ready for
+  `tune_bucket(prepared=...)`: the work a bucket's tuning begins with, which
+  no decision changes (`_prefetch` does it ahead, on a spare core)."""
+  bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
+  default = bucket.default
+  bucket.compiled.update(_compile_all({default: bucket.functions[default]}, bucket.args,
+                                      bucket.compile_s))
+  return bucket
+
+
+def _begin(spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
+           label: str, family: Any, prepared: _Bucket | None) -> _Bucket:
+  """The bucket to tune: the one `prepared` ahead for the same candidates and
+  options (its clock restarted: what it took ran beside the trace), else a
+  fresh one."""
+  if (prepared is not None and prepared.options == options and prepared.platform == platform
+      and list(prepared.kernels) == [k.name for k in candidates]):
+    prepared.start = _clock()
+    return prepared
+  return _Bucket.prepare(spec, candidates, platform, options, label, family)
+
+
+def _timed(bucket: _Bucket, runners: Mapping[str, Callable[[], Any]], **kw: Any
+           ) -> dict[str, list[float]]:
+  """`time_interleaved` with the cores to itself (`bucket.quiet`)."""
+  with bucket.quiet():
+    return _tuning.time_interleaved(runners, **kw)
+
+
 def _weigh_payback(bucket: _Bucket, payback: Payback
                    ) -> TuneResult | tuple[dict[str, Any], list[float]]:
   """The default alone first: its compile and first call say what tuning the
@@ -519,25 +560,25 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
     executable and its first call's time (its screening round).
   """
   default = bucket.default
-  ahead = _compiled_ahead(bucket)
-  compile_start = _clock()
-  compiled = _compile_all({default: bucket.functions[default], **ahead}, bucket.args,
-                          bucket.compile_s)
+  todo = {n: f for n, f in {default: bucket.functions[default], **_compiled_ahead(bucket)}.items()
+          if n not in bucket.compiled}  # the default may be compiled ahead (`_prefetch`)
+  compile_start, compiled = _clock(), dict(bucket.compiled)
+  compiled.update(_compile_all(todo, bucket.args, bucket.compile_s) if todo else {})
   # The default's compile is its own thread's time, and deciding is counted
   # as if it had compiled alone: the compiles beside it belong to tuning the
   # rest (`decided_s`).
   compile_s = bucket.compile_s[default]
-  beside_s = max(0.0, _clock() - compile_start - compile_s)
+  beside_s = max(0.0, _clock() - compile_start - (compile_s if default in todo else 0.0))
   ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
-  screen = list(_tuning.time_interleaved(
-      {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
+  screen = list(_timed(bucket, {default: _keeping(bucket.outputs, default, ref_run)},
+                       rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
   cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
   if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
-    calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
+    calls += _timed(bucket, {default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
     cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
   _apply_pruning(bucket, plan)
@@ -607,7 +648,7 @@ def _plan(bucket: _Bucket, payback: Payback | None
     The finished result when nothing is left to tune (kept, or no candidate
     could win), else what is compiled already and the default's first call.
   """
-  compiled, default_screen = {}, None
+  compiled, default_screen = dict(bucket.compiled), None
   if payback is not None and len(bucket.functions) > 1:
     weighed = _weigh_payback(bucket, payback)
     if isinstance(weighed, TuneResult):
@@ -709,8 +750,8 @@ def _screen(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]],
   also its screening round (a candidate many times slower than the default,
   an FFT on a small kernel, is dropped before it costs `rounds` calls). With
   a horizon the default's first call was made already and is its screening call."""
-  screen = _tuning.time_interleaved(
-      {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
+  screen = _timed(
+      bucket, {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
        if n != bucket.default or default_screen is None}, rounds=1, warmup=0)
   return {bucket.default: default_screen, **screen} if default_screen is not None else screen
 
@@ -774,8 +815,8 @@ def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
     left = max(options.budget_s - (_clock() - bucket.timing_start), 1e-3)
     # The screening call counts as a round toward a clear choice, so a
     # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
-    timings.update(_tuning.time_interleaved(
-        runners, rounds=options.rounds, warmup=0, budget_s=left,
+    timings.update(_timed(
+        bucket, runners, rounds=options.rounds, warmup=0, budget_s=left,
         stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin,
                                     default=default)))
   return timings, slow
