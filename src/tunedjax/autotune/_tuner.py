@@ -421,20 +421,13 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
   """
   bucket = _begin(spec, candidates, platform, options, label, family, prepared)
   bucket.quiet = quiet or bucket.quiet
-  if options.predict and prediction is not None:
-    bucket.prediction = prediction
+  bucket.prediction = prediction if options.predict else None
   with jax.ensure_compile_time_eval():
     planned = _plan(bucket, payback)
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
-    rest = {n: f for n, f in bucket.functions.items() if n not in compiled}  # not beside it
-    compiled.update(_compile_all(rest, bucket.args, bucket.compile_s) if rest else {})
-    # The budget bounds timing only: compiles (above) are not counted, so a
-    # loaded machine that compiles slowly still times every candidate.
-    bucket.timing_start = _clock()
-    bucket.temps.update(_temps_of(compiled))
-    runs = _start(bucket, compiled)
+    runs = _start(bucket, _compile_rest(bucket, compiled))
     screen = _screen(bucket, runs, default_screen)
     runners = _check(bucket, runs)
     if bucket.skipped:
@@ -541,6 +534,18 @@ def _begin(spec: Any, candidates: Sequence[Any], platform: str, options: TuneOpt
     prepared.start = _clock()
     return prepared
   return _Bucket.prepare(spec, candidates, platform, options, label, family)
+
+
+def _compile_rest(bucket: _Bucket, compiled: dict[str, Any]) -> dict[str, Any]:
+  """`compiled` with the candidates left to compile (those not compiled beside
+  the default), side by side; the timing budget starts after them: compiles
+  are not counted, so a loaded machine that compiles slowly still times every
+  candidate."""
+  rest = {n: f for n, f in bucket.functions.items() if n not in compiled}
+  compiled.update(_compile_all(rest, bucket.args, bucket.compile_s) if rest else {})
+  bucket.timing_start = _clock()
+  bucket.temps.update(_temps_of(compiled))
+  return compiled
 
 
 def _timed(bucket: _Bucket, runners: Mapping[str, Callable[[], Any]], **kw: Any
