@@ -41,22 +41,27 @@ def test_jobs_run_in_the_order_given_and_a_job_not_started_is_left_to_the_caller
   ran, gate = [], threading.Event()
   p.expect("first", lambda: (gate.wait(WAIT_S), ran.append("first"), 1)[-1], order=(0, 0))
   _wait_until(p, "first", _prefetch.RUNNING)
-  for name, order in (("late", (1, 5)), ("early", (1, 2)), ("never", (2, 0))):
+  for name, order in (("late", (1, 5)), ("early", (1, 2)), ("never", (0, 5)),
+                      ("passed by", (1, 1))):
     p.expect(name, lambda name=name: (ran.append(name), name)[-1], order=order)
   p.expect("early", lambda: "a second expect of a key is ignored", order=(0, 0))
   assert p.take("never") is None  # not started: the caller does it, and it never runs
   gate.set()
   assert p.take("first") == 1  # waited for
+  _wait_until(p, "early", _prefetch.DONE)
+  # At most AHEAD finished jobs wait to be taken: "late" waits for a take.
+  assert _prefetch.AHEAD == 2 and p._jobs["late"].state == _prefetch.PENDING  # pylint: disable=protected-access
+  assert p.take("early") == "early"  # drops "passed by", a site the pass went past
   _wait_until(p, "late", _prefetch.DONE)
-  assert p.take("late") == "late" and p.take("early") == "early"
-  assert p.take("first") is None  # taken once
+  assert p.take("late") == "late"
+  assert p.take("first") is None and p.take("passed by") is None  # taken once; dropped
   p.close()
-  assert ran == ["first", "early", "late"] and p.done == 3
+  assert ran == ["first", "passed by", "early", "late"] and p.done == 4
 
 
 def test_no_job_runs_while_the_caller_times_and_timing_waits_for_the_job_in_progress():
   p = Prefetcher()
-  release, entered = threading.Event(), threading.Event()
+  release, entered, held = threading.Event(), threading.Event(), []
   p.expect("slow", lambda: (release.wait(WAIT_S), "slow")[-1], order=(0,))
   _wait_until(p, "slow", _prefetch.RUNNING)
 
@@ -64,13 +69,15 @@ def test_no_job_runs_while_the_caller_times_and_timing_waits_for_the_job_in_prog
     with p.timing():
       entered.set()
       p.expect("held", lambda: "held", order=(1,))
-      assert not p.take("held")  # held back while timing: still pending
+      held.append(p._jobs["held"].state)  # pylint: disable=protected-access
   timer = threading.Thread(target=time_something)
   timer.start()
   assert not entered.wait(0.05)  # the compile in progress finishes first
   release.set()
   timer.join(WAIT_S)
   assert entered.is_set() and p.take("slow") == "slow"
+  assert held == [_prefetch.PENDING]  # not started while the caller timed
+  _wait_until(p, "held", _prefetch.DONE)  # once the timing ended
   p.close()
 
 

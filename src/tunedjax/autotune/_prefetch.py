@@ -43,6 +43,9 @@ from typing import Any
 logger = logging.getLogger("tunedjax.autotune")
 
 PENDING, RUNNING, DONE = "pending", "running", "done"
+# Finished jobs not yet taken, at most: each holds a bucket's operands, so the
+# work stays this far ahead of the pass (and its memory bounded).
+AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -57,8 +60,9 @@ class Prefetcher:
   """Work for upcoming buckets, done one job at a time on a thread of its own.
 
   Jobs run in the order given (`expect`'s ``order``: the order the pass will
-  reach the sites), never while the main thread times (`timing`), and a
-  job's exception only means the main thread does that work itself.
+  reach the sites), never while the main thread times (`timing`), at most
+  `AHEAD` finished ones waiting to be taken, and a job's exception only
+  means the main thread does that work itself.
   """
 
   def __init__(self) -> None:
@@ -84,10 +88,18 @@ class Prefetcher:
 
   def take(self, key: Hashable) -> Any:
     """The finished work for `key` (waiting for it if it runs now), or None:
-    never expected, not started yet (then it never will be), or failed."""
+    never expected, not started yet (then it never will be), or failed.
+    Work expected for earlier sites and not taken is dropped."""
     with self._cond:
       job = self._jobs.pop(key, None)
-      if job is None or job.state == PENDING:
+      if job is None:
+        return None
+      # The pass has gone past the sites before this one: their work is dropped
+      # (one decided otherwise never takes it), and the worker may go on.
+      self._jobs = {k: j for k, j in self._jobs.items()
+                    if j.state == RUNNING or j.order > job.order}
+      self._cond.notify_all()
+      if job.state == PENDING:
         return None
       while job.state == RUNNING:
         self._cond.wait()
@@ -124,7 +136,8 @@ class Prefetcher:
         if self._closed:
           return None
         pending = [j for j in self._jobs.values() if j.state == PENDING]
-        if pending and not self._timing:
+        ready = sum(j.state == DONE for j in self._jobs.values())
+        if pending and not self._timing and ready < AHEAD:
           job = min(pending, key=lambda j: j.order)
           job.state, self._running = RUNNING, True
           self._cond.notify_all()
