@@ -565,8 +565,10 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
     executable and its first call's time (its screening round).
   """
   default = bucket.default
-  todo = {n: f for n, f in {default: bucket.functions[default], **_compiled_ahead(bucket)}.items()
-          if n not in bucket.compiled}  # the default may be compiled ahead (`_prefetch`)
+  # Compiled ahead (`_prefetch`), the default has no compile to pair a candidate
+  # with: the candidates wait for the decision.
+  todo = ({} if default in bucket.compiled else
+          {default: bucket.functions[default], **_compiled_ahead(bucket)})
   compile_start, compiled = _clock(), dict(bucket.compiled)
   compiled.update(_compile_all(todo, bucket.args, bucket.compile_s) if todo else {})
   # The default's compile is its own thread's time, and deciding is counted
@@ -622,7 +624,8 @@ def _compiled_ahead(bucket: _Bucket) -> dict[str, Callable[..., Any]]:
   within `AHEAD_COMPILE_S` goes ahead (the default waits for it: a long
   compile is left to the payback decision). Nothing is compiled ahead
   without a prediction (exhaustive tuning compiles every candidate after
-  the decision, as before) or on one core.
+  the decision, as before), on one core, or where the default was compiled
+  before (`_prefetch`: no compile to pair with).
   """
   spare = _tuning.usable_cores() - 1
   plan = _pruning(bucket) if spare > 0 else None
