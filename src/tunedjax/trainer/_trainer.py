@@ -825,8 +825,14 @@ def _copied(tree: Any) -> Any:
   (``jnp.copy`` compiles a program per leaf shape: about 30 small compiles
   for a ResNet-style model's state, before its first step). Each leaf's
   sharding is given: without it a PRNG key array would come back on one
-  device, uncommitted, and the step would be traced again for it.
+  device, uncommitted, and the step would be traced again for it. A tree
+  with an array spread over other processes' devices (a multi-host mesh),
+  which ``device_put`` cannot place from one process, is copied by
+  ``jnp.copy``.
   """
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not all(x.is_fully_addressable for x in leaves):
+    return jax.tree_util.tree_map(jnp.copy, tree)
   shardings = jax.tree_util.tree_map(lambda x: x.sharding, tree)
   return jax.device_put(tree, shardings, may_alias=False)
 
