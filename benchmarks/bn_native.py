@@ -5,7 +5,7 @@ step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
 
 1. `tj.jit` with kernel selection tunes the step into a fresh cache; every
    batch-norm bucket's entry holds the tuner's forward+backward timings of
-   ``xla``, ``fused``, ``fused_dot`` and ``native`` (the table: each kernel's
+   ``xla``, ``fused`` and ``native`` (the table: each kernel's
    median over the tuner's rounds, and the chosen one).
 2. Copies of that cache with every batch-norm winner set: to the kernel the
    tuner would have chosen without ``native`` (the fastest other candidate
@@ -44,7 +44,7 @@ import tunedjax as tj  # pylint: disable=wrong-import-position
 from tunedjax import autotune  # pylint: disable=wrong-import-position
 from tunedjax.autotune import _tuner  # pylint: disable=wrong-import-position
 
-KERNELS = ("xla", "fused", "fused_dot", "native")
+KERNELS = ("xla", "fused", "native")
 NEW = ("native",)
 
 

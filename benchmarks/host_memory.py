@@ -8,7 +8,9 @@ own worker process:
 
 - **retain**: ``TUNEDJAX_HOST_MEMORY=retain`` (the settings forced);
 - **auto, first process**: no variable, nothing decided yet: `tj.jit` measures
-  its program's first calls and records whether the settings pay;
+  its program's first calls, and where the settings pay sets what can act
+  mid-process at once (its programs' temporaries come in blocks of at most
+  32 MiB, which XLA's threads' arenas keep) and records the decision;
 - **auto, next process**: no variable, started after the first one recorded
   (same workload, same decisions folder): the settings as decided;
 - **opt-out**: ``TUNEDJAX_HOST_MEMORY=default`` (glibc's malloc untouched);
@@ -62,6 +64,7 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   # unset). The flag keeps vs_pytorch from re-running itself in the torch venv.
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  sys.modules["torch"] = None  # vs_pytorch's JAX side only: no PyTorch in this process
   import jax  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
 
@@ -173,7 +176,8 @@ def report(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
        "`benchmarks/vs_pytorch.py` (one SGD step, same weights and batch) and "
        "`jit_overhead.py`'s small MLP step, each variant in its own worker process: "
        f"**retain** (`TUNEDJAX_HOST_MEMORY=retain`), **auto, first** (no variable, nothing "
-       f"decided yet: {statuses['auto, first process']['reason']}), **auto, next** (no "
+       f"decided at import; after its calls 4-6: {statuses['auto, first process']['reason']}), "
+       "**auto, next** (no "
        "variable, started after the first recorded its measurement; for the MobileNet step: "
        f"{statuses['auto, next process']['reason']}), **opt-out** "
        "(`TUNEDJAX_HOST_MEMORY=default`) and a second retain process as the A/A control. "

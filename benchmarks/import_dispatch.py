@@ -8,11 +8,15 @@ run is the median of 5 such batches) in worker processes that differ only in wha
 tuning cache holds:
 
 - **no tunedjax**: ``import jax`` only, `jax.jit` (the baseline; run twice: A/A);
-- **tunedjax imported**: ``import tunedjax`` first (auto mode, an empty cache),
-  then `jax.jit`, and `tunedjax.jit` (which measures its first calls' page faults);
-- **... decision for another workload**: the same with a recorded "the settings
-  pay" decision for another workload (a CNN training script) on this machine
-  in the cache, which must not apply here.
+- **tunedjax imported, first process**: ``import tunedjax`` first (auto mode,
+  an empty cache: nothing recorded for this workload), then `jax.jit`, and
+  `tunedjax.jit` (which measures its first calls' page faults and would act
+  in this process where they paid);
+- **tunedjax imported, later process**: `tunedjax.jit` in a process started
+  after a first one of the same workload ended on that cache folder;
+- **... decision for another workload**: a first process with a recorded "the
+  settings pay" decision for another workload (a CNN training script) on this
+  machine in the cache, which must not apply here.
 
 Each round asks every worker for one run, in a rotated order, one worker at a
 time; ratios are medians of per-round ratios against the baseline.
@@ -38,13 +42,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLS = 200  # jit_overhead.CALLS_PER_RUN
 BATCHES = 5  # a run: the median of 5 batches of CALLS calls
 BASE, CONTROL = "jax.jit, no tunedjax", "A/A: jax.jit, no tunedjax"
-VARIANTS = {  # name: (imports tunedjax, program, cache holds another workload's decision)
-    BASE: (False, "jax.jit", False),
-    CONTROL: (False, "jax.jit", False),
-    "jax.jit, tunedjax imported": (True, "jax.jit", False),
-    "tj.jit, tunedjax imported": (True, "tj.jit", False),
-    "jax.jit, tunedjax imported, decision for another workload": (True, "jax.jit", True),
-    "tj.jit, tunedjax imported, decision for another workload": (True, "tj.jit", True),
+LATER = "tj.jit, tunedjax imported, later process"
+# name: (imports tunedjax, program, the cache folder: "empty", "another workload's decision"
+# or "after a first process" of this workload)
+VARIANTS = {
+    BASE: (False, "jax.jit", "empty"),
+    CONTROL: (False, "jax.jit", "empty"),
+    "jax.jit, tunedjax imported, first process": (True, "jax.jit", "empty"),
+    "tj.jit, tunedjax imported, first process": (True, "tj.jit", "empty"),
+    LATER: (True, "tj.jit", "after a first process"),
+    "jax.jit, tunedjax imported, decision for another workload": (
+        True, "jax.jit", "another workload's decision"),
+    "tj.jit, tunedjax imported, decision for another workload": (
+        True, "tj.jit", "another workload's decision"),
 }
 SECTION = "import_dispatch"
 
@@ -86,12 +96,12 @@ def _another_workloads_decision(folder: str) -> None:
   assert record["pays"] and _decisions.store(pathlib.Path(folder), record)
 
 
-def _spawn(name: str, folders: dict[bool, str]) -> subprocess.Popen:
-  imports, program, decided = VARIANTS[name]
+def _spawn(name: str, folder: str) -> subprocess.Popen:
+  imports, program, _ = VARIANTS[name]
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("MALLOC_", "TUNEDJAX_")) and k not in ("GLIBC_TUNABLES",
                                                                      "LD_PRELOAD")}
-  env["TUNEDJAX_CACHE_DIR"] = folders[decided]
+  env["TUNEDJAX_CACHE_DIR"] = folder
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
   cmd = [sys.executable, __file__, "--worker", program] + (["--tunedjax"] if imports else [])
   return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -99,12 +109,16 @@ def _spawn(name: str, folders: dict[bool, str]) -> subprocess.Popen:
 
 
 def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]]:
-  folders = {False: tempfile.mkdtemp(prefix="tunedjax-dispatch-"),
-             True: tempfile.mkdtemp(prefix="tunedjax-dispatch-decided-")}
-  _another_workloads_decision(folders[True])
   procs, statuses = {}, {}
-  for name in VARIANTS:
-    procs[name] = _spawn(name, folders)
+  for name, (_, _, cache) in VARIANTS.items():
+    folder = tempfile.mkdtemp(prefix="tunedjax-dispatch-")  # each process its own
+    if cache == "another workload's decision":
+      _another_workloads_decision(folder)
+    elif cache == "after a first process":  # runs, measures, ends: records what it found
+      first = _spawn(name, folder)
+      _workers.reply(first)
+      first.communicate("")
+    procs[name] = _spawn(name, folder)
     statuses[name] = _workers.reply(procs[name])["ready"]
   names = list(procs)
   runs: dict[str, list[float]] = {n: [] for n in names}
@@ -127,7 +141,9 @@ def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
       f"`benchmarks/import_dispatch.py --rounds {rounds}`: `jit_overhead.py`'s steady state "
       f"(its MLP train step, {CALLS} calls dispatched without waiting, then one wait; a run is the median of {BATCHES} such batches), each variant in "
       "a worker process of its own, started with no `TUNEDJAX_*` or `MALLOC_*` variables "
-      f"(auto mode); {rounds} rounds in a rotated order, one process at a time; ratio = median "
+      f"(auto mode), each on a cache folder of its own (a first process: empty; a later "
+      "process: after a first one of this workload ended on it); "
+      f"{rounds} rounds in a rotated order, one process at a time; ratio = median "
       "of per-round ratios to the baseline (`jax.jit` without tunedjax). "
       f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
       "",

@@ -4,7 +4,13 @@ tunedjax's host-memory settings (`tunedjax._host_memory`) are one arena
 (``M_ARENA_MAX=1``), no separate mappings (``M_MMAP_MAX=0``) and a high trim
 threshold. This script compares them with cheaper variants, each set through
 glibc's ``MALLOC_*`` environment variables (or ``GLIBC_TUNABLES``) before
-Python starts, so every variant runs in processes of its own:
+Python starts, and with the ways of acting in a process that has already
+started JAX (what a workload's first process can do once its measurement
+says the settings pay; `IN_PROCESS`): ``mallopt`` after the warm-up, JAX's
+synchronous CPU dispatch, one arena only while JAX's backend starts, and
+XLA's ``xla_multiheap_size_constraint_per_heap`` (through ``XLA_FLAGS``),
+which splits a program's temporaries into blocks a thread arena can hold.
+Every variant runs in processes of its own:
 
 - **step**: the MobileNet-style train step of `vs_pytorch.py` under `tj.jit`
   with kernel selection (tuned once into a shared cache first): ms per step,
@@ -53,14 +59,55 @@ VARIANTS = {
     "tunedjax's + tcache 1024": {"MALLOC_ARENA_MAX": "1", **_KEEP,
                                  "GLIBC_TUNABLES": "glibc.malloc.tcache_count=1024"},
 }
+_SPLIT = {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=33554432"}
+# name: (environment, what the worker does in-process). "mid": M_MMAP_MAX=0, the trim
+# threshold and a 64 MiB top pad with mallopt after the first warm-up run (JAX's threads
+# long started); "sync": jax_cpu_enable_async_dispatch off before the backend starts;
+# "arena1": M_ARENA_MAX=1 with mallopt before JAX starts; "restore": M_ARENA_MAX back to
+# glibc's default limit once the backend ran a first program (a thread that drew its arena
+# keeps it; glibc also keeps the limit it first read: see the report).
+IN_PROCESS = {
+    "in-process: no mmap + trim + top pad 64 MiB": ({}, ("mid",)),
+    "in-process: XLA heaps of 32 MiB, nothing else": (_SPLIT, ()),
+    "in-process: XLA heaps of 32 MiB + no mmap + trim + top pad (tunedjax's first process)": (
+        _SPLIT, ("mid",)),
+    "in-process: synchronous dispatch + no mmap + trim + top pad": ({}, ("sync", "mid")),
+    "in-process: one arena while JAX's backend starts, then restored + no mmap + trim": (
+        {}, ("arena1", "restore", "mid")),
+}
+TUNEDJAX = "arena 1 + no mmap + trim (tunedjax's)"
 BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
 SECTION = "malloc_settings"
 
 
-def worker(kind: str, cache_dir: str, quick: bool) -> None:
+def _act(actions: tuple[str, ...], when: str) -> None:
+  """Does what `actions` asks at `when` ("start": before JAX; "backend": after its first
+  program; "mid": after the first warm-up run)."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  libc = ctypes.CDLL(None)
+  if when == "start" and "arena1" in actions:
+    libc.mallopt(-8, 1)  # M_ARENA_MAX
+  if when == "start" and "sync" in actions:
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+  if when == "backend" and "restore" in actions:  # glibc's default limit (0 is refused)
+    libc.mallopt(-8, 8 * (os.cpu_count() or 1))
+  if when == "mid" and "mid" in actions:
+    for param, value in ((-4, 0), (-1, 2**31 - 1), (-2, 64 * 2**20)):  # MMAP_MAX, TRIM, TOP_PAD
+      libc.mallopt(param, value)
+
+
+def _rss_mib() -> float:
+  with open("/proc/self/status", encoding="utf-8") as f:
+    return float(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def worker(kind: str, cache_dir: str, quick: bool, actions: tuple[str, ...] = ()) -> None:
   """Builds the step (or the MLP), then answers each "run" line with one timing."""
   import resource  # pylint: disable=import-outside-toplevel
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  sys.modules["torch"] = None  # vs_pytorch's JAX side only
+  _act(actions, "start")
   import jax  # pylint: disable=import-outside-toplevel
   if kind == "step":
     import vs_pytorch  # pylint: disable=import-outside-toplevel
@@ -85,6 +132,9 @@ def worker(kind: str, cache_dir: str, quick: bool) -> None:
       for _ in range(calls):
         out = fn(*args)
       return jax.block_until_ready(out)
+  run()
+  _act(actions, "backend")
+  _act(actions, "mid")
   for _ in range(3):
     run()
   print(json.dumps({"ready": True}), flush=True)
@@ -101,16 +151,19 @@ def worker(kind: str, cache_dir: str, quick: bool) -> None:
     n = calls * batches
     print(json.dumps({"s": statistics.median(walls) / calls,
                       "faults": (after.ru_minflt - before.ru_minflt) / n,
-                      "sys_s": (after.ru_stime - before.ru_stime) / n}), flush=True)
+                      "sys_s": (after.ru_stime - before.ru_stime) / n,
+                      "rss_mib": _rss_mib()}), flush=True)
 
 
-def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False
-           ) -> subprocess.Popen:
+def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False,
+           actions: tuple[str, ...] = ()) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+         if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD",
+                                                      "XLA_FLAGS")}
   env.update(extra, TUNEDJAX_HOST_MEMORY="default", TUNEDJAX_CACHE_DIR=cache_dir)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
-  cmd = [sys.executable, __file__, "--worker", kind, "--cache", cache_dir]
+  cmd = [sys.executable, __file__, "--worker", kind, "--cache", cache_dir,
+         "--do", ",".join(actions)]
   return subprocess.Popen(cmd + (["--quick"] if quick else []),
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -120,7 +173,7 @@ def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_d
   """One worker per variant (started one at a time), timed in rotated rounds."""
   procs = {}
   for name, env in variants.items():
-    procs[name] = _spawn(kind, cache_dir, env, quick)
+    procs[name] = _spawn(kind, cache_dir, env, quick, IN_PROCESS.get(name, ({}, ()))[1])
     _workers.reply(procs[name])
   names = list(procs)
   runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -138,28 +191,36 @@ def _ratio(runs, name):
   return statistics.median(a["s"] / b["s"] for a, b in zip(runs[name], runs[BASE]))
 
 
-def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float]) -> str:
+def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
+           in_process: bool = False) -> str:
   import _harness  # pylint: disable=import-outside-toplevel
+  how = ("each variant set through glibc's environment variables before Python starts"
+         if not in_process else
+         "the in-process variants act in a process that has started JAX (`IN_PROCESS`: "
+         "mallopt after the first warm-up run, the XLA flag through `XLA_FLAGS`, JAX's dispatch "
+         "before its backend starts), the others through glibc's environment variables")
   lines = [
-      "### Which malloc settings remove the faults, and what each costs a tiny call",
+      ("### Which malloc settings remove the faults, and what each costs a tiny call"
+       if not in_process else
+       "### Acting in a process that already runs: what removes the faults, at what cost"),
       "",
-      f"`benchmarks/malloc_settings.py --rounds {rounds}`: each variant set through glibc's "
-      "environment variables before Python starts; the MobileNet-style `tj.jit` step (kernel "
+      f"`benchmarks/malloc_settings.py {'--in-process ' if in_process else ''}--rounds "
+      f"{rounds}`: {how}; the MobileNet-style `tj.jit` step (kernel "
       "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls not waiting, "
       f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated rounds; ratio = median of "
       "per-round ratios to the unset baseline. "
       f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
       "",
       "| malloc settings | step ms | step ratio | page faults per step | system ms per step "
-      "| dispatch us per call | dispatch ratio |",
-      "|---|---:|---:|---:|---:|---:|---:|",
+      "| resident MiB (step) | dispatch us per call | dispatch ratio |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name in step:
     s, d = step[name], dispatch[name]
     med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
     lines.append(
         f"| {name} | {1e3 * med(s, 's'):.1f} | {_ratio(step, name):.2f} | "
-        f"{med(s, 'faults'):,.0f} | {1e3 * med(s, 'sys_s'):.1f} | "
+        f"{med(s, 'faults'):,.0f} | {1e3 * med(s, 'sys_s'):.1f} | {med(s, 'rss_mib'):.0f} | "
         f"{1e6 * med(d, 's'):.1f} | {_ratio(dispatch, name):.2f} |")
   return "\n".join(lines)
 
@@ -170,16 +231,24 @@ def main(argv=None) -> int:
                       help="small shapes, 2 rounds, three variants (smoke)")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
+  parser.add_argument("--in-process", action="store_true",
+                      help="the in-process variants (IN_PROCESS), beside tunedjax's settings")
   parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
   parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
   parser.add_argument("--cache", help=argparse.SUPPRESS)
+  parser.add_argument("--do", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
-    worker(args.worker, args.cache, args.quick)
+    worker(args.worker, args.cache, args.quick, tuple(filter(None, args.do.split(","))))
     return 0
   args.rounds = args.rounds or (2 if args.quick else 7)
-  only = ["arena 1 + no mmap + trim (tunedjax's)"] if args.quick else args.only
-  variants = {n: e for n, e in VARIANTS.items() if not only or n in (BASE, CONTROL) or n in only}
+  if args.in_process or args.quick:
+    variants = {n: VARIANTS[n] for n in (BASE, CONTROL, TUNEDJAX)}
+    picked = list(IN_PROCESS)[2:4] if args.quick else list(IN_PROCESS)
+    variants.update({n: IN_PROCESS[n][0] for n in picked})
+  else:
+    variants = {n: e for n, e in VARIANTS.items()
+                if not args.only or n in (BASE, CONTROL) or n in args.only}
   load0 = os.getloadavg()[0]
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
   tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
@@ -187,11 +256,14 @@ def main(argv=None) -> int:
   tuner.communicate("")
   dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
   step = measure("step", variants, args.rounds, cache_dir, args.quick)
-  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]))
+  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]), args.in_process)
   print(text)
   if args.write and not args.quick:
     import _harness  # pylint: disable=import-outside-toplevel
-    _harness.write_section(SECTION, text)
+    if args.in_process:
+      _harness.write_section("malloc_in_process", text)
+    else:
+      _harness.write_section(SECTION, text)
   return 0
 
 

@@ -2,15 +2,17 @@
 decided by measurement (``auto``, the default), forced (``retain``) or never (``default``).
 
 The import-time behaviour is checked in fresh processes: each runs a function
-under `tunedjax.jit` whose temporary buffer (80 MiB, kept by an optimization
-barrier) is larger than a glibc thread arena can hold, and counts the minor
-page faults of each call after warm-up (the median of 15 calls). Page faults
-are counted, not timed, so these tests do not depend on the machine's load.
+under `tunedjax.jit` whose temporaries (five 16 MiB buffers, kept alive together
+by an optimization barrier: 80 MiB, more than a glibc thread arena can hold as
+one block) are allocated by XLA:CPU, and counts the minor page faults of each
+call after warm-up (the median of 15 calls). Page faults are counted, not
+timed, so these tests do not depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -22,14 +24,15 @@ import pytest
 import tunedjax as tj
 from tests import processes
 from tunedjax import _host_memory
-from tunedjax._host_memory import _decisions
+from tunedjax._host_memory import _decisions, _xla
 
 TEMP_BYTES = 80 * 2**20
 PAGES = TEMP_BYTES // 4096
 
 # Runs in a fresh process: argv[1] = "jax-first" starts JAX's backend before
-# importing tunedjax. Prints the status and the page faults per call. The
-# workload is this code (`python -c`): CODE + a comment is another workload.
+# importing tunedjax. Prints the status (at import and at the end) and the page
+# faults per call. The workload is this code (`python -c`): CODE + a comment is
+# another workload.
 _CHILD = r"""
 import json, resource, statistics, sys, warnings
 warnings.simplefilter("always")
@@ -38,6 +41,7 @@ if sys.argv[1] == "jax-first":
   jnp.ones(3).block_until_ready()
 with warnings.catch_warnings(record=True) as caught:
   import tunedjax as tj
+  at_import = tj.host_memory_status().to_dict()
 import jax, jax.numpy as jnp
 if sys.argv[1] == "tiny":  # the same workload, now with tiny calls only
   tiny = tj.jit(lambda v: v * 2.0)
@@ -47,10 +51,11 @@ if sys.argv[1] == "tiny":  # the same workload, now with tiny calls only
   sys.exit(0)
 
 @tj.jit
-def f(x):  # an 80 MiB temporary: the concatenation, kept by the barrier
-  return jax.lax.optimization_barrier(jnp.concatenate([x * 2.0, x * 3.0])).sum()
+def f(x):  # 80 MiB of temporaries: five 16 MiB concatenations, kept alive by the barrier
+  parts = tuple(jnp.concatenate([x * (i + 2.0), x * (i + 3.0)]) for i in range(5))
+  return sum(p.sum() for p in jax.lax.optimization_barrier(parts))
 
-x = jnp.arange(TEMP_BYTES // 8, dtype=jnp.float32) / 1e6
+x = jnp.arange(TEMP_BYTES // 40, dtype=jnp.float32) / 1e6
 assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= TEMP_BYTES
 for _ in range(8):  # tunedjax.jit measures calls 4-6 while deciding
   f(x).block_until_ready()
@@ -63,7 +68,7 @@ import numpy as np
 block = np.ones(64 * 2**20 // 8)  # with the settings, from the heap: mapping is off
 del block
 released = tj.release_host_memory()
-print(json.dumps({"status": tj.host_memory_status().to_dict(),
+print(json.dumps({"status": tj.host_memory_status().to_dict(), "at_import": at_import,
                   "faults": statistics.median(faults), "released": released,
                   "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}))
 """.replace("TEMP_BYTES", str(TEMP_BYTES))
@@ -116,19 +121,24 @@ def test_retain_reuses_memory_so_a_step_does_not_fault_its_temporaries_again(tmp
 @needs_glibc
 def test_auto_measures_records_and_applies_from_the_next_import_of_that_workload_only(tmp_path):
   cache = {"TUNEDJAX_CACHE_DIR": str(tmp_path)}
-  first = _child(**cache)  # nothing decided yet: malloc untouched, the step faults
-  assert first["status"]["mode"] == "auto" and first["status"]["applied"] is False
-  assert first["faults"] > 0.5 * PAGES, first
+  # Nothing decided yet: malloc untouched at import; the measured calls fault, and what
+  # can act mid-process is set the moment the measurement shows it pays.
+  first = _child(**cache)
+  assert first["at_import"]["applied"] is False and first["at_import"]["settings"] == {}
+  assert first["status"]["mode"] == "auto" and first["status"]["applied"] is True
+  assert first["status"]["settings"] == _host_memory.RETENTION
+  assert "in this process as soon as" in first["status"]["reason"]
+  assert first["faults"] < 0.05 * PAGES, first
   assert first["warnings"] == []
   (record,) = _records(tmp_path)
   assert record["pays"] is True and record["program"] == "f"
   assert record["workload"] == first["status"]["workload"]
   assert record["workload"].startswith("python -c ")
-  assert record["faults_per_call"] > 0.5 * PAGES
+  assert record["faults_per_call"] > 0.5 * PAGES  # measured before they were set
   assert first["status"]["decision"] == record
 
-  second = _child(**cache)  # the same workload: applied at import, no faults left
-  assert second["status"]["applied"] is True
+  second = _child(**cache)  # the same workload: all of them at import (one arena)
+  assert second["at_import"]["applied"] is True
   assert second["status"]["settings"] == _host_memory.SETTINGS
   assert second["status"]["decision"] == record
   assert record["measured_at"] in second["status"]["reason"]
@@ -136,9 +146,9 @@ def test_auto_measures_records_and_applies_from_the_next_import_of_that_workload
   assert record in _records(tmp_path)  # its large program confirmed the decision
 
   other = _child(code=_CHILD + "# another workload\n", **cache)  # not this decision's
-  assert other["status"]["applied"] is False
+  assert other["at_import"]["applied"] is False  # its own first process: it measures
   assert other["status"]["workload"] != record["workload"]
-  assert other["faults"] > 0.5 * PAGES, other
+  assert other["status"]["settings"] == _host_memory.RETENTION
 
   opted_out = _child(**cache, **{_host_memory.ENV_VAR: "default"})
   assert opted_out["status"] == {"mode": "default", "applied": False, "settings": {},
@@ -164,6 +174,11 @@ def test_backend_started_before_import_warns_and_leaves_malloc_alone():
   assert _host_memory.ENVIRONMENT_HINT in warning
   quiet = _child("jax-first")  # auto, nothing decided: nothing to warn about
   assert quiet["warnings"] == []
+  # XLA read its flags when its backend started: its temporaries stay one block, which
+  # only the next import's one arena keeps. Measured and recorded for it, and said so.
+  assert "apply from the next import" in quiet["at_import"]["reason"]
+  assert quiet["status"]["applied"] is False and quiet["faults"] > 0.5 * PAGES, quiet
+  assert "recorded for the next import" in quiet["status"]["reason"]
 
 
 def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
@@ -172,15 +187,19 @@ def _decide(monkeypatch, folder: pathlib.Path | None = None, **env: str
   in `folder` (mallopt is never called here: this process keeps its allocator)."""
   for name in _ALLOCATOR_ENV:
     monkeypatch.delenv(name, raising=False)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # what the decision adds is undone after
   for name, value in env.items():
     monkeypatch.setenv(name, value)
+  monkeypatch.setattr(_xla, "likely_cpu_only",  # no accelerator unless env says one
+                      lambda: os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu"))
+  monkeypatch.setattr(_host_memory, "_UNSPLIT", "not asked for")
   monkeypatch.setattr(_host_memory, "_STATUS", None)
   monkeypatch.setattr(_host_memory, "_MEASURING", False)
   monkeypatch.setattr(_host_memory, "_CONFIRMING", False)
   monkeypatch.setattr(_host_memory, "_MEASURED", [])
   monkeypatch.setattr(_host_memory, "_FOLDER", folder or pathlib.Path("/nonexistent/tunedjax"))
   monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: None)
-  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc: None)  # "set"
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: None)  # "set"
   return _host_memory.configure()
 
 
@@ -283,18 +302,73 @@ def test_an_invalid_record_warns_and_is_ignored(monkeypatch, tmp_path, bad):
     assert _decisions.load(tmp_path) == [good]
 
 
-def test_observe_records_only_a_program_whose_faults_cost(monkeypatch, tmp_path):
+def test_observe_records_only_a_program_whose_faults_cost_and_keeps_memory_at_once(
+    monkeypatch, tmp_path):
   _decide(monkeypatch, tmp_path)
   monkeypatch.setattr(_host_memory, "_MEASURED", [])
+  set_now = []
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: set_now.append(
+      settings))
   assert _host_memory.observe("tiny", faults=0, system_s=0.0, wall_s=2e-5) is False
   assert _host_memory.observe("few faults", faults=1000, system_s=0.002, wall_s=0.01) is False
   assert _host_memory.observe("cheap faults", faults=5000, system_s=0.01, wall_s=0.5) is False
   assert not (tmp_path / _decisions.FILE_NAME).exists() and _host_memory.measuring()
+  assert set_now == [] and not _host_memory.host_memory_status().applied
   assert _host_memory.observe("step", faults=18_000, system_s=0.032, wall_s=0.046) is True
   assert [r["program"] for r in _host_memory.measurements()] == [
       "tiny", "few faults", "cheap faults", "step"]
   assert not _host_memory.measuring()  # decided: tunedjax.jit stops measuring
-  assert "recorded for the next import" in _host_memory.host_memory_status().reason
+  assert set_now == [_host_memory.RETENTION]  # in this process, at once
+  status = _host_memory.host_memory_status()
+  assert status.applied and status.settings == _host_memory.RETENTION
+  assert status.decision == _records(tmp_path)[0] and "18,000 pages" in status.reason
+  assert "recorded for the next import" in status.reason
+
+
+def test_memory_kept_per_xla_thread_must_fit_or_waits_for_the_next_import(monkeypatch, tmp_path):
+  _decide(monkeypatch, tmp_path)
+  set_now = []
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: set_now.append(1))
+  monkeypatch.setattr("os.cpu_count", lambda: 4096)  # a copy per thread: more than a quarter
+  assert _host_memory.observe("step", faults=18_000, system_s=0.032, wall_s=0.046) is True
+  status = _host_memory.host_memory_status()
+  assert set_now == [] and not status.applied and status.decision["pays"]
+  assert "could take more than 25% of this machine's memory" in status.reason
+  monkeypatch.setattr("os.cpu_count", lambda: 2)
+  assert _host_memory._retention_fits(18_000) and not _host_memory._retention_fits(1e12)
+
+
+def test_auto_has_xla_split_temporaries_where_it_can_still_act_on_the_cpu(monkeypatch, tmp_path):
+  flag = _xla.HEAP_FLAG
+  assert "in blocks of at most 32 MiB" in _decide(monkeypatch, tmp_path).reason
+  assert os.environ["XLA_FLAGS"] == flag and _host_memory._UNSPLIT is None
+  _decide(monkeypatch, tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+  assert os.environ["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"  # added
+  theirs = f"--{_xla.HEAP_OPTION}=16777216"
+  _decide(monkeypatch, tmp_path, XLA_FLAGS=theirs)
+  assert os.environ["XLA_FLAGS"] == theirs and _host_memory._UNSPLIT is None  # kept
+  status = _decide(monkeypatch, tmp_path, XLA_FLAGS=f"--{_xla.HEAP_OPTION}=-1")
+  assert "apply from the next import" in status.reason and f"to -1" in status.reason
+  for env in ({_host_memory.ENV_VAR: "default"}, RETAIN, {"MALLOC_ARENA_MAX": "2"}):
+    _decide(monkeypatch, tmp_path, **env)
+    assert "XLA_FLAGS" not in os.environ  # only where the process measures and may act
+  _decide(monkeypatch, tmp_path)
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(_xla, "likely_cpu_only", lambda: False)  # an accelerator reads it too
+  monkeypatch.setattr(_host_memory, "_STATUS", None)
+  status = _host_memory.configure()
+  assert "XLA_FLAGS" not in os.environ and "may run on an accelerator" in status.reason
+  # After JAX's backend started, XLA has read its flags: nothing added, and a paying
+  # measurement waits for the next import.
+  _decide(monkeypatch, tmp_path)
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: "cpu")
+  monkeypatch.setattr(_host_memory, "_STATUS", None)
+  assert "started before tunedjax" in _host_memory.configure().reason
+  assert "XLA_FLAGS" not in os.environ
+  assert _host_memory.observe("step", faults=18_000, system_s=0.032, wall_s=0.046) is True
+  status = _host_memory.host_memory_status()
+  assert not status.applied and "recorded for the next import" in status.reason
 
 
 def test_an_applied_decision_is_confirmed_by_a_large_program_or_withdrawn_at_exit(
@@ -320,8 +394,10 @@ def test_an_applied_decision_is_confirmed_by_a_large_program_or_withdrawn_at_exi
 def test_a_readonly_cache_records_nothing(monkeypatch, tmp_path):
   _decide(monkeypatch, tmp_path)
   with tj.config_context({"cache": {"readonly": True}}):
-    assert _host_memory.observe("step", faults=18_000, system_s=0.03, wall_s=0.05) is False
+    assert _host_memory.observe("step", faults=18_000, system_s=0.03, wall_s=0.05) is True
   assert not (tmp_path / _decisions.FILE_NAME).exists()
+  status = _host_memory.host_memory_status()  # this process still keeps its memory
+  assert status.applied and "recorded" not in status.reason
 
 
 def test_tunedjax_jit_measures_a_few_early_cpu_calls_then_nothing(monkeypatch, tmp_path):
@@ -363,7 +439,7 @@ def test_workload_names_the_script_the_code_or_the_notebook(monkeypatch, tmp_pat
 def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, tmp_path):
   calls = []
   _decide(monkeypatch, tmp_path, JAX_PLATFORMS="cpu")
-  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc: calls.append(1))
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: calls.append(1))
   status = _host_memory.apply_for_training("a test started")
   assert status.applied and calls == [1] and "a test started" in status.reason
   assert _host_memory.host_memory_status() is status and not _host_memory.measuring()
@@ -376,7 +452,7 @@ def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, 
     assert not before.applied
 
 
-def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch):
+def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch, tmp_path):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert _host_memory._likely_cpu_only() is True
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
@@ -384,14 +460,22 @@ def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatc
   monkeypatch.delenv("JAX_PLATFORMS")
   import importlib.metadata
   import importlib.util
-  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr("sys.path", [str(tmp_path)])
+  (tmp_path / "numpy-2.0.dist-info").mkdir()  # a distribution without entry points
+  (tmp_path / "tool-1.0.dist-info").mkdir()
+  (tmp_path / "tool-1.0.dist-info" / "entry_points.txt").write_text("[console_scripts]\nt=t\n")
   assert _host_memory._likely_cpu_only() is True  # no plugin installed
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: name == "libtpu" or None)
   assert _host_memory._likely_cpu_only() is False
   monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-  monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: ["jax_cuda12_plugin"])
+  plugin = tmp_path / "jax_cuda12_plugin-0.10.2.dist-info"
+  plugin.mkdir()
+  (plugin / "entry_points.txt").write_text("[jax_plugins]\nxla_cuda12 = jax_cuda12_plugin\n")
   assert _host_memory._likely_cpu_only() is False
+  # The same answer as importlib.metadata's, which reads the same files.
+  assert _xla.jax_plugins_installed() == bool(importlib.metadata.entry_points(
+      group="jax_plugins"))
 
 
 def test_the_trainer_and_the_demo_command_ask_for_the_settings_first(monkeypatch):

@@ -425,6 +425,33 @@ def test_a_restarted_process_tunes_nothing_and_compiles_from_disk(tmp_path):
   assert list((tmp_path / "shared" / XLA_CACHE_SUBDIR).iterdir())
 
 
+def test_a_first_call_writes_what_it_tuned_to_the_cache_file_once(tmp_path, monkeypatch, rng):
+  from tunedjax._tuning import _cache  # pylint: disable=import-outside-toplevel
+  writes = []
+  real_write = _cache.Cache._write
+  monkeypatch.setattr(_cache.Cache, "_write", lambda self, entries: (
+      writes.append(sorted(e.namespace for e in entries.values())), real_write(self, entries)))
+  x = jnp.asarray(rng.normal(size=(2, 6, 6, 3)).astype(np.float32))
+  ws = [jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((3, 3, 3, 4), (1, 1, 4, 5))]
+
+  def f(x, ws):
+    for w in ws:
+      x = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return x
+
+  jitted = tj.jit(f, session=tj.autotune.TuningSession())  # no step yet: tunes at once
+  with tj.config_context({"kernel": {"enable": True}, "cache": {"dir": str(tmp_path)}}):
+    out = jitted(x, ws)
+    report = jitted.report(memory=False).last
+  tuned = report.cache_misses
+  assert tuned >= 2 and report.cache_hits == 0
+  # One read-merge-write (and one fsync) at the end of the trace, for every bucket.
+  assert writes == [["conv"] * tuned]
+  assert len(tj.autotune.Cache(tmp_path).entries("conv")) == tuned
+  np.testing.assert_allclose(np.asarray(out), np.asarray(f(x, ws)), rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_phase_retraces_only_when_kernel_selection_is_on():
   f = tj.jit(lambda x: x * 2)
   try:

@@ -443,9 +443,20 @@ class _ProgramCheck:
                 ", ".join(f"{d['bucket']} ({d['kernel']})" for d in summary["lost"]) or "none")
 
 
-def _selecting(selection: Any) -> Any:
-  """`_select.selecting(selection)`, or nothing when kernel selection is off."""
-  return contextlib.nullcontext() if selection is None else _select.selecting(selection)
+@contextlib.contextmanager
+def _selecting(selection: Any) -> Iterator[None]:
+  """`_select.selecting(selection)`, or nothing when kernel selection is off.
+
+  The tuning cache's writes wait for the trace's end (`Cache.deferring`):
+  the buckets a first call tunes are written to the file once, together.
+  """
+  if selection is None:
+    yield
+    return
+  deferring = (contextlib.nullcontext() if selection.cache is None
+               else selection.cache.deferring())
+  with deferring, _select.selecting(selection):
+    yield
 
 
 def _routing(selection: Any) -> Any:

@@ -237,15 +237,93 @@ def test_compile_times_are_recorded_and_the_payback_cost_uses_the_predicted_ones
   assert _payback.still_cannot_pay_back(value, horizon=100)
   assert _payback.still_cannot_pay_back(value, horizon=10)
   assert not _payback.still_cannot_pay_back(value, horizon=100_000)
-  # Predicted to compile for 1 ms: it pays back, and only it is compiled.
+  # Predicted to compile for 1 ms: it pays back, and only it is compiled
+  # (beside the default: `_compiled_ahead`).
   compiled.clear()
   pred = dataclasses.replace(pred, estimates={**pred.estimates, "t_transposed": Estimate(
       0.5, 0.1, compile_s=0.001)})
   fast = _tuner.tune_bucket(spec, _candidates(spec), payback=_tuner.Payback(horizon=100),
                             prediction=pred, options=_tuner.TuneOptions(rounds=2))
-  assert not fast.kept and compiled == ["xla", "t_transposed"]
+  assert not fast.kept and compiled == ["t_transposed", "xla"]
   assert fast.payback["estimate_s"] == pytest.approx(0.001 + 0.002)
   assert fast.winner == "t_transposed"
+
+
+@pytest.fixture
+def grouped(monkeypatch):
+  """What each `_compile_all` call compiles; fakes the timings (xla 2 ms, t_transposed 1 ms)."""
+  groups: list[list[str]] = []
+  called: list[str] = []
+  real = _tuner._compile_all
+  speed = {"xla": 0.002, "t_transposed": 0.001}
+
+  def compile_all(functions, args, times=None):
+    groups.append(sorted(functions))
+    return real(functions, args, times)
+
+  def timed(runners, rounds=5, **kw):
+    called.extend(runners)
+    return {n: [speed.get(n, 0.002)] * rounds for n in runners}
+
+  monkeypatch.setattr(_tuner, "_compile_all", compile_all)
+  monkeypatch.setattr(_tuning, "time_interleaved", timed)
+  with h.registered(*NAMES):
+    yield groups, called
+
+
+def _decision(result):
+  return (result.winner, result.decided, result.kept, sorted(result.pruned),
+          sorted(result.timings), result.ratios)
+
+
+@pytest.mark.parametrize("horizon", [100, 2])
+def test_the_predicted_best_compiles_beside_the_default_and_decides_alike(
+    grouped, monkeypatch, horizon):
+  # On two cores the candidate predicted best (and quick to compile) compiles
+  # in the same call as the default, before the payback decision; on one core
+  # after it. Either way the same decision: tuned with 100 runs, kept with 2
+  # (2 runs of a 2 ms default cannot pay for a compile), and a kept bucket's
+  # candidate compiled ahead is never called.
+  groups, called = grouped
+  spec = _spec()
+
+  def tune():
+    groups.clear(), called.clear()
+    return _tuner.tune_bucket(spec, _candidates(spec), payback=_tuner.Payback(horizon=horizon),
+                              prediction=_prediction(), options=_tuner.TuneOptions(rounds=2))
+
+  monkeypatch.setattr(_tuning, "usable_cores", lambda: 2)
+  beside, groups_beside, called_beside = tune(), list(groups), set(called)
+  monkeypatch.setattr(_tuning, "usable_cores", lambda: 1)
+  alone, groups_alone = tune(), list(groups)
+  assert _decision(beside) == _decision(alone)
+  assert groups_beside == [["t_transposed", "xla"]]
+  assert beside.kept is (horizon == 2)
+  if beside.kept:
+    assert groups_alone == [["xla"]] and called_beside == {"xla"}
+    assert set(beside.compile_s) == {"xla", "t_transposed"}  # measured, for later predictions
+  else:
+    assert groups_alone == [["xla"], ["t_transposed"]] and beside.winner == "t_transposed"
+  # Deciding is counted as if the default had compiled alone.
+  assert beside.payback["decided_s"] <= beside.tuning_s
+
+
+def test_nothing_compiles_beside_the_default_without_a_quick_predicted_candidate(
+    grouped, monkeypatch):
+  groups, _ = grouped
+  monkeypatch.setattr(_tuning, "usable_cores", lambda: 2)
+  spec = _spec()
+  slow = _prediction(ratio=0.2)
+  slow = dataclasses.replace(slow, estimates={**slow.estimates, "t_transposed": Estimate(
+      0.2, 0.1, compile_s=_tuner.AHEAD_COMPILE_S * 2)})
+  unknown = dataclasses.replace(slow, estimates={
+      n: e for n, e in slow.estimates.items() if n != "t_transposed"},
+      unknown=("t_transposed",))
+  for prediction in (None, slow, unknown):
+    groups.clear()
+    _tuner.tune_bucket(spec, _candidates(spec), payback=_tuner.Payback(horizon=10**6),
+                       prediction=prediction, options=_tuner.TuneOptions(rounds=1))
+    assert groups[0] == ["xla"], (prediction, groups)
 
 
 def test_payback_without_predicted_compiles_uses_the_defaults():

@@ -326,6 +326,32 @@ def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_app
   # Tuned before step 0, so no step runs (or compiles) the observe phase's all-xla program.
   reports = trainer._train_step.report(memory=False)
   assert len(reports) == 1 and not any("(observe)" in k for r in reports for k in r.kernels)
+  # And traced once: the loader's scratch copy of the state (its PRNG key
+  # included) has the state's shardings, so the real steps reuse its program.
+  assert trainer._train_step._traces == 1
+
+
+def test_the_scratch_copy_of_a_state_compiles_nothing_and_keeps_its_shardings():
+  from tunedjax.trainer import _trainer  # pylint: disable=import-outside-toplevel
+  trainer = _nnx_trainer()
+  state = trainer.state
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if (  # noqa: E731
+      event.endswith("backend_compile_duration")) else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    copy = _trainer._copied(state)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []  # jnp.copy per leaf compiled a program per leaf shape
+  for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(copy)):
+    assert a.sharding == b.sharding and a.committed == b.committed
+    assert jax.typeof(a) == jax.typeof(b)
+    a_data = jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+    b_data = jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key) else b
+    np.testing.assert_array_equal(np.asarray(a_data), np.asarray(b_data))
+  jax.tree_util.tree_map(lambda x: x.delete(), copy)  # new buffers: the state's stay
+  assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))
 
 
 def test_training_does_not_delete_the_arrays_the_model_was_built_with():

@@ -128,6 +128,33 @@ def test_readonly_never_writes_nor_moves(tmp_path):
   assert ro.path.read_text() == "{ broken"
 
 
+def test_deferred_writes_are_read_at_once_and_written_once_when_the_last_block_ends(
+    tmp_path, monkeypatch):
+  cache = Cache(tmp_path)
+  writes = []
+  real_write = cache._write
+  monkeypatch.setattr(cache, "_write", lambda entries: (writes.append(len(entries)),
+                                                        real_write(entries)))
+  with cache.deferring():
+    cache.put("conv", KEY, VALUE)
+    with cache.deferring():  # blocks nest
+      cache.put("conv", {**KEY, "dtype": "float16"}, VALUE)
+    assert writes == [] and not cache.path.exists()
+    assert cache.get("conv", KEY) == VALUE and len(cache.entries("conv")) == 2  # read at once
+    assert Cache(tmp_path).entries() == []  # another process sees nothing yet
+  assert writes == [2]  # one read-merge-write for both
+  assert len(Cache(tmp_path).entries("conv")) == 2
+  # A block that ends with an error still writes; a readonly cache never does.
+  with pytest.raises(RuntimeError), cache.deferring():
+    cache.put("conv", {**KEY, "dtype": "bfloat16"}, VALUE)
+    raise RuntimeError("the trace failed")
+  assert len(Cache(tmp_path).entries("conv")) == 3
+  ro = Cache(tmp_path, readonly=True)
+  with ro.deferring():
+    ro.put("conv", {**KEY, "dtype": "int8"}, VALUE)
+  assert len(Cache(tmp_path).entries("conv")) == 3 and len(ro.entries("conv")) == 4
+
+
 def test_readonly_follows_the_config(tmp_path):
   with tj.config_context({"cache": {"dir": str(tmp_path), "readonly": True}}):
     cache = default_cache()

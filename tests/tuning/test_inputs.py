@@ -27,7 +27,7 @@ def test_a_remembered_draw_equals_drawing_and_leaves_the_generator_where_drawing
   assert b is a and not a.flags.writeable
   # Both generators go on exactly as a generator that drew it itself.
   plain = np.random.default_rng(3)
-  expected = plain.standard_normal(BIG).astype(np.float32)
+  expected = plain.standard_normal(BIG, dtype=np.float32)
   np.testing.assert_array_equal(a, expected)
   after = plain.standard_normal(7)
   np.testing.assert_array_equal(first.standard_normal(7), after)
@@ -43,7 +43,9 @@ def test_draws_differ_by_state_shape_and_dtype(monkeypatch):
   d = random_array((1024, 256), "float32", np.random.default_rng(0))
   assert not np.array_equal(a, b)
   assert c.dtype == np.float64 and d.shape == (1024, 256)
-  np.testing.assert_array_equal(c.astype(np.float32), a)  # the same normals, cast
+  # Each floating dtype is drawn in its own precision: another draw.
+  assert not np.array_equal(c.astype(np.float32), a)
+  np.testing.assert_array_equal(c, np.random.default_rng(0).standard_normal(BIG))
 
 
 def test_small_draws_are_writable_and_not_remembered(monkeypatch):

@@ -25,9 +25,13 @@ So tunedjax decides per machine and workload, by measurement
   time of a few early calls of each CPU program (`CallProbe`). Where one
   faults at least 16 MiB per call and spends at least a tenth of its time
   doing so, that is recorded (`_decisions`) and the settings are applied
-  from the next ``import tunedjax`` of the same workload on. Where tunedjax
+  from the next ``import tunedjax`` of the same workload on. The process
+  that measured gets what can act mid-process (`RETENTION`) at once: its
+  import had XLA:CPU allocate temporaries in blocks of at most 32 MiB
+  (`_xla`: ``$XLA_FLAGS``), which the arenas of XLA's threads keep once
+  mapping and trimming are off and the top pad is large. Where tunedjax
   starts the work itself before JAX's backend starts (the ``tunedjax demo``
-  command, a `Trainer` created first), they are applied at once
+  command, a `Trainer` created first), all of them are applied at once
   (`apply_for_training`).
 * ``retain``: always (as a launcher's ``MALLOC_*`` variables would).
 * ``default``: never, and nothing is measured.
@@ -54,7 +58,6 @@ import atexit
 import ctypes
 import dataclasses
 import functools
-import importlib.util
 import os
 import pathlib
 import resource
@@ -66,7 +69,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tunedjax._errors import HostMemoryWarning, format_choices
-from tunedjax._host_memory import _decisions
+from tunedjax._host_memory import _decisions, _xla
 
 ENV_VAR = "TUNEDJAX_HOST_MEMORY"
 """``auto`` (the default: decided by measurement), ``retain`` (always set malloc up for
@@ -78,9 +81,18 @@ MODES = ("auto", "retain", "default")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+_M_TOP_PAD = -2
 SETTINGS = {"M_ARENA_MAX": 1, "M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1}
+# What can be set mid-process, where a measurement shows that the settings pay (an arena
+# limit cannot: each thread keeps the arena it drew at its first malloc). A thread arena
+# cannot hold a block over 64 MiB, so `_xla` has XLA:CPU split its temporaries; the top
+# pad keeps a thread arena from unmapping a heap it emptied (glibc's heap_trim).
+RETENTION = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1, "M_TOP_PAD": 64 * 2**20}
 _PARAMS = {"M_ARENA_MAX": _M_ARENA_MAX, "M_MMAP_MAX": _M_MMAP_MAX,
-           "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD}
+           "M_TRIM_THRESHOLD": _M_TRIM_THRESHOLD, "M_TOP_PAD": _M_TOP_PAD}
+# The in-process settings keep one copy of a program's temporaries per XLA thread that ran
+# it: they are set only where that fits in this share of the machine's memory.
+_RETENTION_MEMORY_SHARE = 0.25
 
 # Environment variables through which a user (or a launcher) already tuned malloc.
 _MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
@@ -128,6 +140,8 @@ _MEASURING = False  # auto mode, not applied: tunedjax.jit's CPU programs are me
 _CONFIRMING = False
 CONFIRM_S = 0.002  # a call this long (with the settings) confirms the decision
 _MEASURED: list[dict[str, Any]] = []  # this process's measurements (for `tunedjax info`)
+# Why XLA:CPU's temporaries are not in blocks a thread arena keeps (None: they are).
+_UNSPLIT: str | None = "not asked for"
 
 
 @functools.cache
@@ -226,9 +240,9 @@ def configure() -> HostMemoryStatus:
     return _STATUS
 
 
-def _mallopt(libc: ctypes.CDLL) -> str | None:
-  """Sets `SETTINGS`; the refusal, if glibc refused one."""
-  for name, value in SETTINGS.items():
+def _mallopt(libc: ctypes.CDLL, settings: dict[str, int] = SETTINGS) -> str | None:
+  """Sets `settings` (`SETTINGS` or `RETENTION`); the refusal, if glibc refused one."""
+  for name, value in settings.items():
     if libc.mallopt(_PARAMS[name], value) != 1:
       return f"glibc refused mallopt({name}, {value})"
   return None
@@ -261,7 +275,7 @@ def _withdraw_if_unconfirmed() -> bool:
 
 
 def _decide_and_apply() -> HostMemoryStatus:
-  global _MEASURING
+  global _MEASURING, _UNSPLIT
   mode, complaint = _mode()
   if complaint:
     warnings.warn(complaint, HostMemoryWarning, stacklevel=4)
@@ -273,13 +287,14 @@ def _decide_and_apply() -> HostMemoryStatus:
   if blocked is not None:
     return blocked
   workload, decision = None, None
+  backend = _jax_default_backend_if_started()
   if mode == "auto":
+    _UNSPLIT = _xla.split_heaps(backend is not None)  # in every process of the workload
     workload = _decisions.workload()
     decision = _decisions.lookup(_FOLDER, workload)
     if decision is None or not decision["pays"]:
       _MEASURING = True
-      return HostMemoryStatus(mode, False, _UNDECIDED, workload=workload, decision=decision)
-  backend = _jax_default_backend_if_started()
+      return HostMemoryStatus(mode, False, _undecided(), workload=workload, decision=decision)
   if backend is not None:
     return _too_late(mode, backend, workload, decision)
   refused = _mallopt(_glibc())
@@ -293,8 +308,15 @@ def _decide_and_apply() -> HostMemoryStatus:
   return HostMemoryStatus(mode, True, reason, dict(SETTINGS), workload, decision)
 
 
-_UNDECIDED = ("not set: no measurement of this workload on this machine has shown that they pay "
-              "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+def _undecided() -> str:
+  head = ("not set: no measurement of this workload on this machine has shown that they pay "
+          "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+  if _UNSPLIT is None:
+    return (f"{head}. XLA:CPU allocates temporaries in blocks of at most "
+            f"{_xla.HEAP_BYTES // 2**20} MiB ({_xla.HEAP_FLAG} in $XLA_FLAGS), so where one "
+            f"pays, {', '.join(RETENTION)} are set in this process at once (one arena from the "
+            "next import)")
+  return f"{head}, and where one pays they apply from the next import ({_UNSPLIT})"
 
 
 def _describe(decision: dict[str, Any]) -> str:
@@ -337,20 +359,8 @@ def host_memory_status() -> HostMemoryStatus:
 
 
 def _likely_cpu_only() -> bool:
-  """Whether JAX will run on the CPU only: ``$JAX_PLATFORMS`` says so, or no
-  accelerator plugin is installed (read without importing JAX)."""
-  chosen = os.environ.get("JAX_PLATFORMS", "").strip()
-  if chosen:
-    return chosen.split(",")[0].strip().lower() == "cpu"
-  if importlib.util.find_spec("libtpu") is not None:
-    return False
-  try:
-    from importlib import metadata  # pylint: disable=import-outside-toplevel  # not at import: ms
-    if metadata.entry_points(group="jax_plugins"):
-      return False
-  except Exception:  # pylint: disable=broad-except  # broken metadata: assume an accelerator
-    return False
-  return importlib.util.find_spec("jax_plugins") is None
+  """Whether JAX will run on the CPU only (`_xla.likely_cpu_only`; read without JAX)."""
+  return _xla.likely_cpu_only()
 
 
 def apply_for_training(who: str) -> HostMemoryStatus:
@@ -445,7 +455,8 @@ class CallProbe:
 
 
 def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> bool:
-  """Takes one program's measurement; records the decision where the settings pay.
+  """Takes one program's measurement; where the settings pay, sets `RETENTION` in this
+  process (where its memory fits: `_retention_fits`) and records the decision.
 
   Args:
     program: the program's name (for the record and ``tunedjax info``).
@@ -454,7 +465,8 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
     wall_s: seconds per call.
 
   Returns:
-    True if this measurement was recorded as paying.
+    True if this measurement pays and was acted on: `RETENTION` set in this
+    process, or the decision recorded for the next import (or both).
   """
   global _MEASURING, _CONFIRMING, _STATUS
   with _LOCK:
@@ -467,12 +479,40 @@ def observe(program: str, *, faults: float, system_s: float, wall_s: float) -> b
     if not (_MEASURING and record["pays"]):
       return False
     _MEASURING = False
-    if _readonly_cache() or not _decisions.store(decisions_folder(), record):
-      return False
-    _STATUS = dataclasses.replace(status, decision=record, reason=(
-        "not set in this process (decided after it started); recorded for the next import "
-        f"of this workload: {_describe(record)}"))
+    fits = _retention_fits(faults)
+    now = _UNSPLIT is None and fits and _mallopt(_glibc(), RETENTION) is None
+    stored = not _readonly_cache() and _decisions.store(decisions_folder(), record)
+    if now:
+      _STATUS = dataclasses.replace(status, applied=True, settings=dict(RETENTION),
+                                    decision=record, reason=_retained(record, stored))
+    elif stored:
+      why = (f"decided after it started; {_UNSPLIT}" if _UNSPLIT is not None else
+             "decided after it started" if fits else "one copy of its temporaries per XLA "
+             f"thread could take more than {_RETENTION_MEMORY_SHARE:.0%} of this machine's "
+             "memory")
+      _STATUS = dataclasses.replace(status, decision=record, reason=(
+          f"not set in this process ({why}); recorded for the next import of this workload: "
+          f"{_describe(record)}"))
+    return now or stored
+
+
+def _retained(record: dict[str, Any], stored: bool) -> str:
+  return (f"{', '.join(RETENTION)} set with mallopt in this process as soon as tunedjax.jit "
+          f"measured that they pay: {_describe(record)}. XLA:CPU allocates temporaries in "
+          f"blocks of at most {_xla.HEAP_BYTES // 2**20} MiB ({_xla.HEAP_FLAG} in $XLA_FLAGS), "
+          "which the arenas of XLA's threads keep"
+          + ("; recorded for the next import of this workload, which sets all of them (one "
+             "arena) at import" if stored else ""))
+
+
+def _retention_fits(faults: float) -> bool:
+  """Whether one copy of a program's temporaries (its faulted pages) per CPU, the most XLA
+  threads that may each keep one, fits in `_RETENTION_MEMORY_SHARE` of physical memory."""
+  try:
+    page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):  # not reported: assume it fits (as glibc's defaults would)
     return True
+  return faults * page * (os.cpu_count() or 1) <= _RETENTION_MEMORY_SHARE * page * pages
 
 
 def measurements() -> list[dict[str, Any]]:

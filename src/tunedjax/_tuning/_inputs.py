@@ -114,9 +114,15 @@ def _draw(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator,
     if integers == "zeros" or dtype == np.bool_:
       return np.zeros(shape, dtype)
     return rng.integers(-3, 4, size=shape).astype(dtype)
+  # float32 and float64 are drawn in their own precision (float32: about 3x
+  # faster than drawing float64 and rounding, for a tuner's 16 MiB operand).
   if np.issubdtype(dtype, np.complexfloating):
-    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-  return rng.standard_normal(shape).astype(dtype)
+    part = np.float32 if dtype == np.complex64 else np.float64
+    return (rng.standard_normal(shape, dtype=part)
+            + 1j * rng.standard_normal(shape, dtype=part)).astype(dtype)
+  if dtype in (np.float32, np.float64):
+    return rng.standard_normal(shape, dtype=dtype)
+  return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
 def random_inputs(avals: Sequence[Any], seed: int = 0) -> list[np.ndarray]:

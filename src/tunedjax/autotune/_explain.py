@@ -59,6 +59,10 @@ class BucketChoice:
     matched: for sites an op family's pattern found written out (a batch
       norm in primitive ops), each one's spelling and source line
       (``"two-pass rsqrt affine at net.py:12 (bn)"``).
+    error_ratios: ``{kernel: ratio}``: each checked candidate's error against
+      the bucket's high-precision reference (float64 where the platform has
+      it) over the default's; above 3 it was rejected (empty where nothing
+      was checked, or in entries written before the rule).
     predicted: the candidates in the order the tuner would predict them
       now, fastest first, for the platform asked about: from that platform's
       measurements (its device's cache), the family's priors for its machine
@@ -83,6 +87,7 @@ class BucketChoice:
   compiled: int | None = None
   compile_s: float = 0.0
   matched: tuple[str, ...] = ()
+  error_ratios: Mapping[str, float] = dataclasses.field(default_factory=dict)
   predicted: tuple[str, ...] = ()
 
 
@@ -186,4 +191,4 @@ def _bucket_row(name: str, key: dict[str, Any], candidates: Any, count: int,
       decided=_result.decided(value), regret=_result.regret(value),
       compiled=len(value["compile_s"]) if value.get("compile_s") else None,
       compile_s=float(sum((value.get("compile_s") or {}).values())), matched=matched,
-      predicted=predicted)
+      predicted=predicted, error_ratios=dict(value.get("error_ratios") or {}))

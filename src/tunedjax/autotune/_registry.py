@@ -108,7 +108,10 @@ class OpFamily:
     default: the reference kernel's name: always a candidate, the choice in
       the observe phase and wherever nothing beats it.
     tolerance: ``tolerance(dtype, platform) -> float``: the largest relative
-      error against the reference a candidate may show.
+      difference from the default kernel's output a candidate may show: a
+      sanity bound. What decides is the accuracy rule every family shares
+      (`autotune._accuracy`): a candidate's error against a high-precision
+      reference may be at most 3 times the default's.
     primitive: a jaxpr primitive whose equations are this family's sites
       (found by the kernel-selection pass), or None for a family whose sites
       call `dispatch`.
@@ -134,6 +137,14 @@ class OpFamily:
       selection evaluates; each site found is decided like any other and,
       when its kernel is not the default, replaced by it (its forward, and
       in a differentiated jaxpr its backward too, `autotune._sites`).
+    precise: ``precise(*operands, spec)``: the family's outputs computed as
+      exactly as the operands' dtype allows, the high-precision reference
+      candidates are judged against. The tuner calls it on the floating
+      operands upcast to float64 (under `jax.enable_x64`, where the
+      platform has float64), else to float32 with every product at
+      `Precision.HIGHEST`. None (the default): the default kernel's ``fn``;
+      a family gives its own where that computes in a fixed dtype (a
+      softmax taken in float32 whatever the inputs) or fixes a precision.
     presumed: ``presumed(key, platform) -> {kernel: time ratio to the
       default}``: the family's rule for a platform where nothing measured
       (this device's cache, priors of its machine class) is near a bucket,
@@ -156,6 +167,7 @@ class OpFamily:
   features: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None
   priors: Any = None
   patterns: tuple[Callable[..., Any], ...] = ()
+  precise: Callable[..., Any] | None = None
   presumed: Callable[[Mapping[str, Any], str], Mapping[str, float]] | None = None
 
   def __post_init__(self):
@@ -169,7 +181,7 @@ class OpFamily:
       if not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable, got "
                             f"{getattr(self, field)!r}.")
-    for field in ("features", "presumed"):
+    for field in ("features", "presumed", "precise"):
       if getattr(self, field) is not None and not callable(getattr(self, field)):
         raise AutotuneError(f"OpFamily({self.name!r}).{field} must be callable or None, got "
                             f"{getattr(self, field)!r}.")

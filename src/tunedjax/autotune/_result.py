@@ -49,6 +49,11 @@ class TuneResult:
       bucket was tuned without a prediction.
     pruned: ``{name: reason}`` of the candidates the prediction ruled out:
       never compiled or timed.
+    error_ratios: ``{name: ratio}`` of each candidate checked against the
+      bucket's high-precision reference (`autotune._accuracy`): its error
+      over the default's; above `ERROR_RATIO_LIMIT` (3) it was rejected.
+      Empty when nothing was checked, where there was no higher precision
+      (float64 buckets), and in entries written before the rule.
 
   Example:
     >>> r = TuneResult(winner="xla", reason="only xla applies")
@@ -70,6 +75,7 @@ class TuneResult:
   compile_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
   predicted: Mapping[str, float] = dataclasses.field(default_factory=dict)
   pruned: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  error_ratios: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def kept(self) -> bool:
@@ -98,6 +104,8 @@ class TuneResult:
       extra["predicted"] = {k: float(v) for k, v in self.predicted.items()}
     if self.pruned:
       extra["pruned"] = dict(self.pruned)
+    if self.error_ratios:
+      extra["error_ratios"] = {k: float(v) for k, v in self.error_ratios.items()}
     return {
         "winner": self.winner,
         "reason": self.reason,
@@ -124,7 +132,8 @@ class TuneResult:
         temp_bytes={k: int(v) for k, v in value.get("temp_bytes", {}).items()},
         payback=dict(value.get("payback", {})),
         compile_s=dict(value.get("compile_s", {})), predicted=dict(value.get("predicted", {})),
-        pruned=dict(value.get("pruned", {})))
+        pruned=dict(value.get("pruned", {})),
+        error_ratios=dict(value.get("error_ratios", {})))
 
   def __eq__(self, other: object) -> bool:
     if not isinstance(other, TuneResult):
@@ -173,6 +182,7 @@ def validate_value(value: Any, op: str, known: Collection[str]) -> None:
       ("compile_s", lambda v: is_number(v) and v >= 0, "seconds >= 0"),
       ("predicted", lambda v: is_number(v) and v > 0, "a time ratio > 0"),
       ("pruned", lambda v: isinstance(v, str), "a reason string"),
+      ("error_ratios", lambda v: is_number(v) and v >= 0, "an error ratio >= 0"),
   ):
     sub = value.get(field, {})
     if not isinstance(sub, Mapping):

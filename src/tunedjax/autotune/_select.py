@@ -57,8 +57,8 @@ import jax
 from tunedjax import _tuning
 from tunedjax._config import get_config
 from tunedjax._errors import AutotuneError, TunedJaxError
-from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _registry, _report,
-                               _sites, _tuner, _verdict)
+from tunedjax.autotune import (_hints, _multihost, _payback, _predict, _prefetch, _registry,
+                               _report, _sites, _tuner, _verdict)
 from tunedjax.autotune._bucket import bucket_key
 from tunedjax.rewrite import _compat, _engine
 
@@ -103,6 +103,11 @@ class Selection:
     decisions: ``{bucket id: (family, label, kernel)}`` of every site whose
       tuned kernel is not the default (hints excepted): what the
       whole-program check verifies.
+    prefetch: the work ahead for the buckets this trace will tune
+      (`_prefetch.Prefetcher`: their operands and default kernels, on a spare
+      core), started by the kernel pass's look at each jaxpr (`_expect`);
+      None until then. `selecting` ends it with the trace.
+    lookaheads: jaxprs looked ahead in so far (the order of their sites).
   """
 
   platform: str
@@ -121,6 +126,8 @@ class Selection:
   vetoed: frozenset[str] = frozenset()
   context: dict[str, str] | None = None
   decisions: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
+  prefetch: _prefetch.Prefetcher | None = None
+  lookaheads: int = 0
 
 
 _ACTIVE: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
@@ -149,6 +156,9 @@ def selecting(selection: Selection) -> Iterator[Selection]:
     yield selection
   finally:
     _ACTIVE.reset(token)
+    if selection.prefetch is not None:  # the work ahead ends with the trace
+      selection.prefetch.close()
+      selection.prefetch = None
 
 
 def active_selection() -> Selection | None:
@@ -315,9 +325,10 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
               weigh_payback: bool) -> str:
   """Tunes the site's bucket (`tune_bucket`), stores and counts the result."""
   config, session = selection.config, selection.session
-  options = selection.options
-  if options.objective != config.kernel.objective:
-    options = dataclasses.replace(options, objective=config.kernel.objective)
+  options, prepared, ahead = _tune_options(selection), None, selection.prefetch
+  if ahead is not None:  # its operands and default, if the work ahead has them
+    with _tuning.first_call_stage("tune:compile"):
+      prepared = ahead.take(json.dumps(site.key, sort_keys=True, default=str))
   # Costed by what tuning took on this platform (or its rule until measured there).
   payback = None if site.horizon is None or not weigh_payback else _payback.for_platform(
       session, selection.platform, horizon=site.horizon, sites=site.sites)
@@ -326,7 +337,8 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
   with _tuning.first_call_stage("tune:time"):  # its compiles: "tune:compile"
     result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
                                 options=options, label=site.label, family=site.family,
-                                payback=payback, prediction=prediction)
+                                payback=payback, prediction=prediction, prepared=prepared,
+                                quiet=None if ahead is None else ahead.timing)
   session.store(selection.cache, site.family.name, site.key, result.to_value(),
                 platform=selection.platform)
   selection.measured.append((site.key, result.to_value()))
@@ -344,6 +356,68 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
   why.update(why=_report.CANNOT_PAY_BACK if result.kept else _report.TUNED,
              temp_bytes=result.temp_bytes)
   return result.winner
+
+
+def _tune_options(selection: Selection) -> _tuner.TuneOptions:
+  """How a bucket is tuned: the selection's options, with the config's objective."""
+  options, objective = selection.options, selection.config.kernel.objective
+  return options if options.objective == objective else dataclasses.replace(
+      options, objective=objective)
+
+
+def _may_look_ahead(selection: Selection) -> bool:
+  """Whether this trace's misses are tuned now, in this process, with a core to spare."""
+  return (not selection.explain_only and not selection.untuned
+          and jax.process_count() == 1 and _tuning.usable_cores() > 1
+          and _measurable(selection.platform)
+          and selection.session.phase(selection.config) == _tuning.TUNE)
+
+
+def _expect(family: _registry.OpFamily, spec: Any, selection: Selection,
+            order: tuple[int, ...]) -> None:
+  """Starts the work ahead for a site's bucket where `decide` will tune it: not
+  hinted, a miss in the session and the cache, more than one candidate."""
+  config = selection.config
+  candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
+  if len(candidates) < 2 or family.name in _hints.active_hints(config):
+    return
+  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, family=family,
+                   objective=config.kernel.objective)
+  if (_verdict.bucket_id(family.name, key) in selection.vetoed
+      or selection.session.lookup(selection.cache, family.name, key,
+                                  platform=selection.platform) is not None):
+    return
+  make = functools.partial(_tuner.prepared_default, spec, tuple(candidates),
+                           platform=selection.platform, options=_tune_options(selection),
+                           label=family.label(key), family=family)
+  if selection.prefetch is None:
+    selection.prefetch = _prefetch.Prefetcher()
+  selection.prefetch.expect(json.dumps(key, sort_keys=True, default=str), make, order=order)
+
+
+def _look_ahead(families: list[_registry.OpFamily]) -> Callable[..., list[Any]]:
+  """The kernel pass's look at a jaxpr before its first equation: the sites
+  of `families`' primitives, in order, to `_expect` (it finds no match)."""
+  by_primitive = {f.primitive: f for f in families if f.primitive}
+
+  def look(ctx: _engine.Context, jaxpr: Any) -> list[Any]:
+    del ctx
+    selection = active_selection()
+    if selection is None or not by_primitive or not _may_look_ahead(selection):
+      return []
+    selection.lookaheads += 1
+    for i, eqn in enumerate(jaxpr.eqns):
+      family = by_primitive.get(eqn.primitive.name)
+      if family is None:
+        continue
+      try:
+        spec = family.from_equation(eqn)
+      except Exception:  # pylint: disable=broad-except  # its rule reports it when reached
+        continue
+      _expect(family, spec, selection, order=(selection.lookaheads, i))
+    return []
+
+  return look
 
 
 def predict_bucket(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,
@@ -540,7 +614,7 @@ def kernel_pass(*, cache: CacheLike = None, rounds: int = _tuner.DEFAULT_ROUNDS,
 
   families = _registry.op_families()
   rules = {f.primitive: rule_for(f) for f in families if f.primitive}
-  patterns = _sites.family_patterns(families, _Chooser(cache, options))
+  patterns = (_look_ahead(families), *_sites.family_patterns(families, _Chooser(cache, options)))
   return _engine.Pass("kernel_selection", rules, patterns=patterns)
 
 

@@ -20,12 +20,14 @@ candidate 10x faster than xla in the screening round wins at once
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import logging
 import math
 import statistics
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,7 +36,7 @@ import numpy as np
 
 from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
-from tunedjax.autotune import _registry
+from tunedjax.autotune import _accuracy, _registry
 from tunedjax.autotune._payback import CANNOT_PAY_BACK, Payback
 from tunedjax.autotune._predict import Prediction
 from tunedjax.autotune._result import TuneResult
@@ -70,6 +72,9 @@ SCREEN_MIN_S = 0.1
 # paid for, unless tuning would pay back even if only this share of it were
 # the kernel's own time (the rest one-time costs).
 WARM_SHARE = 0.25
+# Candidates predicted to compile within this many seconds may compile beside
+# the default, before the payback decision (`_compiled_ahead`).
+AHEAD_COMPILE_S = 0.5
 # The clock the tuner's own bookkeeping reads (tests replace it).
 _clock = time.perf_counter
 
@@ -362,7 +367,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 options: TuneOptions = TuneOptions(), label: str = "",
                 family: _registry.OpFamily | None = None,
                 payback: Payback | None = None,
-                prediction: Prediction | None = None) -> TuneResult:
+                prediction: Prediction | None = None, prepared: _Bucket | None = None,
+                quiet: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+                ) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
   The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
@@ -390,6 +397,10 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     family: the `OpFamily` (default: the one whose spec type `spec` has).
     payback: the tuning horizon and the bucket's sites, or None (unbounded).
     prediction: the candidates' predicted times, or None: compile them all.
+    prepared: this bucket's operands and compiled default, made ahead by
+      `prepared_default` (`_prefetch`), or None: made now.
+    quiet: a context manager factory every timing runs inside (the
+      `Prefetcher`'s, so that no work ahead shares the cores with it).
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -409,28 +420,22 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     >>> r.winner, sorted(r.rejected)
     ('xla', ['wrong'])
   """
-  bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
-  if options.predict and prediction is not None:
-    bucket.prediction = prediction
+  bucket = _begin(spec, candidates, platform, options, label, family, prepared)
+  bucket.quiet = quiet or bucket.quiet
+  bucket.prediction = prediction if options.predict else None
   with jax.ensure_compile_time_eval():
     planned = _plan(bucket, payback)
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
-    compiled.update(_compile_all({n: f for n, f in bucket.functions.items()
-                                  if n not in compiled}, bucket.args, bucket.compile_s))
-    # The budget bounds timing only: compiles (above) are not counted, so a
-    # loaded machine that compiles slowly still times every candidate.
-    bucket.timing_start = _clock()
-    bucket.temps.update(_temps_of(compiled))
-    runs = _start(bucket, compiled)
+    runs = _start(bucket, _compile_rest(bucket, compiled))
     screen = _screen(bucket, runs, default_screen)
     runners = _check(bucket, runs)
     if bucket.skipped:
       logger.info("autotune %s: time budget (%.1fs) spent; not tried: %s",
                   bucket.label, options.budget_s, ", ".join(bucket.skipped))
     if len(runners) == 1:
-      return bucket.finish(bucket.default, "no other candidate passed the checks", {}, {})
+      return bucket.finish(bucket.default, bucket.none_passed(), {}, {})
     try:
       timings, slow = _time(bucket, runners, screen)
     except Exception as e:  # pylint: disable=broad-except
@@ -467,10 +472,17 @@ class _Bucket:
   prediction: Prediction | None = None
   pruned: dict[str, str] = dataclasses.field(default_factory=dict)
   every: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+  error_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+  compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
+  quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
   @property
   def default(self) -> str:
     return self.family.default
+
+  def none_passed(self) -> str:
+    """The reason the default stays when no other candidate passed the checks."""
+    return _accuracy.none_passed(self.default, self.error_ratios, self.rejected)
 
   @classmethod
   def prepare(cls, spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
@@ -503,7 +515,51 @@ class _Bucket:
                    self.start, self.label, self.temps, payback=self.record,
                    compile_s=self.compile_s, pruned=self.pruned,
                    predicted=(self.prediction.ratios() if self.prediction is not None
-                              and self.prediction.estimates else {}))
+                              and self.prediction.estimates else {}),
+                   error_ratios=self.error_ratios)
+
+
+def prepared_default(spec: Any, candidates: Sequence[Any], *, platform: str,
+                     options: TuneOptions, label: str, family: Any) -> _Bucket:
+  """A bucket's operands drawn and its default kernel compiled, ready for
+  `tune_bucket(prepared=...)`: the work a bucket's tuning begins with, which
+  no decision changes (`_prefetch` does it ahead, on a spare core)."""
+  bucket = _Bucket.prepare(spec, candidates, platform, options, label, family)
+  default = bucket.default
+  bucket.compiled.update(_compile_all({default: bucket.functions[default]}, bucket.args,
+                                      bucket.compile_s))
+  return bucket
+
+
+def _begin(spec: Any, candidates: Sequence[Any], platform: str, options: TuneOptions,
+           label: str, family: Any, prepared: _Bucket | None) -> _Bucket:
+  """The bucket to tune: the one `prepared` ahead for the same candidates and
+  options (its clock restarted: what it took ran beside the trace), else a
+  fresh one."""
+  if (prepared is not None and prepared.options == options and prepared.platform == platform
+      and list(prepared.kernels) == [k.name for k in candidates]):
+    prepared.start = _clock()
+    return prepared
+  return _Bucket.prepare(spec, candidates, platform, options, label, family)
+
+
+def _compile_rest(bucket: _Bucket, compiled: dict[str, Any]) -> dict[str, Any]:
+  """`compiled` with the candidates left to compile (those not compiled beside
+  the default), side by side; the timing budget starts after them: compiles
+  are not counted, so a loaded machine that compiles slowly still times every
+  candidate."""
+  rest = {n: f for n, f in bucket.functions.items() if n not in compiled}
+  compiled.update(_compile_all(rest, bucket.args, bucket.compile_s) if rest else {})
+  bucket.timing_start = _clock()
+  bucket.temps.update(_temps_of(compiled))
+  return compiled
+
+
+def _timed(bucket: _Bucket, runners: Mapping[str, Callable[[], Any]], **kw: Any
+           ) -> dict[str, list[float]]:
+  """`time_interleaved` with the cores to itself (`bucket.quiet`)."""
+  with bucket.quiet():
+    return _tuning.time_interleaved(runners, **kw)
 
 
 def _weigh_payback(bucket: _Bucket, payback: Payback
@@ -516,19 +572,27 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
     executable and its first call's time (its screening round).
   """
   default = bucket.default
-  compile_start = _clock()
-  compiled = _compile_all({default: bucket.functions[default]}, bucket.args, bucket.compile_s)
-  compile_s = _clock() - compile_start
+  # Compiled ahead (`_prefetch`), the default has no compile to pair a candidate
+  # with: the candidates wait for the decision.
+  todo = ({} if default in bucket.compiled else
+          {default: bucket.functions[default], **_compiled_ahead(bucket)})
+  compile_start, compiled = _clock(), dict(bucket.compiled)
+  compiled.update(_compile_all(todo, bucket.args, bucket.compile_s) if todo else {})
+  # The default's compile is its own thread's time, and deciding is counted
+  # as if it had compiled alone: the compiles beside it belong to tuning the
+  # rest (`decided_s`).
+  compile_s = bucket.compile_s[default]
+  beside_s = max(0.0, _clock() - compile_start - (compile_s if default in todo else 0.0))
   ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
-  screen = list(_tuning.time_interleaved(
-      {default: _keeping(bucket.outputs, default, ref_run)}, rounds=1, warmup=0)[default])
+  screen = list(_timed(bucket, {default: _keeping(bucket.outputs, default, ref_run)},
+                       rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
   cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
   if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
-    calls += _tuning.time_interleaved({default: ref_run}, rounds=1, warmup=0)[default]
+    calls += _timed(bucket, {default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
     cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
   _apply_pruning(bucket, plan)
@@ -536,11 +600,13 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
       cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
-      decided_s=float(_clock() - bucket.start),
+      decided_s=float(max(0.0, _clock() - bucket.start - beside_s)),
       kept=compile_bound or not payback.pays(default_s, cost))
-  bucket.temps.update(_temps_of(compiled))
   if not bucket.record["kept"]:
+    compiled = {n: c for n, c in compiled.items() if n in bucket.functions}
+    bucket.temps.update(_temps_of(compiled))
     return compiled, screen
+  bucket.temps.update(_temps_of({default: compiled[default]}))
   saved = payback.most_saved(default_s)
   why = (f"no candidate predicted to beat it saves its compile within the horizon (at "
          f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
@@ -550,6 +616,33 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
       f"site(s) x {payback.horizon} runs = {saved:.3g} s; {why}{basis}"), {default: calls}, {})
+
+
+def _compiled_ahead(bucket: _Bucket) -> dict[str, Callable[..., Any]]:
+  """The candidates compiled beside the default, before the payback decision.
+
+  Compiling the default alone leaves the other cores idle (XLA compiles
+  without the GIL, and a small program's compile is one thread's work), so
+  the candidates a `Prediction` ranks best among those that could win
+  (`Prediction.could_win`, unbounded) compile at the same time, one per
+  spare core. What they cost is what a bucket that turns out to be kept
+  wastes on cores that would have been idle; a bucket that is tuned has its
+  best candidates compiled already. Only a candidate predicted to compile
+  within `AHEAD_COMPILE_S` goes ahead (the default waits for it: a long
+  compile is left to the payback decision). Nothing is compiled ahead
+  without a prediction (exhaustive tuning compiles every candidate after
+  the decision, as before), on one core, or where the default was compiled
+  before (`_prefetch`: no compile to pair with).
+  """
+  spare = _tuning.usable_cores() - 1
+  plan = _pruning(bucket) if spare > 0 else None
+  if plan is None:
+    return {}
+  estimates = bucket.prediction.estimates
+  quick = [n for n in plan[0] if n != bucket.default and n in estimates
+           and estimates[n].compile_s is not None and estimates[n].compile_s <= AHEAD_COMPILE_S]
+  ranked = sorted(quick, key=lambda n: estimates[n].ratio)
+  return {n: plan[0][n] for n in ranked[:spare]}
 
 
 def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: float,
@@ -570,7 +663,7 @@ def _plan(bucket: _Bucket, payback: Payback | None
     The finished result when nothing is left to tune (kept, or no candidate
     could win), else what is compiled already and the default's first call.
   """
-  compiled, default_screen = {}, None
+  compiled, default_screen = dict(bucket.compiled), None
   if payback is not None and len(bucket.functions) > 1:
     weighed = _weigh_payback(bucket, payback)
     if isinstance(weighed, TuneResult):
@@ -672,16 +765,23 @@ def _screen(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]],
   also its screening round (a candidate many times slower than the default,
   an FFT on a small kernel, is dropped before it costs `rounds` calls). With
   a horizon the default's first call was made already and is its screening call."""
-  screen = _tuning.time_interleaved(
-      {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
+  screen = _timed(
+      bucket, {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
        if n != bucket.default or default_screen is None}, rounds=1, warmup=0)
   return {bucket.default: default_screen, **screen} if default_screen is not None else screen
 
 
 def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
            ) -> dict[str, Callable[[], Any]]:
-  """The candidates whose screening output matches the default's within the
-  family's tolerance; the others are recorded as failed or rejected."""
+  """The candidates no less accurate than the default; the others are recorded
+  as failed or rejected.
+
+  One rule for every family (`_accuracy`): a candidate's error against a
+  high-precision reference of the same call, computed once here, may be at
+  most `_accuracy.ERROR_RATIO_LIMIT` times the default's (its error ratio,
+  kept in the result). The family's tolerance against the default's own
+  output stays as a sanity bound.
+  """
   default = bucket.default
   ref = _output(bucket.outputs, default, runs[default])
   if isinstance(ref, BaseException):
@@ -689,6 +789,7 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
   ref = jax.tree_util.tree_map(np.asarray, ref)
   ref_out = jax.tree_util.tree_leaves(ref)[0]
   tol = bucket.family.tolerance(ref_out.dtype, bucket.platform)
+  precise = _precise_reference(bucket, ref) if len(runs) > 1 else None
   runners = {default: runs[default]}
   for name, run in runs.items():
     if name == default:
@@ -698,17 +799,45 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
       _failed(bucket.errors, name, out, bucket.label)
       continue
     err = _leaves_error(out, ref)
-    if err <= tol:
+    ratio = precise.ratio(out) if precise is not None else None
+    if ratio is not None:
+      bucket.error_ratios[name] = ratio if math.isfinite(ratio) else 1e300
+    if err <= tol and (ratio is None or ratio <= _accuracy.ERROR_RATIO_LIMIT):
       runners[name] = run
       continue
     bucket.rejected[name] = err if math.isfinite(err) else 1e300
-    got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
-    logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
-                   "error %.3g > %.3g, output %s%s, expected %s%s) and is dropped.",
-                   bucket.label, name, err, tol, getattr(got, "dtype", "?"),
-                   list(getattr(got, "shape", ())), ref_out.dtype, list(ref_out.shape))
+    _log_rejected(bucket, name, out, ref_out, err, tol, ratio,
+                  precise.dtype if precise is not None else "")
   bucket.outputs.clear()
   return runners
+
+
+def _precise_reference(bucket: _Bucket, default_out: Any) -> _accuracy.Reference | None:
+  """The bucket's high-precision reference (`OpFamily.precise`, else the
+  default kernel's function, in float64 or at HIGHEST), computed once."""
+  family = bucket.family
+  kernel = bucket.kernels[bucket.default]
+  if family.precise is not None:
+    kernel = types.SimpleNamespace(name=kernel.name, fn=family.precise)
+  function = _timed_function(kernel, bucket.spec, family.timed)
+  return _accuracy.reference(function, bucket.args, default_out, platform=bucket.platform,
+                             label=bucket.label)
+
+
+def _log_rejected(bucket: _Bucket, name: str, out: Any, ref_out: Any, err: float, tol: float,
+                  ratio: float | None, ref_dtype: str) -> None:
+  """The warning for a rejected candidate: its error ratio, or its disagreement."""
+  got = jax.tree_util.tree_leaves(out)[0] if jax.tree_util.tree_leaves(out) else out
+  where = (f"output {getattr(got, 'dtype', '?')}{list(getattr(got, 'shape', ()))}, expected "
+           f"{ref_out.dtype}{list(ref_out.shape)}")
+  if ratio is not None and ratio > _accuracy.ERROR_RATIO_LIMIT:
+    logger.warning("autotune %s: candidate %r is less accurate than %s (error ratio %.3g > "
+                   "%g: its error against a %s reference over %s's; %s) and is dropped.",
+                   bucket.label, name, bucket.default, ratio, _accuracy.ERROR_RATIO_LIMIT,
+                   ref_dtype, bucket.default, where)
+    return
+  logger.warning("autotune %s: candidate %r disagrees with the reference (relative "
+                 "error %.3g > %.3g, %s) and is dropped.", bucket.label, name, err, tol, where)
 
 
 def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
@@ -737,8 +866,8 @@ def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
     left = max(options.budget_s - (_clock() - bucket.timing_start), 1e-3)
     # The screening call counts as a round toward a clear choice, so a
     # decisive bucket (a depthwise kernel at 0.05x) needs one round more.
-    timings.update(_tuning.time_interleaved(
-        runners, rounds=options.rounds, warmup=0, budget_s=left,
+    timings.update(_timed(
+        bucket, runners, rounds=options.rounds, warmup=0, budget_s=left,
         stop=lambda t: clear_choice({n: [*screen[n], *t[n]] for n in t}, options.margin,
                                     default=default)))
   return timings, slow
@@ -772,7 +901,8 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
             payback: Mapping[str, Any] | None = None,
             compile_s: Mapping[str, float] | None = None,
             pruned: Mapping[str, str] | None = None,
-            predicted: Mapping[str, float] | None = None) -> TuneResult:
+            predicted: Mapping[str, float] | None = None,
+            error_ratios: Mapping[str, float] | None = None) -> TuneResult:
   result = TuneResult(
       winner=winner, reason=reason, timings=dict(timings), ratios=dict(ratios),
       errors=dict(errors), rejected=dict(rejected), skipped=tuple(skipped),
@@ -780,7 +910,8 @@ def _finish(winner: str, reason: str, timings: Mapping[str, Sequence[float]],
           timespec="seconds"),
       tuning_s=_clock() - start, temp_bytes=dict(temp_bytes or {}),
       payback=dict(payback or {}), compile_s=dict(compile_s or {}),
-      pruned=dict(pruned or {}), predicted=dict(predicted or {}))
+      pruned=dict(pruned or {}), predicted=dict(predicted or {}),
+      error_ratios=dict(error_ratios or {}))
   logger.info("autotune %s: chose %s in %.2fs (%s)", label, winner, result.tuning_s, reason)
   return result
 

@@ -79,9 +79,8 @@ def test_a_large_mean_does_not_cancel_the_variance(rng):
   scale, bias = np.ones(8, np.float32), np.zeros(8, np.float32)
   spec = BatchNormSpec.from_arrays(x)
   want, _ = _reference64(x, scale, bias, (x, scale, scale), 1e-5)
-  for name in ("fused", "fused_dot"):
-    y, _, var = getattr(_bn_kernels, name)(x, scale, bias, spec)
-    assert _rel(y, want[0]) < 1e-3 and _rel(var, want[2]) < 1e-3, name
+  y, _, var = _bn_kernels.fused(x, scale, bias, spec)
+  assert _rel(y, want[0]) < 1e-3 and _rel(var, want[2]) < 1e-3
 
 
 def test_outside_kernel_selection_batch_norm_is_the_reference(rng):
@@ -119,11 +118,11 @@ def test_selected_under_tj_jit_tuned_cached_and_gradient_agrees(rng, tmp_path):
   assert row.bucket == "batch_norm 8x6x6x16 float32" and row.kernel == choice.kernel
   # A hint pins a kernel.
   with tj.config_context({**config, "kernel": {"enable": True,
-                                               "hints": {"batch_norm": "fused_dot"}}}):
+                                               "hints": {"batch_norm": "fused"}}}):
     g = tj.jit(loss, session=autotune.TuningSession())
     np.testing.assert_allclose(g(params, x), want_value, rtol=1e-4)
     assert [(c.kernel, c.why) for c in g.report(memory=False).last.kernel_report.of(
-        "batch_norm")] == [("fused_dot", "hint")]
+        "batch_norm")] == [("fused", "hint")]
 
 
 def test_pow2_bucket_rounds_the_rows_only():

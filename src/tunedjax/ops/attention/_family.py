@@ -186,7 +186,10 @@ FAMILY = autotune.OpFamily(
     default="xla", tolerance=attention_tolerance, describe=describe_attention,
     timed="forward+backward",  # blocked kernels differ most in their backward
     features=attention_features, presumed=attention_presumed,
-    patterns=(_attn_pattern.attention_sites,))  # attention written out in primitives
+    patterns=(_attn_pattern.attention_sites,),  # attention written out in primitives
+    # The accuracy reference: the formula written out computes its softmax in the
+    # operands' dtype (float64 there); jax.nn's takes it in float32 whatever they are.
+    precise=_attn_kernels.einsum)
 
 
 def register() -> None:

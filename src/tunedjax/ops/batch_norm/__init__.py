@@ -2,8 +2,8 @@
 
 `batch_norm` and `batch_norm_stats` are its call sites (plain `jax.jit` runs
 the reference; `tunedjax.jit` with kernel selection on, the bucket's winner
-among ``xla``, ``fused``, ``fused_dot`` and, on CPU, ``native``, whose sums
-are C++ in ``csrc/``); `route_batch_norm` sends Flax's ``BatchNorm`` layers
+among ``xla``, ``fused`` and, on CPU, ``native``, whose sums are C++ in
+``csrc/``); `route_batch_norm` sends Flax's ``BatchNorm`` layers
 to them. Importing this package registers the family.
 
 Example:

@@ -7,9 +7,10 @@ family, because its fused backward must be in place before `jax.grad` runs
 the batch's mean and variance, for running averages) builds a
 `BatchNormSpec` and calls `autotune.dispatch`: outside kernel selection (plain `jax.jit`) it runs the
 reference, ``xla``; under `tunedjax.jit` with kernel selection on, the
-bucket's measured winner among ``xla``, ``fused``, ``fused_dot`` and, on CPU
-where a C++ compiler builds it, ``native`` (its sums in C++, `_native_kernel`)
-(`_bn_kernels`), each checked against ``xla`` on random operands first.
+bucket's measured winner among ``xla``, ``fused`` and, on CPU where a C++
+compiler builds it, ``native`` (its sums in C++, `_native_kernel`)
+(`_bn_kernels`), each checked first on random operands: no less accurate
+than ``xla`` against float64 (the tuner's accuracy rule).
 
 A bucket's key is the input's shape (with ``kernel.bucket = "pow2"`` the
 rows rounded up to a power of two, the channels exact), its dtype and epsilon.

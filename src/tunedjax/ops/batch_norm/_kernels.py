@@ -10,20 +10,24 @@ the statistics for its running averages):
   passes for the statistics: the mean, then the mean of squared deviations;
   the backward is whatever autodiff makes of the chain). The reference.
 - ``fused``: one pass for the statistics (the sums of ``x - shift`` and of its
-  square, ``shift`` being the first row, so that a large mean does not cancel
-  the variance away) and the fused backward formula, a `jax.custom_vjp`:
+  square, ``shift`` being the mean of the first rows, so that a large mean
+  does not cancel the variance away) and the fused backward formula, a
+  `jax.custom_vjp`:
   ``dx = scale * inv / n * (n * dy - sum(dy) - xhat * sum(dy * xhat))``,
   ``dscale = sum(dy * xhat)``, ``dbias = sum(dy)``: two reductions and one
   elementwise pass instead of autodiff's chain; the statistics' cotangents
   add ``dmean / n + 2 * dvar * (x - mean) / n`` to ``dx`` inside that pass.
-- ``fused_dot``: the same, with each column sum written as a matrix product
-  with a vector of ones (`ones @ x2d`), which XLA:CPU hands to its matmul
-  library (multi-threaded) instead of a reduction loop.
 - ``native``: the same statistics and backward formula with the sums (the
   statistics; ``sum(dy)`` and ``sum(dy * xhat)``) as C++ XLA FFI calls, one
   pass each, accumulated in double (`_native_kernel`, ``csrc/batch_norm.cc``),
   and the elementwise passes left to XLA to fuse; CPU only, where the
   library builds.
+
+No sum is written as a product with ones: a ``fused_dot`` kernel did so
+(``ones @ x2d``), and XLA:CPU's matrix library adds the rows in order, so a
+column of 2**20 rows lost three to four digits against float64 (XLA's own
+reduction: none), and `Precision.HIGHEST` does not change that order on CPU
+(BENCHMARKS.md, "Batch norm against float64"). It was removed.
 
 Example:
   >>> import numpy as np
@@ -61,19 +65,23 @@ def xla(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) ->
   return y, mean, var
 
 
-def _colsum(a: jax.Array, how: str) -> jax.Array:
-  """The sum of each column of a 2-D array."""
-  if how == "dot":
-    return jnp.ones((a.shape[0],), a.dtype) @ a
-  return jnp.sum(a, axis=0)
+# The shift the one-pass statistics subtract: the mean of (at most) this many first rows.
+SHIFT_ROWS = 64
 
 
-def _stats(x2: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
-  """(mean, biased variance) of each column, in one pass over shifted data."""
+def _stats(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(mean, biased variance) of each column, in one pass over shifted data.
+
+  The shift is the mean of the first `SHIFT_ROWS` rows: close enough to the
+  column's mean that the variance ``sum(d * d) / n - mean(d) ** 2`` of the
+  shifted data ``d`` cancels no digits worth having (one row, as before, lay
+  a few standard deviations off: its variance was up to 6x less accurate
+  than the two-pass reference's, against float64).
+  """
   n = x2.shape[0]
-  shift = lax.stop_gradient(x2[0])
+  shift = lax.stop_gradient(jnp.mean(x2[:min(n, SHIFT_ROWS)], axis=0))
   d = x2 - shift
-  s1, s2 = _colsum(d, how), _colsum(d * d, how)
+  s1, s2 = jnp.sum(d, axis=0), jnp.sum(d * d, axis=0)
   mean_d = s1 / n
   var = jnp.maximum(s2 / n - mean_d * mean_d, 0)
   return shift + mean_d, var
@@ -92,8 +100,8 @@ def custom_vjp_batch_norm(stats: Callable[[jax.Array], tuple[jax.Array, jax.Arra
   Returns:
     ``bn(x, scale, bias) -> (y, mean, var)``, a `jax.custom_vjp` whose backward is
     ``dx = k * (dy - sum(dy) / n - xhat * sum(dy * xhat) / n)`` (``k = scale * inv``)
-    plus the statistics' cotangents, in one elementwise pass; ``fused``, ``fused_dot``
-    and the native kernel differ only in how they take the sums.
+    plus the statistics' cotangents, in one elementwise pass; ``fused`` and the
+    native kernel differ only in how they take the sums.
   """
 
   def forward(x, scale, bias):
@@ -126,24 +134,18 @@ def custom_vjp_batch_norm(stats: Callable[[jax.Array], tuple[jax.Array, jax.Arra
 
 
 @functools.cache
-def _fused_fn(how: str, epsilon: float) -> Callable[..., Outputs]:
-  """The custom-VJP batch norm whose sums are taken `how` (``"sum"`` or ``"dot"``)."""
+def _fused_fn(epsilon: float) -> Callable[..., Outputs]:
+  """The custom-VJP batch norm whose sums are reductions."""
 
   def grad_sums(x2, dy2, mean):
-    return _colsum(dy2, how), _colsum(dy2 * (x2 - mean), how)
+    return jnp.sum(dy2, axis=0), jnp.sum(dy2 * (x2 - mean), axis=0)
 
-  return custom_vjp_batch_norm(lambda x2: _stats(x2, how), grad_sums, epsilon)
+  return custom_vjp_batch_norm(_stats, grad_sums, epsilon)
 
 
 def fused(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec) -> Outputs:
   """One-pass statistics, the fused backward formula; sums as reductions."""
-  return _fused_fn("sum", float(spec.epsilon))(x, scale, bias)
-
-
-def fused_dot(x: jax.Array, scale: jax.Array, bias: jax.Array, spec: BatchNormSpec
-              ) -> Outputs:
-  """One-pass statistics, the fused backward formula; sums as products with ones."""
-  return _fused_fn("dot", float(spec.epsilon))(x, scale, bias)
+  return _fused_fn(float(spec.epsilon))(x, scale, bias)
 
 
 def fused_applicable(spec: BatchNormSpec, platform: str) -> bool:
@@ -161,5 +163,4 @@ def always(spec: Any, platform: str) -> bool:
 KERNELS = (
     ("xla", xla, always),
     ("fused", fused, fused_applicable),
-    ("fused_dot", fused_dot, fused_applicable),
 )

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 from tunedjax._config import BUCKETS
 from tunedjax._errors import BAD_CHOICE, ConfigError, format_choices
@@ -205,6 +206,22 @@ def conv_features(key: Mapping[str, Any]) -> dict[str, float]:
   }
 
 
+def conv_precise(lhs: Any, rhs: Any, spec: ConvSpec) -> Any:
+  """The accuracy reference (`OpFamily.precise`): the equation at `Precision.HIGHEST`,
+  its output in the operands' dtype (no narrower ``preferred_element_type``).
+
+  Example:
+    >>> x, w = np.ones((1, 4, 4, 2)), np.ones((3, 3, 2, 5))
+    >>> spec = ConvSpec.from_arrays(x.astype(np.float32), w.astype(np.float32),
+    ...                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    >>> float(conv_precise(x.astype(np.float32), w.astype(np.float32), spec)[0, 0, 0, 0])
+    18.0
+  """
+  highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+  return lax.conv_general_dilated_p.bind(
+      lhs, rhs, **{**spec.params(), "precision": highest, "preferred_element_type": None})
+
+
 # Each kernel's time over xla's as presumed on a platform that has measured
 # nothing near a bucket (no entries in its device's cache, no priors for its
 # machine class). On a GPU, xla's convolution is cuDNN's, its algorithm chosen by
@@ -235,7 +252,7 @@ FAMILY = autotune.OpFamily(
     name=NAME, spec_type=ConvSpec, key=conv_key, operands=conv_operands, default="xla",
     primitive=PRIMITIVE, from_equation=ConvSpec.from_equation, describe=describe_conv,
     features=conv_features, priors=pathlib.Path(__file__).resolve().parent / "priors",
-    presumed=conv_presumed)
+    presumed=conv_presumed, precise=conv_precise)
 
 
 def register() -> None:

@@ -1,0 +1,290 @@
+"""The first process: a CPU training step in its first process and its next, against PyTorch.
+
+A person trying tunedjax runs a script once and judges it by that run. This
+times the MobileNet-style train step written in plain JAX (`vs_pytorch.py`'s
+``mobilenet-plain``: batch norm in primitive ops) under `tj.jit` with kernel
+selection, the way a user's script runs it, each variant in a fresh worker
+process:
+
+- **PyTorch eager, channels_last** (the baseline) and **NCHW**: the same
+  network, weights and batch (`vs_pytorch.py`'s), PyTorch alone in its
+  process, 2 threads;
+- **tunedjax, first process**: host memory ``auto`` (no variable), an empty
+  tuning-cache folder: the first call tunes, `tj.jit` measures calls 4 to 6,
+  and decides in this process;
+- **tunedjax, second process**: the same script started again on that folder
+  once the first has decided (the decision applied at import);
+- **tunedjax, malloc left alone**: ``TUNEDJAX_HOST_MEMORY=default`` (what a
+  first process ran with before it could act in-process);
+- **tunedjax, one arena, temporaries in one block**: tunedjax's import-time
+  settings given through ``MALLOC_*`` variables, so tunedjax leaves malloc and
+  XLA's heaps alone (what a second process ran with before its programs split
+  their temporaries);
+- **A/A control**: a second PyTorch channels_last process.
+
+Each tunedjax worker makes 8 calls before timing (the first tunes and
+compiles). Each round asks every worker, in a rotated order, one at a time,
+for 2 untimed steps and then 5 timed back to back (their mean: a training
+loop's steady state); 7 rounds. Speed = PyTorch's time over the variant's, the
+median of per-round ratios (over 1: faster than PyTorch). Page faults and
+system CPU time are the worker's, per timed step (`getrusage`).
+
+Run: ``PYTHONPATH=src:benchmarks python benchmarks/first_process.py [--rounds N] [--write]``
+(PyTorch from this interpreter, else ``.venv-torch``; without it the tunedjax
+rows are timed against each other only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import _workers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BASE, NCHW, CONTROL = "PyTorch eager, channels_last", "PyTorch eager, NCHW", "A/A control"
+FIRST, SECOND = "tunedjax, first process", "tunedjax, second process"
+LEFT_ALONE = "tunedjax, malloc left alone"
+ONE_BLOCK = "tunedjax, one arena, temporaries in one block"
+# name: (worker kind, its host-memory mode or layout, shares the first process's folder)
+VARIANTS = {BASE: ("torch", "channels_last", False), NCHW: ("torch", "NCHW", False),
+            FIRST: ("tunedjax", "auto", True), SECOND: ("tunedjax", "auto", True),
+            LEFT_ALONE: ("tunedjax", "default", True), ONE_BLOCK: ("tunedjax", "auto", True),
+            CONTROL: ("torch", "channels_last", False)}
+# tunedjax's import-time settings, set by the environment (tunedjax then leaves them alone).
+ENVIRONMENT_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+                        "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+WARM_CALLS = 8  # tunes (call 1), is measured (calls 4-6) and decided before timing
+SECTION = "first_process"
+
+
+# -- the workers -----------------------------------------------------------------------------
+
+
+def _per_step(run, untimed: int, steps: int) -> dict[str, float]:
+  for _ in range(untimed):
+    run()
+  before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+  for _ in range(steps):
+    run()
+  wall = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  return {"s": wall / steps, "faults": (after.ru_minflt - before.ru_minflt) / steps,
+          "sys_s": (after.ru_stime - before.ru_stime) / steps}
+
+
+def _serve(run, untimed: int, steps: int, ready: dict) -> None:
+  print(json.dumps({"ready": ready}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "run":
+      break
+    print(json.dumps(_per_step(run, untimed, steps)), flush=True)
+
+
+def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
+  """The user's script: `import tunedjax` first, the step under `tj.jit`, kernel selection on."""
+  import tunedjax as tj  # pylint: disable=import-outside-toplevel
+  sys.modules["torch"] = None  # vs_pytorch's JAX side only: no PyTorch in this process
+  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  import jax  # pylint: disable=import-outside-toplevel
+  import vs_pytorch  # pylint: disable=import-outside-toplevel
+  step, args = vs_pytorch.net_problem("mobilenet-plain", quick)[:2]
+  tj.set_config({"kernel": {"enable": True}})
+  fn = tj.jit(step)
+
+  def run():
+    return jax.block_until_ready(fn(*args))
+
+  start = time.perf_counter()
+  run()
+  first_s = time.perf_counter() - start
+  warm = _per_step(run, 0, WARM_CALLS - 1)
+  _serve(run, untimed, steps, {"status": tj.host_memory_status().to_dict(),
+                               "first_call_s": first_s, "warm_faults": warm["faults"]})
+
+
+def torch_worker(layout: str, quick: bool, untimed: int, steps: int) -> None:
+  """PyTorch eager on the same network, weights and batch; no tunedjax settings."""
+  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import vs_pytorch  # pylint: disable=import-outside-toplevel
+  torch = vs_pytorch.torch
+  torch.manual_seed(0)
+  torch.set_num_threads(2)
+  _, full_args, _, _ = vs_pytorch.net_problem("mobilenet-plain", quick)
+  params, x, y = full_args[0], full_args[-2], full_args[-1]
+  model = vs_pytorch.TorchMobileNet()
+  vs_pytorch.load_torch(model, "mobilenet-plain", vs_pytorch.flat_names(params))
+  xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+  if layout == "channels_last":
+    model = model.to(memory_format=torch.channels_last)
+    xt = xt.contiguous(memory_format=torch.channels_last)
+  model.train()
+  step = vs_pytorch.torch_step(model, torch.optim.SGD(model.parameters(), lr=vs_pytorch.LR),
+                               xt, torch.from_numpy(np.asarray(y).astype(np.int64)))
+  for _ in range(3):
+    step()
+  _serve(step, untimed, steps, {"layout": layout})
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+def _torch_python() -> str | None:
+  """An interpreter with PyTorch: this one, else ``.venv-torch``'s; None without."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel,unused-import
+    return sys.executable
+  except ImportError:
+    python = ROOT / ".venv-torch" / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+def _spawn(name: str, folder: str, args: argparse.Namespace) -> subprocess.Popen:
+  kind, what, _ = VARIANTS[name]
+  env = {k: v for k, v in os.environ.items()  # a user's environment: no allocator settings
+         if not k.startswith(("MALLOC_", "TUNEDJAX_")) and k not in ("GLIBC_TUNABLES",
+                                                                     "LD_PRELOAD")}
+  env["TUNEDJAX_CACHE_DIR"] = folder
+  if kind == "tunedjax":
+    env["TUNEDJAX_HOST_MEMORY"] = what
+    if name == ONE_BLOCK:
+      env.update(ENVIRONMENT_SETTINGS)
+  else:  # PyTorch alone: tunedjax (imported by vs_pytorch) leaves malloc as it is
+    env["TUNEDJAX_HOST_MEMORY"] = "default"
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
+                                                    env.get("PYTHONPATH")]))
+  python = args.torch if kind == "torch" else sys.executable
+  cmd = [python, __file__, "--worker", kind, "--what", what, "--untimed",
+         str(args.untimed), "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          env=env)
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+  """Starts the workers one at a time (the second after the first decided), then rounds."""
+  names = [n for n in VARIANTS if VARIANTS[n][0] == "tunedjax" or args.torch]
+  shared = tempfile.mkdtemp(prefix="tunedjax-first-process-")  # empty: the first process's
+  procs, ready = {}, {}
+  for name in names:  # the later tunedjax ones read the kernels the first process tuned
+    folder = shared if VARIANTS[name][2] else tempfile.mkdtemp(prefix="tunedjax-first-")
+    procs[name] = _spawn(name, folder, args)
+    ready[name] = _workers.reply(procs[name])["ready"]
+  runs: dict[str, list[dict]] = {n: [] for n in names}
+  for r in range(args.rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      procs[name].stdin.write("run\n")
+      procs[name].stdin.flush()
+      runs[name].append(_workers.reply(procs[name]))
+  for p in procs.values():
+    p.communicate("")
+  return runs, ready
+
+
+def _speed(runs: dict[str, list[dict]], name: str, against: str | None) -> list[float]:
+  """Per-round speed: `against`'s time over `name`'s (None: the faster PyTorch layout)."""
+  if against is None:
+    base = [min(a["s"], b["s"]) for a, b in zip(runs[BASE], runs[NCHW])]
+  else:
+    base = [r["s"] for r in runs[against]]
+  return [b / r["s"] for r, b in zip(runs[name], base)]
+
+
+def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> str:
+  import _harness  # pylint: disable=import-outside-toplevel
+  ref = BASE if args.torch else FIRST
+  first = ready[FIRST]["status"]
+  lines = [
+      "## The first process: a CPU training step in its first run, against PyTorch",
+      "",
+      (f"`benchmarks/first_process.py --rounds {args.rounds}`: the MobileNet-style step in "
+       "plain JAX (`vs_pytorch.py`'s `mobilenet-plain`, batch "
+       f"{'4, 32x32' if args.quick else '32, 64x64'}) under `tj.jit` with kernel selection, "
+       "each variant a fresh worker process started as a user's script is (no `TUNEDJAX_*` "
+       "or `MALLOC_*` variables but the variant's): **first process** on an empty "
+       "tuning-cache folder (it tunes, measures and decides in-process), **second "
+       "process** started on that folder after it, **malloc left alone** "
+       "(`TUNEDJAX_HOST_MEMORY=default`: the first process before it could act in-process), "
+       "**one arena, temporaries in one block** (the import-time settings through `MALLOC_*` "
+       "variables, so tunedjax leaves XLA's heaps alone: the second process before its "
+       "programs split their temporaries), and PyTorch eager alone in its own processes "
+       f"(2 threads). {WARM_CALLS} calls of each tunedjax worker before timing; a round "
+       f"asks each worker, in a rotated order, for {args.untimed} untimed steps and then "
+       f"{args.steps} timed back to back (their mean); {args.rounds} rounds; speed = "
+       f"{ref}'s time over the variant's (median of per-round ratios; over 1: faster). "
+       "Page faults and system CPU time per timed step (`getrusage`). Load average "
+       f"{load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}"),
+      "",
+      (f"First process: host memory {'applied' if first['applied'] else 'not applied'} "
+       f"({', '.join(f'{k}={v}' for k, v in first['settings'].items()) or 'nothing set'}); "
+       f"first call {ready[FIRST]['first_call_s']:.1f} s (tuning and compiling); page faults "
+       f"per call over calls 2-{WARM_CALLS}: {ready[FIRST]['warm_faults']:,.0f}. Second "
+       f"process: {'applied' if ready[SECOND]['status']['applied'] else 'not applied'} at "
+       "import."),
+      "",
+  ]
+  header = "| variant | ms per step | speed vs " + ref + " |"
+  rule = "|---|---:|---:|"
+  if args.torch:
+    header += " speed vs the faster PyTorch layout (per round) |"
+    rule += "---:|"
+  lines += [header + " per-round range | page faults per step | system ms per step |",
+            rule + "---:|---:|---:|"]
+  for name in runs:
+    speed = _speed(runs, name, ref)
+    row = [name, f"{1e3 * statistics.median(r['s'] for r in runs[name]):.1f}",
+           f"{statistics.median(speed):.2f}x"]
+    if args.torch:
+      row.append(f"{statistics.median(_speed(runs, name, None)):.2f}x")
+    row += [f"{min(speed):.2f}-{max(speed):.2f}",
+            f"{statistics.median(r['faults'] for r in runs[name]):,.0f}",
+            f"{1e3 * statistics.median(r['sys_s'] for r in runs[name]):.1f}"]
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke)")
+  parser.add_argument("--rounds", type=int, default=None)
+  parser.add_argument("--untimed", type=int, default=2, help="untimed steps before each run")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+  parser.add_argument("--worker", choices=("tunedjax", "torch"), help=argparse.SUPPRESS)
+  parser.add_argument("--what", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker == "tunedjax":
+    tunedjax_worker(args.quick, args.untimed, args.steps)
+    return 0
+  if args.worker == "torch":
+    torch_worker(args.what, args.quick, args.untimed, args.steps)
+    return 0
+  args.rounds = args.rounds or (2 if args.quick else 7)
+  if args.quick:
+    args.untimed, args.steps = 1, 2
+  args.torch = _torch_python()
+  if not args.torch:
+    print("torch is not installed here: the tunedjax rows only", file=sys.stderr)
+  load0 = os.getloadavg()[0]
+  runs, ready = measure(args)
+  raw = pathlib.Path(tempfile.mkstemp(prefix="first-process-", suffix=".json")[1])
+  raw.write_text(json.dumps({"runs": runs, "ready": ready}))
+  print(f"raw figures: {raw}", file=sys.stderr)
+  text = report(runs, ready, args, (load0, os.getloadavg()[0]))
+  print(text)
+  if args.write and not args.quick:
+    import _harness  # pylint: disable=import-outside-toplevel
+    _harness.write_section(SECTION, text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,214 @@
+"""The accuracy rule: no candidate kernel may be less accurate than the default.
+
+Every op family is judged by the same rule. For a bucket with candidates to
+check, the tuner computes a *reference* of the same call (the output, and
+for a ``"forward+backward"`` family the gradients for the same cotangent) at
+a higher precision than the bucket's, once: in float64 where the platform
+has it (CPU and GPU; under `jax.enable_x64`, scoped to the call, so nothing
+outside it changes), else in float32 with every product at
+`Precision.HIGHEST`. The function run is the family's `OpFamily.precise`,
+or by default its default kernel's, on the floating operands upcast.
+
+Each output leaf's *error* is ``max |out - ref| / max(max |ref|, 1)``: the
+largest difference in units of the leaf's largest magnitude, or absolute
+where that is below 1 (the tuner draws operands of order 1, so a leaf near
+zero, such as the mean of centred data, is judged on the scale of the data
+it came from). A candidate's *error ratio* is, over the leaves, the largest
+of its error over the default's error on the same leaf, the default's error
+floored at `FLOOR_ULPS` units in the last place of the leaf's dtype (a
+default that happens to be exact does not make one rounding a failure). A
+candidate is accepted when its error ratio is at most `ERROR_RATIO_LIMIT`.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> x = np.random.default_rng(0).normal(size=(4096, 8)).astype(np.float32) + 100
+  >>> total = lambda x: jnp.sum(x, 0)
+  >>> ref = reference(total, [x], total(x), platform="cpu")
+  >>> ref.dtype, ref.ratio(total(x)) <= 1.0  # the default's own ratio
+  ('float64', True)
+  >>> in_bfloat16 = jnp.sum(jnp.asarray(x, jnp.bfloat16), 0).astype(jnp.float32)
+  >>> ref.ratio(in_bfloat16) > ERROR_RATIO_LIMIT
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger("tunedjax.autotune")
+
+ERROR_RATIO_LIMIT = 3.0
+"""The most a candidate's error against the reference may be, in multiples of the default's."""
+
+FLOOR_ULPS = 4.0
+"""Errors below this many units in the last place (of the leaf's dtype) count as this many."""
+
+# Platforms whose backends run float64 (TPUs do not).
+_FLOAT64_PLATFORMS = ("cpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """A bucket's high-precision reference and the default kernel's error against it.
+
+  Attributes:
+    leaves: the reference's output leaves (float64 NumPy arrays).
+    dtype: what it was computed in: ``"float64"``, or ``"float32"`` with
+      every product at `Precision.HIGHEST`.
+    default_errors: the default kernel's error on each leaf (`leaf_error`).
+  """
+
+  leaves: tuple[np.ndarray, ...]
+  dtype: str
+  default_errors: tuple[float, ...]
+
+  def ratio(self, out: Any) -> float:
+    """The error ratio of outputs `out` (inf on a structure or shape mismatch, or NaN).
+
+    Over the leaves, the largest of ``error(out) / max(default's error, floor)``.
+    """
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) != len(self.leaves):
+      return math.inf
+    ratios = [leaf_error(o, r) / max(d, floor(o))
+              for o, r, d in zip(leaves, self.leaves, self.default_errors)]
+    return max(ratios, default=0.0)
+
+  def errors(self, out: Any) -> list[float]:
+    """`leaf_error` of each leaf of `out` (for reports and tests)."""
+    return [leaf_error(o, r) for o, r in zip(jax.tree_util.tree_leaves(out), self.leaves)]
+
+
+def floor(leaf: Any) -> float:
+  """`FLOOR_ULPS` units in the last place of `leaf`'s dtype, as an error.
+
+  Example:
+    >>> floor(np.zeros(2, np.float32)) == 4 * float(np.finfo(np.float32).eps)
+    True
+  """
+  dtype = np.dtype(getattr(leaf, "dtype", np.float64))
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return FLOOR_ULPS * float(np.finfo(np.float32).eps)
+  return FLOOR_ULPS * float(jnp.finfo(dtype).eps)
+
+
+def leaf_error(out: Any, ref: np.ndarray) -> float:
+  """``max |out - ref| / max(max |ref|, 1)`` in float64 (inf for a shape mismatch or NaN).
+
+  Example:
+    >>> leaf_error(np.array([1.0, 2.5]), np.array([1.0, 2.0]))
+    0.25
+    >>> leaf_error(np.array([1e-3]), np.array([2e-3]))  # below 1: absolute
+    0.001
+  """
+  out = np.asarray(out, dtype=np.float64)
+  if out.shape != ref.shape:
+    return math.inf
+  if not ref.size:
+    return 0.0
+  err = float(np.max(np.abs(out - ref)))
+  if not math.isfinite(err):
+    return math.inf
+  return err / max(float(np.max(np.abs(ref))), 1.0)
+
+
+def has_float64(platform: str) -> bool:
+  """Whether `platform`'s backend computes in float64 (CPU and GPU do, TPUs do not).
+
+  Example:
+    >>> has_float64("cpu"), has_float64("tpu")
+    (True, False)
+  """
+  return platform in _FLOAT64_PLATFORMS
+
+
+def _upcast(args: Sequence[Any], dtype: Any) -> list[Any]:
+  """The floating arrays in `args` (pytrees) as `dtype` arrays on their devices; the
+  others as they are."""
+
+  def one(a: Any) -> Any:
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      return a
+    devices = getattr(a, "devices", None)
+    device = next(iter(devices())) if callable(devices) else None
+    return jax.device_put(np.asarray(a, dtype=dtype), device)
+
+  return [jax.tree_util.tree_map(one, a) for a in args]
+
+
+def _run(function: Callable[..., Any], args: Sequence[Any], dtype: str) -> list[np.ndarray]:
+  """`function` on `args` upcast to `dtype`, its products at HIGHEST; the output leaves."""
+  with jax.default_matmul_precision("highest"):
+    if dtype == "float64":
+      with jax.enable_x64(True):
+        out = jax.jit(function)(*_upcast(args, np.float64))
+        return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(out)]
+    out = jax.jit(function)(*_upcast(args, np.float32))
+    return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(out)]
+
+
+def reference(function: Callable[..., Any], args: Sequence[Any], default_out: Any, *,
+              platform: str, label: str = "") -> Reference | None:
+  """The high-precision reference of one call, and the default's error against it.
+
+  Args:
+    function: what the tuner checks (``f(*args)``; for ``"forward+backward"``
+      families, the output and the gradients), built on the family's
+      `OpFamily.precise` or its default kernel.
+    args: the tuner's arguments for it (floating ones are upcast).
+    default_out: the default kernel's result on `args`.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+    label: the bucket's name, for the log line.
+
+  Returns:
+    The `Reference`, or None when there is no higher precision to compare
+    with (the default's outputs are float64 already) or computing it failed
+    (logged: candidates are then held to the family's tolerance alone).
+  """
+  outs = jax.tree_util.tree_leaves(default_out)
+  wide = has_float64(platform)
+  if wide and all(np.dtype(o.dtype) == np.float64 for o in outs):
+    return None
+  tries = ("float64", "float32") if wide else ("float32",)
+  problem: BaseException | None = None
+  for dtype in tries:
+    try:
+      leaves = _run(function, args, dtype)
+    except Exception as e:  # pylint: disable=broad-except  # a family without float64
+      problem = e
+      continue
+    if len(leaves) != len(outs) or any(l.shape != o.shape for l, o in zip(leaves, outs)):
+      problem = ValueError(f"its outputs {[l.shape for l in leaves]} do not match the "
+                           f"default's {[o.shape for o in outs]}")
+      continue
+    return Reference(tuple(leaves), dtype, tuple(leaf_error(o, r) for o, r in zip(outs, leaves)))
+  logger.warning("autotune %s: no high-precision reference (%s: %s); candidates are "
+                 "checked against the default's tolerance alone.", label,
+                 type(problem).__name__, str(problem).splitlines()[0][:200] if str(problem)
+                 else "")
+  return None
+
+
+def none_passed(default: str, error_ratios: Mapping[str, float],
+                rejected: Collection[str]) -> str:
+  """The reason the default stays when no other candidate passed the checks.
+
+  Example:
+    >>> none_passed("xla", {"bf16": 250.0, "ok": 1.2}, {"bf16"})  # doctest: +ELLIPSIS
+    "no other candidate passed the checks (error ratio ...: bf16 250x; at most 3x allowed)"
+  """
+  less_accurate = [f"{n} {r:.3g}x" for n, r in error_ratios.items()
+                   if n in rejected and r > ERROR_RATIO_LIMIT]
+  if not less_accurate:
+    return "no other candidate passed the checks"
+  return (f"no other candidate passed the checks (error ratio against the high-precision "
+          f"reference, over {default}'s: {', '.join(less_accurate)}; at most "
+          f"{ERROR_RATIO_LIMIT:g}x allowed)")
