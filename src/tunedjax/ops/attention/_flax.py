@@ -122,7 +122,7 @@ def _tuned_call(record: _Record, lock: threading.Lock, query: Any, key: Any, val
     mask4 = mask4.astype(bool)  # Flax masks may be float 0/1 (nnx.make_causal_mask)
   if bias4 is not None and not jnp.issubdtype(bias4.dtype, jnp.floating):
     bias4 = bias4.astype(q.dtype)
-  run_in = half_compute_dtype()  # under a half-precision policy the bucket's dtype is its
+  run_in = half_compute_dtype()  # the dtype the call is decided in (None: its own)
   with lock:
     record.tuned = True
     record.calls[(_sds(q, run_in), _sds(k, run_in), _sds(v, run_in), _sds(bias4, run_in),
