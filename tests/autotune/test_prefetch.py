@@ -22,7 +22,7 @@ import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax import _tuning
 from tunedjax._config import get_config
-from tunedjax.autotune import _prefetch, _select, _tuner
+from tunedjax.autotune import _accuracy, _prefetch, _select, _tuner
 from tunedjax.autotune._prefetch import Prefetcher
 
 WAIT_S = 10.0  # the most a test waits for the other thread (it never takes that long)
@@ -165,8 +165,10 @@ def _tune_through_jit(tmp_path, rng, look_ahead: bool, monkeypatch):
     with self._cond:
       while key in self._jobs and self._jobs[key].state == _prefetch.PENDING:
         self._cond.wait()
-    taken.append(real_take(self, key))
-    return taken[-1]
+    got = real_take(self, key)
+    if not (isinstance(key, tuple) and key[0] == "reference"):
+      taken.append(got)  # a bucket's default (a reference made beside is a tuple)
+    return got
 
   monkeypatch.setattr(_prefetch.Prefetcher, "take", patient_take)
   x = jnp.asarray(rng.normal(size=(2, 8, 8, 3)).astype(np.float32))
@@ -177,7 +179,8 @@ def _tune_through_jit(tmp_path, rng, look_ahead: bool, monkeypatch):
     out = f(x, ws)
   entries = tj.autotune.Cache(tmp_path).entries("conv")
   decisions = {(tuple(e.key["lhs_shape"]), tuple(e.key["rhs_shape"])):
-               (e.value["winner"], sorted(e.value["timings"]), sorted(e.value.get("pruned", {})))
+               (e.value["winner"], sorted(e.value["timings"]), sorted(e.value.get("pruned", {})),
+                e.value.get("error_ratios"))
                for e in entries}
   np.testing.assert_allclose(float(out), float(_three_buckets(x, ws)), rtol=1e-5)
   return decisions, taken
@@ -185,14 +188,21 @@ def _tune_through_jit(tmp_path, rng, look_ahead: bool, monkeypatch):
 
 def test_each_bucket_takes_its_default_from_the_work_ahead_and_decides_alike(
     recorded, tmp_path, rng, monkeypatch):
+  references = []
+  real_leaves = _accuracy.precise_leaves
+  monkeypatch.setattr(_accuracy, "precise_leaves", lambda *a, **k: (
+      references.append(threading.current_thread().name), real_leaves(*a, **k))[-1])
   ahead, taken = _tune_through_jit(tmp_path / "ahead", rng, True, monkeypatch)
   assert len(ahead) == 3 and len(taken) == 3 and all(t is not None for t in taken)
   worker = {i[2] for i in recorded if i[0] == "compile" and "xla" in i[1]}
   assert worker == {"tunedjax-prefetch"}  # every default compiled ahead, none again
+  # Each tuned bucket's float64 reference made beside its candidates' compile.
+  assert references == ["tunedjax-prefetch"] * 3
+  assert all(d[3] for d in ahead.values())  # error ratios against it
   recorded.clear()
   alone, taken = _tune_through_jit(tmp_path / "alone", np.random.default_rng(0), False,
                                    monkeypatch)
-  assert taken == [] and alone == ahead
+  assert taken == [] and alone == ahead  # winners, what was timed and pruned, error ratios
   assert all(i[2] == threading.current_thread().name for i in recorded)
 
 

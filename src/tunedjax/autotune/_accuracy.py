@@ -155,8 +155,28 @@ def _run(function: Callable[..., Any], args: Sequence[Any], dtype: str) -> list[
     return [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(out)]
 
 
+def precise_leaves(function: Callable[..., Any], args: Sequence[Any], *,
+                   platform: str) -> tuple[str, list[np.ndarray]] | None:
+  """`reference`'s first try, computed apart (ahead, on another thread): its
+  dtype and output leaves, or None where it failed (`reference` then tries
+  again itself, and reports).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> dtype, leaves = precise_leaves(jnp.cumsum, [np.ones(3, np.float32)], platform="cpu")
+    >>> dtype, leaves[0].tolist()
+    ('float64', [1.0, 2.0, 3.0])
+  """
+  dtype = "float64" if has_float64(platform) else "float32"
+  try:
+    return dtype, _run(function, args, dtype)
+  except Exception:  # pylint: disable=broad-except  # reference() tries again and reports
+    return None
+
+
 def reference(function: Callable[..., Any], args: Sequence[Any], default_out: Any, *,
-              platform: str, label: str = "") -> Reference | None:
+              platform: str, label: str = "",
+              computed: tuple[str, list[np.ndarray]] | None = None) -> Reference | None:
   """The high-precision reference of one call, and the default's error against it.
 
   Args:
@@ -167,6 +187,7 @@ def reference(function: Callable[..., Any], args: Sequence[Any], default_out: An
     default_out: the default kernel's result on `args`.
     platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
     label: the bucket's name, for the log line.
+    computed: `precise_leaves` of the same call, made ahead, or None.
 
   Returns:
     The `Reference`, or None when there is no higher precision to compare
@@ -181,7 +202,9 @@ def reference(function: Callable[..., Any], args: Sequence[Any], default_out: An
   problem: BaseException | None = None
   for dtype in tries:
     try:
-      leaves = _run(function, args, dtype)
+      leaves = (computed[1] if computed is not None and computed[0] == dtype
+                else _run(function, args, dtype))
+      computed = None  # used once: a later try computes
     except Exception as e:  # pylint: disable=broad-except  # a family without float64
       problem = e
       continue

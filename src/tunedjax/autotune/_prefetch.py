@@ -21,10 +21,11 @@ One `Prefetcher` per trace (the `Selection` owns it; `close` ends it with the
 trace): no state outlives the program it was started for.
 
 Example:
-  >>> p = Prefetcher()
-  >>> p.expect("bucket a", lambda: "operands and the default, compiled", order=(0, 3))
-  >>> p.take("bucket a")
-  'operands and the default, compiled'
+  >>> import threading
+  >>> p, started = Prefetcher(), threading.Event()
+  >>> p.expect("bucket a", lambda: started.set() or "compiled", order=(0, 3))
+  >>> started.wait(10) and p.take("bucket a")  # begun, so waited for
+  'compiled'
   >>> p.take("bucket b") is None  # never expected: the caller does the work
   True
   >>> p.close()

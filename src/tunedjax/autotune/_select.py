@@ -325,6 +325,8 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
               weigh_payback: bool) -> str:
   """Tunes the site's bucket (`tune_bucket`), stores and counts the result."""
   config, session = selection.config, selection.session
+  if selection.prefetch is None and _may_look_ahead(selection):  # e.g. a call site's bucket
+    selection.prefetch = _prefetch.Prefetcher()
   options, prepared, ahead = _tune_options(selection), None, selection.prefetch
   if ahead is not None:  # its operands and default, if the work ahead has them
     with _tuning.first_call_stage("tune:compile"):
@@ -338,7 +340,7 @@ def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
     result = _tuner.tune_bucket(site.spec, site.candidates, platform=selection.platform,
                                 options=options, label=site.label, family=site.family,
                                 payback=payback, prediction=prediction, prepared=prepared,
-                                quiet=None if ahead is None else ahead.timing)
+                                beside=ahead)
   session.store(selection.cache, site.family.name, site.key, result.to_value(),
                 platform=selection.platform)
   selection.measured.append((site.key, result.to_value()))

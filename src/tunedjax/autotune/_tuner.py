@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import math
 import statistics
@@ -368,8 +369,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
                 family: _registry.OpFamily | None = None,
                 payback: Payback | None = None,
                 prediction: Prediction | None = None, prepared: _Bucket | None = None,
-                quiet: Callable[[], contextlib.AbstractContextManager[None]] | None = None
-                ) -> TuneResult:
+                beside: Any = None) -> TuneResult:
   """Measures `candidates` on one site and picks the fastest correct one.
 
   The stages, in order: prepare the operands (`_Bucket.prepare`); plan what
@@ -397,10 +397,9 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     family: the `OpFamily` (default: the one whose spec type `spec` has).
     payback: the tuning horizon and the bucket's sites, or None (unbounded).
     prediction: the candidates' predicted times, or None: compile them all.
-    prepared: this bucket's operands and compiled default, made ahead by
-      `prepared_default` (`_prefetch`), or None: made now.
-    quiet: a context manager factory every timing runs inside (the
-      `Prefetcher`'s, so that no work ahead shares the cores with it).
+    prepared: operands and compiled default made ahead (`prepared_default`).
+    beside: a `_prefetch.Prefetcher` on a spare core: timings exclude its
+      work (`timing`); it makes the reference while candidates compile.
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -421,13 +420,14 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     ('xla', ['wrong'])
   """
   bucket = _begin(spec, candidates, platform, options, label, family, prepared)
-  bucket.quiet = quiet or bucket.quiet
+  bucket.beside, bucket.quiet = beside, beside.timing if beside else bucket.quiet
   bucket.prediction = prediction if options.predict else None
   with jax.ensure_compile_time_eval():
     planned = _plan(bucket, payback)
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
+    _reference_beside(bucket)
     runs = _start(bucket, _compile_rest(bucket, compiled))
     screen = _screen(bucket, runs, default_screen)
     runners = _check(bucket, runs)
@@ -475,6 +475,8 @@ class _Bucket:
   error_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
   compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
   quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+  beside: Any = None  # a `_prefetch.Prefetcher`: work on the spare core
+  reference: Callable[[], Any] | None = None  # the reference made beside (`precise_leaves`)
 
   @property
   def default(self) -> str:
@@ -815,13 +817,31 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
 def _precise_reference(bucket: _Bucket, default_out: Any) -> _accuracy.Reference | None:
   """The bucket's high-precision reference (`OpFamily.precise`, else the
   default kernel's function, in float64 or at HIGHEST), computed once."""
-  family = bucket.family
-  kernel = bucket.kernels[bucket.default]
-  if family.precise is not None:
-    kernel = types.SimpleNamespace(name=kernel.name, fn=family.precise)
-  function = _timed_function(kernel, bucket.spec, family.timed)
+  function = _reference_function(bucket)
+  computed = bucket.reference() if bucket.reference is not None else None  # made beside
   return _accuracy.reference(function, bucket.args, default_out, platform=bucket.platform,
-                             label=bucket.label)
+                             label=bucket.label, computed=computed)
+
+
+def _reference_function(bucket: _Bucket) -> Callable[..., Any]:
+  """What `_precise_reference` runs: the family's `precise`, else its default's function."""
+  kernel = bucket.kernels[bucket.default]
+  if bucket.family.precise is not None:
+    kernel = types.SimpleNamespace(name=kernel.name, fn=bucket.family.precise)
+  return _timed_function(kernel, bucket.spec, bucket.family.timed)
+
+
+def _reference_beside(bucket: _Bucket) -> None:
+  """Starts the bucket's high-precision reference on the spare core (`bucket.beside`)
+  while its candidates compile: `_check` then takes it (`bucket.reference`)."""
+  beside = bucket.beside
+  if beside is None or len(bucket.functions) < 2:
+    return
+  key = ("reference", object())  # this bucket's alone
+  function, args, platform = _reference_function(bucket), bucket.args, bucket.platform
+  beside.expect(key, lambda: _accuracy.precise_leaves(function, args, platform=platform),
+                order=(-1,))  # before any work ahead: the tuner needs it next
+  bucket.reference = functools.partial(beside.take, key)
 
 
 def _log_rejected(bucket: _Bucket, name: str, out: Any, ref_out: Any, err: float, tol: float,
