@@ -8,7 +8,8 @@ process:
 
 - **PyTorch eager, channels_last** (the baseline) and **NCHW**: the same
   network, weights and batch (`vs_pytorch.py`'s), PyTorch alone in its
-  process, 2 threads;
+  process, 2 threads; and channels_last on 1 thread (on a loaded machine
+  PyTorch's two OpenMP threads wait for each other: one can be faster);
 - **tunedjax, first process**: host memory ``auto`` (no variable), an empty
   tuning-cache folder: the first call tunes, `tj.jit` measures calls 4 to 6,
   and decides in this process;
@@ -51,11 +52,14 @@ import _workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE, NCHW, CONTROL = "PyTorch eager, channels_last", "PyTorch eager, NCHW", "A/A control"
+ONE_THREAD = "PyTorch eager, channels_last, 1 thread"
+PYTORCH = (BASE, NCHW, ONE_THREAD)
 FIRST, SECOND = "tunedjax, first process", "tunedjax, second process"
 LEFT_ALONE = "tunedjax, malloc left alone"
 ONE_BLOCK = "tunedjax, one arena, temporaries in one block"
 # name: (worker kind, its host-memory mode or layout, shares the first process's folder)
 VARIANTS = {BASE: ("torch", "channels_last", False), NCHW: ("torch", "NCHW", False),
+            ONE_THREAD: ("torch", "channels_last:1", False),
             FIRST: ("tunedjax", "auto", True), SECOND: ("tunedjax", "auto", True),
             LEFT_ALONE: ("tunedjax", "default", True), ONE_BLOCK: ("tunedjax", "auto", True),
             CONTROL: ("torch", "channels_last", False)}
@@ -111,14 +115,16 @@ def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
                                "first_call_s": first_s, "warm_faults": warm["faults"]})
 
 
-def torch_worker(layout: str, quick: bool, untimed: int, steps: int) -> None:
-  """PyTorch eager on the same network, weights and batch; no tunedjax settings."""
+def torch_worker(what: str, quick: bool, untimed: int, steps: int) -> None:
+  """PyTorch eager on the same network, weights and batch; no tunedjax settings.
+  `what`: the layout, and ``:threads`` (default 2)."""
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   import numpy as np  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
+  layout, _, threads = what.partition(":")
   torch = vs_pytorch.torch
   torch.manual_seed(0)
-  torch.set_num_threads(2)
+  torch.set_num_threads(int(threads or 2))
   _, full_args, _, _ = vs_pytorch.net_problem("mobilenet-plain", quick)
   params, x, y = full_args[0], full_args[-2], full_args[-1]
   model = vs_pytorch.TorchMobileNet()
@@ -190,9 +196,10 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict[str, 
 
 
 def _speed(runs: dict[str, list[dict]], name: str, against: str | None) -> list[float]:
-  """Per-round speed: `against`'s time over `name`'s (None: the faster PyTorch layout)."""
+  """Per-round speed: `against`'s time over `name`'s (None: the fastest PyTorch variant)."""
   if against is None:
-    base = [min(a["s"], b["s"]) for a, b in zip(runs[BASE], runs[NCHW])]
+    base = [min(r["s"] for r in rs)
+            for rs in zip(*(runs[n] for n in PYTORCH))]
   else:
     base = [r["s"] for r in runs[against]]
   return [b / r["s"] for r, b in zip(runs[name], base)]
@@ -216,11 +223,13 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
        "**one arena, temporaries in one block** (the import-time settings through `MALLOC_*` "
        "variables, so tunedjax leaves XLA's heaps alone: the second process before its "
        "programs split their temporaries), and PyTorch eager alone in its own processes "
-       f"(2 threads). {WARM_CALLS} calls of each tunedjax worker before timing; a round "
-       f"asks each worker, in a rotated order, for {args.untimed} untimed steps and then "
+       f"(2 threads; channels_last also on 1). {WARM_CALLS} calls of each tunedjax worker "
+       "before timing; a round asks each worker, in a rotated order, for {args.untimed} untimed steps and then "
        f"{args.steps} timed back to back (their mean); {args.rounds} rounds; speed = "
        f"{ref}'s time over the variant's (median of per-round ratios; over 1: faster). "
-       "Page faults and system CPU time per timed step (`getrusage`). Load average "
+       "Speed vs the fastest PyTorch variant: against the fastest of the three PyTorch "
+       "rows in each round. Page faults and system CPU time per timed step (`getrusage`). "
+       "Load average "
        f"{load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}"),
       "",
       (f"First process: host memory {'applied' if first['applied'] else 'not applied'} "
@@ -234,7 +243,7 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
   header = "| variant | ms per step | speed vs " + ref + " |"
   rule = "|---|---:|---:|"
   if args.torch:
-    header += " speed vs the faster PyTorch layout (per round) |"
+    header += " speed vs the fastest PyTorch variant (per round) |"
     rule += "---:|"
   lines += [header + " per-round range | page faults per step | system ms per step |",
             rule + "---:|---:|---:|"]
