@@ -10,7 +10,7 @@ own worker process:
 - **auto, first process**: no variable, nothing decided yet: `tj.jit` measures
   its program's first calls, and where the settings pay sets what can act
   mid-process at once (its programs' temporaries come in blocks of at most
-  32 MiB, which XLA's threads' arenas keep) and records the decision;
+  48 MiB, which XLA's threads' arenas keep) and records the decision;
 - **auto, next process**: no variable, started after the first one recorded
   (same workload, same decisions folder): the settings as decided;
 - **opt-out**: ``TUNEDJAX_HOST_MEMORY=default`` (glibc's malloc untouched);

@@ -59,7 +59,7 @@ VARIANTS = {
     "tunedjax's + tcache 1024": {"MALLOC_ARENA_MAX": "1", **_KEEP,
                                  "GLIBC_TUNABLES": "glibc.malloc.tcache_count=1024"},
 }
-_SPLIT = {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=33554432"}
+_SPLIT = {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=50331648"}
 # name: (environment, what the worker does in-process). "mid": M_MMAP_MAX=0, the trim
 # threshold and a 64 MiB top pad with mallopt after the first warm-up run (JAX's threads
 # long started); "sync": jax_cpu_enable_async_dispatch off before the backend starts;
@@ -68,8 +68,8 @@ _SPLIT = {"XLA_FLAGS": "--xla_multiheap_size_constraint_per_heap=33554432"}
 # keeps it; glibc also keeps the limit it first read: see the report).
 IN_PROCESS = {
     "in-process: no mmap + trim + top pad 64 MiB": ({}, ("mid",)),
-    "in-process: XLA heaps of 32 MiB, nothing else": (_SPLIT, ()),
-    "in-process: XLA heaps of 32 MiB + no mmap + trim + top pad (tunedjax's first process)": (
+    "in-process: XLA heaps of 48 MiB, nothing else": (_SPLIT, ()),
+    "in-process: XLA heaps of 48 MiB + no mmap + trim + top pad (tunedjax's first process)": (
         _SPLIT, ("mid",)),
     "in-process: synchronous dispatch + no mmap + trim + top pad": ({}, ("sync", "mid")),
     "in-process: one arena while JAX's backend starts, then restored + no mmap + trim": (

@@ -340,7 +340,7 @@ def test_memory_kept_per_xla_thread_must_fit_or_waits_for_the_next_import(monkey
 
 def test_auto_has_xla_split_temporaries_where_it_can_still_act_on_the_cpu(monkeypatch, tmp_path):
   flag = _xla.HEAP_FLAG
-  assert "in blocks of at most 32 MiB" in _decide(monkeypatch, tmp_path).reason
+  assert "in blocks of at most 48 MiB" in _decide(monkeypatch, tmp_path).reason
   assert os.environ["XLA_FLAGS"] == flag and _host_memory._UNSPLIT is None
   _decide(monkeypatch, tmp_path, XLA_FLAGS="--xla_cpu_enable_fast_math=false")
   assert os.environ["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"  # added

@@ -27,7 +27,7 @@ So tunedjax decides per machine and workload, by measurement
   doing so, that is recorded (`_decisions`) and the settings are applied
   from the next ``import tunedjax`` of the same workload on. The process
   that measured gets what can act mid-process (`RETENTION`) at once: its
-  import had XLA:CPU allocate temporaries in blocks of at most 32 MiB
+  import had XLA:CPU allocate temporaries in blocks of at most 48 MiB
   (`_xla`: ``$XLA_FLAGS``), which the arenas of XLA's threads keep once
   mapping and trimming are off and the top pad is large. Where tunedjax
   starts the work itself before JAX's backend starts (the ``tunedjax demo``
