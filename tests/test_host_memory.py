@@ -442,6 +442,9 @@ def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, 
   monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: calls.append(1))
   status = _host_memory.apply_for_training("a test started")
   assert status.applied and calls == [1] and "a test started" in status.reason
+  # XLA's temporaries split: the arenas are left alone (one arena slows XLA's compiles).
+  assert _host_memory._UNSPLIT is None and status.settings == _host_memory.RETENTION
+  assert "in blocks of at most 48 MiB" in status.reason
   assert _host_memory.host_memory_status() is status and not _host_memory.measuring()
   assert _host_memory.apply_for_training("again") is status and calls == [1]
   for env, started in [({"JAX_PLATFORMS": "cuda,cpu"}, None), ({}, "cpu"),
@@ -450,6 +453,17 @@ def test_apply_for_training_acts_before_jax_starts_on_the_cpu_only(monkeypatch, 
     monkeypatch.setattr(_host_memory, "_jax_default_backend_if_started", lambda: started)
     assert _host_memory.apply_for_training("a test started") is before
     assert not before.applied
+
+
+@needs_glibc
+def test_apply_for_training_sets_every_setting_where_xla_keeps_one_block(monkeypatch, tmp_path):
+  asked = []
+  _decide(monkeypatch, tmp_path, JAX_PLATFORMS="cpu",
+          XLA_FLAGS=f"--{_xla.HEAP_OPTION}={2**30}")  # the user's own heaps: not split
+  assert _host_memory._UNSPLIT is not None
+  monkeypatch.setattr(_host_memory, "_mallopt", lambda libc, settings=None: asked.append(settings))
+  status = _host_memory.apply_for_training("a test started")
+  assert asked == [_host_memory.SETTINGS] and status.settings == _host_memory.SETTINGS
 
 
 def test_cpu_only_is_read_from_jax_platforms_or_the_installed_plugins(monkeypatch, tmp_path):

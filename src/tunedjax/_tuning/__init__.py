@@ -15,7 +15,8 @@ names below, never another tuner's private modules.
 - **What a result depends on**: `device_fingerprint`, `host_cpu`,
   `canonical_platform`, `usable_cores` (the cores this process may run on).
 - **How to measure**: `time_interleaved` (rotated rounds, GC off), `median`,
-  `random_array`/`random_inputs` (never zeros), `relative_error`.
+  `random_array`/`random_inputs` (never zeros), `relative_error`,
+  `max_abs_difference` (slice by slice: no array-sized temporaries).
 - **Who is tuning**: `TuningSession` (phase, step counter, statistics, and
   an in-process memo over the cache: `lookup`/`store`), `current_session`,
   `default_session`, `using_session`.
@@ -50,6 +51,7 @@ from tunedjax._tuning._fingerprint import CpuInfo as CpuInfo
 from tunedjax._tuning._fingerprint import DeviceFingerprint as DeviceFingerprint
 from tunedjax._tuning._fingerprint import device_fingerprint as device_fingerprint
 from tunedjax._tuning._fingerprint import host_cpu as host_cpu
+from tunedjax._tuning._inputs import max_abs_difference as max_abs_difference
 from tunedjax._tuning._inputs import random_array as random_array
 from tunedjax._tuning._inputs import random_inputs as random_inputs
 from tunedjax._tuning._inputs import relative_error as relative_error

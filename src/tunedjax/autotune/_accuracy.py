@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunedjax import _tuning
+
 logger = logging.getLogger("tunedjax.autotune")
 
 ERROR_RATIO_LIMIT = 3.0
@@ -64,11 +66,14 @@ class Reference:
     dtype: what it was computed in: ``"float64"``, or ``"float32"`` with
       every product at `Precision.HIGHEST`.
     default_errors: the default kernel's error on each leaf (`leaf_error`).
+    scales: ``max |leaf|`` of each reference leaf (computed once, not per
+      candidate); empty: computed by each `leaf_error`.
   """
 
   leaves: tuple[np.ndarray, ...]
   dtype: str
   default_errors: tuple[float, ...]
+  scales: tuple[float | None, ...] = ()
 
   def ratio(self, out: Any) -> float:
     """The error ratio of outputs `out` (inf on a structure or shape mismatch, or NaN).
@@ -78,13 +83,17 @@ class Reference:
     leaves = jax.tree_util.tree_leaves(out)
     if len(leaves) != len(self.leaves):
       return math.inf
-    ratios = [leaf_error(o, r) / max(d, floor(o))
-              for o, r, d in zip(leaves, self.leaves, self.default_errors)]
+    ratios = [leaf_error(o, r, s) / max(d, floor(o))
+              for o, r, d, s in zip(leaves, self.leaves, self.default_errors, self._scales())]
     return max(ratios, default=0.0)
 
   def errors(self, out: Any) -> list[float]:
     """`leaf_error` of each leaf of `out` (for reports and tests)."""
-    return [leaf_error(o, r) for o, r in zip(jax.tree_util.tree_leaves(out), self.leaves)]
+    return [leaf_error(o, r, s) for o, r, s in
+            zip(jax.tree_util.tree_leaves(out), self.leaves, self._scales())]
+
+  def _scales(self) -> tuple[float | None, ...]:
+    return self.scales or (None,) * len(self.leaves)
 
 
 def floor(leaf: Any) -> float:
@@ -100,8 +109,13 @@ def floor(leaf: Any) -> float:
   return FLOOR_ULPS * float(jnp.finfo(dtype).eps)
 
 
-def leaf_error(out: Any, ref: np.ndarray) -> float:
+def leaf_error(out: Any, ref: np.ndarray, scale: float | None = None) -> float:
   """``max |out - ref| / max(max |ref|, 1)`` in float64 (inf for a shape mismatch or NaN).
+
+  Args:
+    out: a candidate's output leaf.
+    ref: the reference leaf (float64).
+    scale: ``max |ref|`` where the caller knows it (`Reference` keeps it).
 
   Example:
     >>> leaf_error(np.array([1.0, 2.5]), np.array([1.0, 2.0]))
@@ -109,15 +123,17 @@ def leaf_error(out: Any, ref: np.ndarray) -> float:
     >>> leaf_error(np.array([1e-3]), np.array([2e-3]))  # below 1: absolute
     0.001
   """
-  out = np.asarray(out, dtype=np.float64)
+  out = np.asarray(out)
   if out.shape != ref.shape:
     return math.inf
   if not ref.size:
     return 0.0
-  err = float(np.max(np.abs(out - ref)))
+  err = _tuning.max_abs_difference(out, ref, np.float64)
   if not math.isfinite(err):
     return math.inf
-  return err / max(float(np.max(np.abs(ref))), 1.0)
+  if scale is None:
+    scale = _tuning.max_abs_difference(ref, None, np.float64)
+  return err / max(scale, 1.0)
 
 
 def has_float64(platform: str) -> bool:
@@ -212,7 +228,9 @@ def reference(function: Callable[..., Any], args: Sequence[Any], default_out: An
       problem = ValueError(f"its outputs {[l.shape for l in leaves]} do not match the "
                            f"default's {[o.shape for o in outs]}")
       continue
-    return Reference(tuple(leaves), dtype, tuple(leaf_error(o, r) for o, r in zip(outs, leaves)))
+    scales = tuple(_tuning.max_abs_difference(r, None, np.float64) for r in leaves)
+    return Reference(tuple(leaves), dtype,
+                     tuple(leaf_error(o, r, s) for o, r, s in zip(outs, leaves, scales)), scales)
   logger.warning("autotune %s: no high-precision reference (%s: %s); candidates are "
                  "checked against the default's tolerance alone.", label,
                  type(problem).__name__, str(problem).splitlines()[0][:200] if str(problem)
