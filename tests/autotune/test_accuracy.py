@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tunedjax as tj
 from tunedjax import autotune
@@ -178,3 +180,54 @@ def test_a_family_gives_its_own_precise_reference():
   # its precision; batch norm's default computes in its operands' dtype already.
   assert attention.precise is not None and conv.precise is not None
   assert autotune.op_family("batch_norm").precise is None
+
+
+def _agreeing(x, spec):
+  """The column sums in another order of float32 additions: a few ulps from xla's."""
+  del spec
+  return jnp.sum(x[::-1], axis=0)
+
+
+def test_a_candidate_agreeing_with_the_default_needs_no_reference(toy_family, monkeypatch):
+  autotune.register_kernel(OP, "agreeing", _agreeing, applicable=lambda s, p: True)
+  runs = []
+  real_run = _accuracy._run
+  monkeypatch.setattr(_accuracy, "_run", lambda *a: (runs.append(1), real_run(*a))[-1])
+  spec = ColsumSpec((256, 8), "float32")
+  kernels = [k for k in autotune.kernels(OP) if k.name in ("xla", "agreeing")]
+  result = _tuner.tune_bucket(spec, kernels, options=_tuner.TuneOptions(rounds=1))
+  assert runs == [] and "agreeing" not in result.rejected
+  assert 1.0 <= result.error_ratios["agreeing"] <= _accuracy.ERROR_RATIO_LIMIT  # the bound
+  # One candidate too far from the default for the bound: the reference judges them all.
+  result = _tuner.tune_bucket(spec, [*kernels, *[k for k in autotune.kernels(OP)
+                                                 if k.name == "bf16_sums"]],
+                              options=_tuner.TuneOptions(rounds=1))
+  assert runs and "bf16_sums" in result.rejected and "agreeing" not in result.rejected
+  assert result.error_ratios["agreeing"] <= _accuracy.ERROR_RATIO_LIMIT
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 0.5, 1.0, 30.0, 1e4]),
+       default_noise=st.sampled_from([0.0, 1e-8, 1e-7, 1e-6, 1e-4, 1e-2]),
+       candidate_ulps=st.floats(0.0, 12.0), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_the_agreement_bound_never_understates_the_error_ratio(
+    seed, scale, default_noise, candidate_ulps, dtype):
+  rng = np.random.default_rng(seed)
+  exact = rng.standard_normal((64, 3)) * scale
+  exact[rng.random(exact.shape) < 0.3] *= 1e-3  # leaves with small entries, too
+  default = (exact * (1 + default_noise * rng.standard_normal(exact.shape))).astype(dtype)
+  step = candidate_ulps * float(jnp.finfo(dtype).eps) * max(np.max(np.abs(exact)), 1.0)
+  candidate = (default.astype(np.float64) + step * rng.uniform(-1, 1, exact.shape)).astype(dtype)
+  leaves = (np.asarray(exact, np.float64),)
+  reference = _accuracy.Reference(leaves, "float64", (_accuracy.leaf_error(default, leaves[0]),))
+  bound = _accuracy.agreement_bound(candidate, default)
+  assert reference.ratio(candidate) <= bound * (1 + 1e-9)
+
+
+def test_the_agreement_bound_refuses_what_it_cannot_prove():
+  d = np.linspace(-2, 2, 64, dtype=np.float32)
+  assert _accuracy.agreement_bound(d, (d, d)) == float("inf")  # structures differ
+  assert _accuracy.agreement_bound(d[:8], d[:9]) == float("inf")  # shapes differ
+  assert _accuracy.agreement_bound(np.full(4, np.nan, np.float32), d[:4]) == float("inf")
+  e4m3 = jnp.asarray(d).astype(jnp.float8_e4m3fn)
+  assert _accuracy.agreement_bound(e4m3, e4m3) == float("inf")  # too coarse to prove

@@ -22,7 +22,7 @@ import tunedjax as tj
 from tests.autotune import selection_helpers as h
 from tunedjax import _tuning
 from tunedjax._config import get_config
-from tunedjax.autotune import _accuracy, _prefetch, _select, _tuner
+from tunedjax.autotune import _prefetch, _select, _tuner
 from tunedjax.autotune._prefetch import Prefetcher
 
 WAIT_S = 10.0  # the most a test waits for the other thread (it never takes that long)
@@ -188,17 +188,11 @@ def _tune_through_jit(tmp_path, rng, look_ahead: bool, monkeypatch):
 
 def test_each_bucket_takes_its_default_from_the_work_ahead_and_decides_alike(
     recorded, tmp_path, rng, monkeypatch):
-  references = []
-  real_leaves = _accuracy.precise_leaves
-  monkeypatch.setattr(_accuracy, "precise_leaves", lambda *a, **k: (
-      references.append(threading.current_thread().name), real_leaves(*a, **k))[-1])
   ahead, taken = _tune_through_jit(tmp_path / "ahead", rng, True, monkeypatch)
   assert len(ahead) == 3 and len(taken) == 3 and all(t is not None for t in taken)
   worker = {i[2] for i in recorded if i[0] == "compile" and "xla" in i[1]}
   assert worker == {"tunedjax-prefetch"}  # every default compiled ahead, none again
-  # Each tuned bucket's float64 reference made beside its candidates' compile.
-  assert references == ["tunedjax-prefetch"] * 3
-  assert all(d[3] for d in ahead.values())  # error ratios against it
+  assert all(d[3] for d in ahead.values())  # error ratios (or their bounds) recorded
   recorded.clear()
   alone, taken = _tune_through_jit(tmp_path / "alone", np.random.default_rng(0), False,
                                    monkeypatch)

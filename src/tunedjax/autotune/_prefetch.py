@@ -47,9 +47,6 @@ PENDING, RUNNING, DONE = "pending", "running", "done"
 # Finished jobs not yet taken, at most: each holds a bucket's operands, so the
 # work stays this far ahead of the pass (and its memory bounded).
 AHEAD = 2
-# Jobs ordered before this are needed by the bucket being tuned now (its
-# reference): they run next whatever the work ahead has finished.
-NOW = (0,)
 
 
 @dataclasses.dataclass
@@ -65,9 +62,8 @@ class Prefetcher:
 
   Jobs run in the order given (`expect`'s ``order``: the order the pass will
   reach the sites), never while the main thread times (`timing`), at most
-  `AHEAD` finished ones waiting to be taken (a job ordered before `NOW`, which
-  the bucket being tuned needs, runs whatever is waiting), and a job's
-  exception only means the main thread does that work itself.
+  `AHEAD` finished ones waiting to be taken, and a job's exception only
+  means the main thread does that work itself.
   """
 
   def __init__(self) -> None:
@@ -142,8 +138,8 @@ class Prefetcher:
           return None
         pending = [j for j in self._jobs.values() if j.state == PENDING]
         ready = sum(j.state == DONE for j in self._jobs.values())
-        job = min(pending, key=lambda j: j.order) if pending else None
-        if job is not None and not self._timing and (ready < AHEAD or job.order < NOW):
+        if pending and not self._timing and ready < AHEAD:
+          job = min(pending, key=lambda j: j.order)
           job.state, self._running = RUNNING, True
           self._cond.notify_all()
           return job

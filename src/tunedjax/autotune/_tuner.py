@@ -399,7 +399,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     prediction: the candidates' predicted times, or None: compile them all.
     prepared: operands and compiled default made ahead (`prepared_default`).
     beside: a `_prefetch.Prefetcher` on a spare core: timings exclude its
-      work (`timing`); it makes the reference while candidates compile.
+      work (`timing`).
 
   Returns:
     A `TuneResult`; its winner is the default (``xla``) unless a candidate
@@ -427,7 +427,6 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     if isinstance(planned, TuneResult):
       return planned
     compiled, default_screen = planned
-    _reference_beside(bucket)
     runs = _start(bucket, _compile_rest(bucket, compiled))
     screen = _screen(bucket, runs, default_screen)
     runners = _check(bucket, runs)
@@ -476,7 +475,6 @@ class _Bucket:
   compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
   quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
   beside: Any = None  # a `_prefetch.Prefetcher`: work on the spare core
-  reference: Callable[[], Any] | None = None  # the reference made beside (`precise_leaves`)
 
   @property
   def default(self) -> str:
@@ -779,10 +777,13 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
   as failed or rejected.
 
   One rule for every family (`_accuracy`): a candidate's error against a
-  high-precision reference of the same call, computed once here, may be at
-  most `_accuracy.ERROR_RATIO_LIMIT` times the default's (its error ratio,
-  kept in the result). The family's tolerance against the default's own
-  output stays as a sanity bound.
+  high-precision reference of the same call may be at most
+  `_accuracy.ERROR_RATIO_LIMIT` times the default's (its error ratio, kept
+  in the result). Where every candidate is close enough to the default's
+  output for `_accuracy.agreement_bound` to prove that, no reference is
+  computed and the bounds are kept instead; otherwise the reference is
+  computed once and every candidate judged against it. The family's
+  tolerance against the default's own output stays as a sanity bound.
   """
   default = bucket.default
   ref = _output(bucket.outputs, default, runs[default])
@@ -791,8 +792,8 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
   ref = jax.tree_util.tree_map(np.asarray, ref)
   ref_out = jax.tree_util.tree_leaves(ref)[0]
   tol = bucket.family.tolerance(ref_out.dtype, bucket.platform)
-  precise = _precise_reference(bucket, ref) if len(runs) > 1 else None
-  runners = {default: runs[default]}
+  scales = [_tuning.max_abs_difference(leaf, None) for leaf in jax.tree_util.tree_leaves(ref)]
+  outs, bounds = {}, {}
   for name, run in runs.items():
     if name == default:
       continue
@@ -801,47 +802,39 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
       _failed(bucket.errors, name, out, bucket.label)
       continue
     err = _leaves_error(out, ref)
+    if err > tol:
+      bucket.rejected[name] = err if math.isfinite(err) else 1e300
+      _log_rejected(bucket, name, out, ref_out, err, tol, None, "")
+      continue
+    outs[name], bounds[name] = out, _accuracy.agreement_bound(out, ref, scales)
+  bucket.outputs.clear()
+  if all(b <= _accuracy.ERROR_RATIO_LIMIT for b in bounds.values()):
+    bucket.error_ratios.update(bounds)  # proved without a reference
+    return {default: runs[default], **{n: runs[n] for n in outs}}
+  precise = _precise_reference(bucket, ref)
+  runners = {default: runs[default]}
+  for name, out in outs.items():
     ratio = precise.ratio(out) if precise is not None else None
     if ratio is not None:
       bucket.error_ratios[name] = ratio if math.isfinite(ratio) else 1e300
-    if err <= tol and (ratio is None or ratio <= _accuracy.ERROR_RATIO_LIMIT):
-      runners[name] = run
+    if ratio is None or ratio <= _accuracy.ERROR_RATIO_LIMIT:
+      runners[name] = runs[name]
       continue
-    bucket.rejected[name] = err if math.isfinite(err) else 1e300
-    _log_rejected(bucket, name, out, ref_out, err, tol, ratio,
-                  precise.dtype if precise is not None else "")
-  bucket.outputs.clear()
+    bucket.rejected[name] = _leaves_error(out, ref)
+    _log_rejected(bucket, name, out, ref_out, bucket.rejected[name], tol, ratio,
+                  precise.dtype)
   return runners
 
 
 def _precise_reference(bucket: _Bucket, default_out: Any) -> _accuracy.Reference | None:
   """The bucket's high-precision reference (`OpFamily.precise`, else the
   default kernel's function, in float64 or at HIGHEST), computed once."""
-  function = _reference_function(bucket)
-  computed = bucket.reference() if bucket.reference is not None else None  # made beside
-  return _accuracy.reference(function, bucket.args, default_out, platform=bucket.platform,
-                             label=bucket.label, computed=computed)
-
-
-def _reference_function(bucket: _Bucket) -> Callable[..., Any]:
-  """What `_precise_reference` runs: the family's `precise`, else its default's function."""
   kernel = bucket.kernels[bucket.default]
   if bucket.family.precise is not None:
     kernel = types.SimpleNamespace(name=kernel.name, fn=bucket.family.precise)
-  return _timed_function(kernel, bucket.spec, bucket.family.timed)
-
-
-def _reference_beside(bucket: _Bucket) -> None:
-  """Starts the bucket's high-precision reference on the spare core (`bucket.beside`)
-  while its candidates compile: `_check` then takes it (`bucket.reference`)."""
-  beside = bucket.beside
-  if beside is None or len(bucket.functions) < 2:
-    return
-  key = ("reference", object())  # this bucket's alone
-  function, args, platform = _reference_function(bucket), bucket.args, bucket.platform
-  beside.expect(key, lambda: _accuracy.precise_leaves(function, args, platform=platform),
-                order=(-1,))  # before any work ahead: the tuner needs it next
-  bucket.reference = functools.partial(beside.take, key)
+  function = _timed_function(kernel, bucket.spec, bucket.family.timed)
+  return _accuracy.reference(function, bucket.args, default_out, platform=bucket.platform,
+                             label=bucket.label)
 
 
 def _log_rejected(bucket: _Bucket, name: str, out: Any, ref_out: Any, err: float, tol: float,
