@@ -15,6 +15,7 @@ from tunedjax import _tuning
 from tunedjax._errors import AutotuneError
 from tunedjax._tuning import _cache
 from tunedjax.autotune import _explain, _payback, _registry, _report, _select, _tuner
+from tunedjax.autotune._predict import Estimate, Prediction
 from tunedjax.ops.conv._spec import ConvSpec
 
 FAST = {"rounds": 1, "budget_s": 3.0}
@@ -97,6 +98,31 @@ def test_a_bucket_is_tuned_only_when_it_can_pay_back(monkeypatch, horizon, kept)
   else:
     assert result.winner == "t_transposed" and result.ratios["t_transposed"] == pytest.approx(0.5)
     assert clock.compiled == [["xla"], ["t_transposed"]]
+
+
+@pytest.mark.parametrize("low, kept", [(0.1, False), (0.7, True)])
+def test_a_prediction_bounds_what_tuning_could_save(monkeypatch, low, kept):
+  # xla's first call takes 2 ms: 20 ms within 10 runs. The candidate is predicted
+  # to compile in 5 ms: tuning it is expected to cost 7 ms. Measured to take at best
+  # 0.1x xla's time, it could save 18 ms (tuned); at best 0.7x, 6 ms (kept, said).
+  spec = _spec()
+  FakeClock(monkeypatch, compile_s=0.05)
+  monkeypatch.setattr(_tuning, "time_interleaved",
+                      lambda runners, rounds=5, **kw: {n: [0.002 if n == "xla" else 0.001] * rounds
+                                                       for n in runners})
+  prediction = Prediction("xla", {"t_transposed": Estimate(low, 0.0, compile_s=0.005)})
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=2),
+                                payback=_tuner.Payback(horizon=10), prediction=prediction)
+  assert result.kept is kept
+  record = result.payback
+  assert record["estimate_s"] == pytest.approx(0.007)  # what tuning costs, unscaled
+  assert record["cost_s"] == pytest.approx(0.007 / (1 - low))  # xla's time needed
+  if kept:
+    assert "0.006 s at most to save (the best predicted at best 0.7x xla's time)" in result.reason
+    assert _payback.still_cannot_pay_back(result.to_value(), horizon=10)
+    assert not _payback.still_cannot_pay_back(result.to_value(), horizon=20)
 
 
 def test_a_short_first_call_is_confirmed_before_tuning(monkeypatch):

@@ -587,19 +587,19 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   screen = list(_timed(bucket, {default: _keeping(bucket.outputs, default, ref_run)},
                        rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
-  cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
+  cost, compile_bound, plan, share = _expected_cost(bucket, payback, compile_s, default_s)
   if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
     calls += _timed(bucket, {default: ref_run}, rounds=1, warmup=0)[default]
     default_s = min(calls)
-    cost, compile_bound, plan = _expected_cost(bucket, payback, compile_s, default_s)
+    cost, compile_bound, plan, share = _expected_cost(bucket, payback, compile_s, default_s)
   _apply_pruning(bucket, plan)
   others = len(bucket.functions) - 1
   bucket.record.update(
       horizon=payback.horizon, sites=payback.sites, default_s=float(default_s),
-      cost_s=float(cost), estimate_s=float(cost / payback.cost_factor),
+      cost_s=float(cost), estimate_s=float(cost * share / payback.cost_factor),
       decided_s=float(max(0.0, _clock() - bucket.start - beside_s)),
       kept=compile_bound or not payback.pays(default_s, cost))
   if not bucket.record["kept"]:
@@ -608,10 +608,12 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
     return compiled, screen
   bucket.temps.update(_temps_of({default: compiled[default]}))
   saved = payback.most_saved(default_s)
+  at_best = ("" if share == 1.0 else
+             f" (the best predicted at best {1 - share:.2g}x {default}'s time)")
   why = (f"no candidate predicted to beat it saves its compile within the horizon (at "
          f"least {cost:.3g} s of {default}'s time needed)" if compile_bound else
-         f"{saved:.3g} s at most to save, below the {cost:.3g} s tuning {others} other "
-         f"candidate(s) is expected to cost")
+         f"{saved * share:.3g} s at most to save{at_best}, below the {cost * share:.3g} s "
+         f"tuning {others} other candidate(s) is expected to cost")
   basis = f" ({payback.basis})" if payback.basis else ""  # the platform's rule, not measured
   return bucket.finish(default, (
       f"{CANNOT_PAY_BACK}: {default} took {1e3 * default_s:.3g} ms x {payback.sites} "
@@ -650,7 +652,7 @@ def _pays_even_if_mostly_warmup(bucket: _Bucket, payback: Payback, compile_s: fl
   """Whether tuning pays back even if only `WARM_SHARE` of the default's first
   call was its own time: then a second call could not change the decision."""
   low = default_s * WARM_SHARE
-  cost, compile_bound, _ = _expected_cost(bucket, payback, compile_s, low)
+  cost, compile_bound, _, _ = _expected_cost(bucket, payback, compile_s, low)
   return payback.pays(low, cost) and not compile_bound
 
 
@@ -707,19 +709,23 @@ def _apply_pruning(bucket: _Bucket, plan: Pruning | None) -> None:
 
 
 def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
-                   default_s: float) -> tuple[float, bool, Pruning | None]:
+                   default_s: float) -> tuple[float, bool, Pruning | None, float]:
   """What tuning the candidates that could win is expected to cost: each one's
   predicted compile (the default's where none is predicted) and a call each.
   Changes nothing in `bucket`.
 
   Returns:
-    ``(cost, compile_bound, plan)``; `plan` is the pruning for this horizon
-    (`_apply_pruning`). Compile-bound: some candidates could beat the
-    default, but none would save its own compile within the horizon. The
-    cost is then the default's time the horizon must hold for the cheapest
-    of them to pay back (its compile over the fraction it saves), so that
-    the cached "cannot pay back" holds for this horizon and a longer one
-    tunes the bucket (`still_cannot_pay_back`).
+    ``(cost, compile_bound, plan, share)``; `plan` is the pruning for this
+    horizon (`_apply_pruning`). The cost is the default's time the horizon
+    must hold for tuning to pay back, so that a cached "cannot pay back"
+    holds for this horizon and a longer one tunes the bucket
+    (`still_cannot_pay_back`): the expected cost over `share`, the most of
+    the default's time a candidate could save (1 less the best optimistic
+    ratio a prediction measured gives the candidates left, `Estimate.low`;
+    1 where one has no measured estimate). Compile-bound: some candidates
+    could beat the default, but none would save its own compile within the
+    horizon; the cost is then that of the cheapest of them (its compile
+    over the fraction it saves), and `share` 1.
   """
   unbounded = _pruning(bucket)
   could_win = [n for n in (unbounded[0] if unbounded else bucket.functions)
@@ -735,11 +741,16 @@ def _expected_cost(bucket: _Bucket, payback: Payback, compile_s: float,
   if could_win and not others and all(n in estimates for n in could_win):
     needed = min(compile_of(n) / max(1.0 - estimates[n].low, 1e-3) for n in could_win)
     cost = max(needed * payback.cost_factor, payback.most_saved(default_s) * 1.001)
-    return cost, True, plan
+    return cost, True, plan, 1.0
   each = [compile_of(n) for n in others]
-  return payback.expected_cost(
+  cost = payback.expected_cost(
       compile_s=compile_s, call_s=default_s, candidates=len(others),
-      compile_each=each if bucket.prediction is not None else None), False, plan
+      compile_each=each if bucket.prediction is not None else None)
+  measured = [estimates[n].low for n in others
+              if n in estimates and estimates[n].source == "measured"]
+  share = (min(1.0, max(1.0 - min(measured), 1e-3))
+           if others and len(measured) == len(others) else 1.0)
+  return cost / share, False, plan, share
 
 
 def _start(bucket: _Bucket, compiled: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:
