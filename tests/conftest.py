@@ -74,3 +74,11 @@ def mesh8_auto() -> jax.sharding.Mesh:
 def mesh8_explicit() -> jax.sharding.Mesh:
   """`mesh8` with an Explicit axis whatever `jax.make_mesh`'s default."""
   return _mesh8(jax.sharding.AxisType.Explicit)
+
+
+@pytest.fixture(autouse=True)
+def _cold_tuner_families(monkeypatch):
+  """Each test starts with no family counted warm by the tuner (`_tuner._WARM`), so
+  that what a screening call decides does not depend on the tests run before."""
+  from tunedjax.autotune import _tuner  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(_tuner, "_WARM", set())

@@ -457,3 +457,25 @@ def test_timing_stops_early_only_when_the_choice_is_clear(monkeypatch, ratio, ro
                                 options=_tuner.TuneOptions(rounds=5))
   assert len(result.timings["xla"]) == rounds_timed
   assert result.winner == ("t_transposed" if ratio < 0.9 else "xla")
+
+
+@pytest.mark.parametrize("warm, calls_expected", [(False, [1, 3]), (True, [1])])
+def test_a_warm_family_s_default_tells_from_a_shorter_first_call(monkeypatch, warm, calls_expected):
+  # xla's first call takes 50 ms, the candidate's 2 ms: decisive only once the
+  # family has made a timed call in this process (then one-time costs are a fresh
+  # executable's, a few ms); its first timed call may carry the process's first
+  # convolution's (~60 ms), so it is confirmed by rounds.
+  spec = _spec()
+  calls = []
+
+  def fake_timer(runners, rounds=5, **kw):
+    calls.append(rounds)
+    return {n: [0.05 if n == "xla" else 0.002] * rounds for n in runners}
+
+  monkeypatch.setattr(_tuning, "time_interleaved", fake_timer)
+  monkeypatch.setattr(_tuner, "_WARM", {("cpu", "conv")} if warm else set())
+  with h.registered("t_transposed"):
+    result = _tuner.tune_bucket(spec, _candidates(spec, "t_transposed"),
+                                options=_tuner.TuneOptions(rounds=3))
+  assert calls == calls_expected and result.winner == "t_transposed"
+  assert ("cpu", "conv") in _tuner._WARM  # pylint: disable=protected-access

@@ -69,6 +69,13 @@ DECISIVE_RATIO = 0.1
 # process's first convolution). Below this many seconds of xla's call the
 # round drops nothing and decides nothing: every candidate gets timed rounds.
 SCREEN_MIN_S = 0.1
+# Once a family has made a timed call on a platform in this process, the one-time
+# costs left are a fresh executable's (~3 ms): a screening call of at least this
+# many seconds then tells (a 10x gap cannot hide in them), so a slow default is
+# not called again only to confirm it (the demo's depthwise buckets: 45-95 ms).
+WARM_SCREEN_MIN_S = 0.03
+# The (platform, family) pairs that made a timed call in this process.
+_WARM: set[tuple[str, str]] = set()
 # A first call below SCREEN_MIN_S is confirmed by a second before tuning is
 # paid for, unless tuning would pay back even if only this share of it were
 # the kernel's own time (the rest one-time costs).
@@ -475,6 +482,7 @@ class _Bucket:
   compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
   quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
   beside: Any = None  # a `_prefetch.Prefetcher`: work on the spare core
+  warm: bool = False  # the family made a timed call before the default's first (`_WARM`)
 
   @property
   def default(self) -> str:
@@ -559,7 +567,19 @@ def _timed(bucket: _Bucket, runners: Mapping[str, Callable[[], Any]], **kw: Any
            ) -> dict[str, list[float]]:
   """`time_interleaved` with the cores to itself (`bucket.quiet`)."""
   with bucket.quiet():
-    return _tuning.time_interleaved(runners, **kw)
+    times = _tuning.time_interleaved(runners, **kw)
+  _WARM.add((bucket.platform, bucket.family.name))
+  return times
+
+
+def _screen_min_s(warm: bool) -> float:
+  """The shortest first call of the default that tells (`SCREEN_MIN_S`, or
+  `WARM_SCREEN_MIN_S` once the family was `warm` on the platform before it)."""
+  return WARM_SCREEN_MIN_S if warm else SCREEN_MIN_S
+
+
+def _was_warm(bucket: _Bucket) -> bool:
+  return (bucket.platform, bucket.family.name) in _WARM
 
 
 def _weigh_payback(bucket: _Bucket, payback: Payback
@@ -584,11 +604,13 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
   compile_s = bucket.compile_s[default]
   beside_s = max(0.0, _clock() - compile_start - (compile_s if default in todo else 0.0))
   ref_run = _runner(compiled[default], bucket.args)  # the default failing to compile: an error
+  bucket.warm = _was_warm(bucket)
   screen = list(_timed(bucket, {default: _keeping(bucket.outputs, default, ref_run)},
                        rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
   cost, compile_bound, plan, share = _expected_cost(bucket, payback, compile_s, default_s)
-  if (default_s < SCREEN_MIN_S and payback.pays(default_s, cost) and not compile_bound
+  if (default_s < _screen_min_s(bucket.warm) and payback.pays(default_s, cost)
+      and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
     # convolution: ~60 ms): a second call confirms before paying for tuning.
@@ -776,6 +798,8 @@ def _screen(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]],
   also its screening round (a candidate many times slower than the default,
   an FFT on a small kernel, is dropped before it costs `rounds` calls). With
   a horizon the default's first call was made already and is its screening call."""
+  if default_screen is None:
+    bucket.warm = _was_warm(bucket)
   screen = _timed(
       bucket, {n: _keeping(bucket.outputs, n, r) for n, r in runs.items()
        if n != bucket.default or default_screen is None}, rounds=1, warmup=0)
@@ -877,7 +901,9 @@ def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
   """
   default, options = bucket.default, bucket.options
   screen = {n: screen[n] for n in runners}
-  telling = min(screen[default]) >= SCREEN_MIN_S  # first-call costs are noise
+  # First-call costs are noise below this (the default's screening call is counted
+  # warm only if the family had made a timed call before it).
+  telling = min(screen[default]) >= _screen_min_s(bucket.warm)
   slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
           if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
   for name in slow:
