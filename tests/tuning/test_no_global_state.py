@@ -39,6 +39,11 @@ ALLOWED = {
     ("tunedjax._native", "_PREBUILD_TRIED"): "the sources a build was started for, once per "
                                              "process (code, not a measurement)",
     ("tunedjax.ops.batch_norm._flax", "_installed"): "the Flax hook installed (code)",
+    ("tunedjax.autotune._routes", "_ROUTES"): "the families' routes, registered as they "
+                                              "load (code)",
+    ("tunedjax.autotune._tuner", "_WARM"): "the families that made a timed call in this "
+                                           "process: whether its one-time costs are paid (a "
+                                           "fact about the process, which a new session shares)",
 }
 _MUTABLE = (dict, set, list, bytearray, collections.deque, _tuning.TuningSession)
 
