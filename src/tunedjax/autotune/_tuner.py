@@ -297,13 +297,15 @@ def _timed_args(family: Any, spec: Any, operands: list[jax.Array], default: Any,
   return [cotangent, *operands]
 
 
-def _leaves_error(out: Any, ref: Any) -> float:
-  """The largest relative error over matching leaves (inf on a structure or dtype mismatch)."""
+def _leaves_error(out: Any, ref: Any, scales: Sequence[float] | None = None) -> float:
+  """The largest relative error over matching leaves (inf on a structure or dtype
+  mismatch); `scales`: each reference leaf's ``max |leaf|``, where known."""
   outs, refs = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)
   if len(outs) != len(refs):
     return math.inf
+  scales = scales or [None] * len(refs)
   errors = [math.inf if np.dtype(o.dtype) != np.dtype(r.dtype)
-            else _tuning.relative_error(o, r) for o, r in zip(outs, refs)]
+            else _tuning.relative_error(o, r, s) for o, r, s in zip(outs, refs, scales)]
   return max(errors, default=0.0)
 
 
@@ -427,7 +429,7 @@ def tune_bucket(spec: Any, candidates: Sequence[Any], *, platform: str = "cpu",
     ('xla', ['wrong'])
   """
   bucket = _begin(spec, candidates, platform, options, label, family, prepared)
-  bucket.beside, bucket.quiet = beside, beside.timing if beside else bucket.quiet
+  bucket.quiet = beside.timing if beside else bucket.quiet
   bucket.prediction = prediction if options.predict else None
   with jax.ensure_compile_time_eval():
     planned = _plan(bucket, payback)
@@ -481,8 +483,13 @@ class _Bucket:
   error_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
   compiled: dict[str, Any] = dataclasses.field(default_factory=dict)  # before tune_bucket
   quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-  beside: Any = None  # a `_prefetch.Prefetcher`: work on the spare core
   warm: bool = False  # the family made a timed call before the default's first (`_WARM`)
+
+  @property
+  def screen_min_s(self) -> float:
+    """The shortest first call of the default that tells (`SCREEN_MIN_S`, or
+    `WARM_SCREEN_MIN_S` once the family made a timed call before it)."""
+    return WARM_SCREEN_MIN_S if self.warm else SCREEN_MIN_S
 
   @property
   def default(self) -> str:
@@ -572,12 +579,6 @@ def _timed(bucket: _Bucket, runners: Mapping[str, Callable[[], Any]], **kw: Any
   return times
 
 
-def _screen_min_s(warm: bool) -> float:
-  """The shortest first call of the default that tells (`SCREEN_MIN_S`, or
-  `WARM_SCREEN_MIN_S` once the family was `warm` on the platform before it)."""
-  return WARM_SCREEN_MIN_S if warm else SCREEN_MIN_S
-
-
 def _was_warm(bucket: _Bucket) -> bool:
   return (bucket.platform, bucket.family.name) in _WARM
 
@@ -609,7 +610,7 @@ def _weigh_payback(bucket: _Bucket, payback: Payback
                        rounds=1, warmup=0)[default])
   default_s, calls = screen[0], list(screen)
   cost, compile_bound, plan, share = _expected_cost(bucket, payback, compile_s, default_s)
-  if (default_s < _screen_min_s(bucket.warm) and payback.pays(default_s, cost)
+  if (default_s < bucket.screen_min_s and payback.pays(default_s, cost)
       and not compile_bound
       and not _pays_even_if_mostly_warmup(bucket, payback, compile_s, default_s)):
     # A short first call can be mostly one-time costs (the process's first
@@ -836,28 +837,27 @@ def _check(bucket: _Bucket, runs: Mapping[str, Callable[[], Any]]
     if isinstance(out, BaseException):
       _failed(bucket.errors, name, out, bucket.label)
       continue
-    err = _leaves_error(out, ref)
+    err = _leaves_error(out, ref, scales)
     if err > tol:
       bucket.rejected[name] = err if math.isfinite(err) else 1e300
       _log_rejected(bucket, name, out, ref_out, err, tol, None, "")
       continue
-    outs[name], bounds[name] = out, _accuracy.agreement_bound(out, ref, scales)
+    outs[name], bounds[name] = (out, err), _accuracy.agreement_bound(out, ref, scales)
   bucket.outputs.clear()
   if all(b <= _accuracy.ERROR_RATIO_LIMIT for b in bounds.values()):
     bucket.error_ratios.update(bounds)  # proved without a reference
     return {default: runs[default], **{n: runs[n] for n in outs}}
   precise = _precise_reference(bucket, ref)
   runners = {default: runs[default]}
-  for name, out in outs.items():
+  for name, (out, err) in outs.items():
     ratio = precise.ratio(out) if precise is not None else None
     if ratio is not None:
       bucket.error_ratios[name] = ratio if math.isfinite(ratio) else 1e300
     if ratio is None or ratio <= _accuracy.ERROR_RATIO_LIMIT:
       runners[name] = runs[name]
       continue
-    bucket.rejected[name] = _leaves_error(out, ref)
-    _log_rejected(bucket, name, out, ref_out, bucket.rejected[name], tol, ratio,
-                  precise.dtype)
+    bucket.rejected[name] = err
+    _log_rejected(bucket, name, out, ref_out, err, tol, ratio, precise.dtype)
   return runners
 
 
@@ -903,7 +903,7 @@ def _time(bucket: _Bucket, runners: dict[str, Callable[[], Any]],
   screen = {n: screen[n] for n in runners}
   # First-call costs are noise below this (the default's screening call is counted
   # warm only if the family had made a timed call before it).
-  telling = min(screen[default]) >= _screen_min_s(bucket.warm)
+  telling = min(screen[default]) >= bucket.screen_min_s
   slow = {n: _ratio(t, screen[default]) for n, t in screen.items()
           if telling and n != default and _ratio(t, screen[default]) > SCREEN_FACTOR}
   for name in slow:
