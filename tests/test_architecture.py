@@ -190,3 +190,95 @@ def test_no_function_is_longer_than_the_limit():
         if lines > MAX_FUNCTION_LINES:
           long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines} lines)")
   assert not long, "split these into named steps:\n" + "\n".join(long)
+
+
+# -- sizes: lines, code lines and instance fields per unit -------------------------
+
+
+def _docstring_lines(tree: ast.AST) -> set[int]:
+  """The line numbers docstrings cover."""
+  lines: set[int] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+          and isinstance(body[0].value.value, str)):
+        lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+  return lines
+
+
+def code_lines(source: str, tree: ast.AST, first: int = 1, last: int | None = None) -> int:
+  """Lines in ``first..last`` that are not blank, comments or docstrings."""
+  text = source.splitlines()
+  last = len(text) if last is None else last
+  docs = _docstring_lines(tree)
+  return sum(1 for n in range(first, last + 1)
+             if n not in docs and text[n - 1].strip() and not text[n - 1].strip().startswith("#"))
+
+
+def instance_fields(node: ast.ClassDef) -> set[str]:
+  """A class's instance fields: ``self.x`` assigned in its methods, annotated
+  class-level names (dataclass and NamedTuple fields) and ``__slots__``."""
+  fields: set[str] = set()
+  for item in node.body:
+    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+      if "ClassVar" not in ast.unparse(item.annotation):
+        fields.add(item.target.id)
+    if (isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                             for t in item.targets)):
+      for const in ast.walk(item.value):
+        if isinstance(const, ast.Constant) and isinstance(const.value, str):
+          fields.add(const.value)
+  for method in node.body:
+    if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    if not method.args.args or method.args.args[0].arg != "self":
+      continue
+    for sub in ast.walk(method):
+      targets: list[ast.AST] = []
+      if isinstance(sub, ast.Assign):
+        targets = list(sub.targets)
+      elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
+        targets = [sub.target]
+      for target in targets:
+        for t in ast.walk(target):
+          if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+              and t.value.id == "self" and isinstance(t.ctx, ast.Store)):
+            fields.add(t.attr)
+  return fields
+
+
+def class_sizes() -> dict[str, tuple[int, int, int]]:
+  """``{"module.Class": (lines, code lines, instance fields)}`` for every class."""
+  out = {}
+  for module, (path, _) in MODULES.items():
+    source = path.read_text()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ClassDef):
+        lines = node.end_lineno - node.lineno + 1
+        code = code_lines(source, tree, node.lineno, node.end_lineno)
+        out[f"{module}.{node.name}"] = (lines, code, len(instance_fields(node)))
+  return out
+
+
+def module_sizes() -> dict[str, tuple[int, int]]:
+  """``{module: (lines, code lines)}`` for every module."""
+  out = {}
+  for module, (path, _) in MODULES.items():
+    source = path.read_text()
+    out[module] = (len(source.splitlines()), code_lines(source, ast.parse(source)))
+  return out
+
+
+if __name__ == "__main__":  # the size table (ARCHITECTURE.md, the notes):
+  # PYTHONPATH=src python tests/test_architecture.py [name ...]
+  import sys
+  wanted = sys.argv[1:]
+  print("| unit | lines | code lines | instance fields |\n|---|---:|---:|---:|")
+  for name, (n, code) in sorted(module_sizes().items()):
+    if any(w in name for w in wanted) or (not wanted and n > 600):
+      print(f"| `{name}` (module) | {n} | {code} | |")
+  for name, (n, code, fields) in sorted(class_sizes().items()):
+    if any(w in name for w in wanted) or (not wanted and (n > 250 or fields > 12)):
+      print(f"| `{name}` | {n} | {code} | {fields} |")
