@@ -445,7 +445,7 @@ def hlo_kinds(hlo_text: str) -> dict[str, str]:
 
 _FRAME_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 # Frames that say nothing about which kernel or layer an instruction belongs to.
-_PLUMBING = ("/jax/", "/jaxlib/", "tunedjax/_jit.py", "tunedjax/_pipeline.py",
+_PLUMBING = ("/jax/", "/jaxlib/", "tunedjax/_jit/", "tunedjax/_pipeline.py",
              "autotune/_select.py", "autotune/_tuner.py", "autotune/_bn_family.py",
              "autotune/_bn_flax.py", "benchmarks/vs_pytorch.py")
 

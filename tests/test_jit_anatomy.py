@@ -238,7 +238,7 @@ def test_every_stage_of_a_tuned_first_call_adds_up_to_its_wall_time(tmp_path, rn
     # Later calls add no record and do not replace this one.
     again, _ = _timed_call(f, params, x)
     assert f.report(memory=False).last.first_call is first and len(f.report(memory=False)) == 1
-    assert f._firsts.count == 0
+    assert f._book.firsts.count == 0
   np.testing.assert_allclose(np.asarray(again[0]), np.asarray(out[0]), rtol=1e-6)
 
 
@@ -265,7 +265,7 @@ def test_traces_that_are_not_first_calls_record_nothing():
   assert f.report(memory=False).last.first_call is None
   g = tj.jit(lambda x: jnp.cos(x).sum())
   jax.grad(g)(x)  # traced under another transformation: nothing ran
-  assert g.report(memory=False).last.first_call is None and g._firsts.count == 0
+  assert g.report(memory=False).last.first_call is None and g._book.firsts.count == 0
   h = tj.jit(lambda x: jnp.tanh(x))
 
   @tj.jit
@@ -305,7 +305,7 @@ def test_two_threads_tracing_at_once_keep_their_own_records():
     first = by_signature[f"f32[{n}]"]
     assert first is not None and "compile" in first.stages
     assert first.total_s <= wall
-  assert f._firsts.count == 0
+  assert f._book.firsts.count == 0
 
 
 class _Net(nnx.Module):

@@ -328,7 +328,7 @@ def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_app
   assert len(reports) == 1 and not any("(observe)" in k for r in reports for k in r.kernels)
   # And traced once: the loader's scratch copy of the state (its PRNG key
   # included) has the state's shardings, so the real steps reuse its program.
-  assert trainer._train_step._traces == 1
+  assert trainer._train_step.trace_count == 1
 
 
 def test_the_scratch_copy_of_a_state_compiles_nothing_and_keeps_its_shardings():

@@ -286,7 +286,7 @@ class Trainer:
     self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
                                session=self.session) if k > 1 else None)
     if self._multi_step is not None:
-      self._multi_step._runs_per_call = k  # pylint: disable=protected-access
+      self._multi_step.runs_per_call = k
     # Evaluation runs too rarely to compare programs on (the whole-program check).
     self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
                              session=self.session, verify=False)
@@ -473,7 +473,7 @@ class Trainer:
     when the steps are traced again (their kernels are decided then).
     """
     steps = [j for j in (self._train_step, self._multi_step, self._eval_step) if j is not None]
-    key = tuple((id(j), j._traces) for j in steps)  # pylint: disable=protected-access
+    key = tuple((id(j), j.trace_count) for j in steps)
     if self._attention_seen is None or self._attention_seen[0] != key:
       self._attention_seen = (key, self.attention.summary(session=self.session))
     return copy.deepcopy(self._attention_seen[1])
