@@ -364,7 +364,7 @@ def test_trainer_train_step_exports(platform, precision, tmp_path):
         warnings.catch_warnings()):
     warnings.simplefilter("ignore", HintWarning)  # Pallas does not take every conv
     # The Trainer's own step function, compiled for the target platform.
-    step = tj.jit(trainer._train_step.__wrapped__, platform=platform, donate_argnums=0)
+    step = tj.jit(trainer._programs.train_step.__wrapped__, platform=platform, donate_argnums=0)
     exported = step.export(trainer.state, batch)
   assert exported.platforms == (TARGETS[platform],)
   report = step.report(memory=False).last

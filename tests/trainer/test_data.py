@@ -102,5 +102,5 @@ def test_one_device_placement_hands_numpy_batches_to_the_step_and_trains_identic
                                              jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key)
                                              else b))
     assert a.sharding == b.sharding  # the state stays on the mesh
-  assert fast._train_step._jitted()._cache_size() == 1  # compiled once for every step
+  assert fast._programs.train_step._jitted()._cache_size() == 1  # compiled once for every step
   assert fast.evaluate(data, batch_size=32) == put.evaluate(data, batch_size=32)

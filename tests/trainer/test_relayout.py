@@ -128,8 +128,8 @@ def test_no_step_transposes_a_stored_kernel(no_relayout):
   for name, t in (("relaid", relaid), ("plain", plain)):
     t.predict(batch["x"])
     with t._running():  # the trainer's config: the layout pass on
-      step = t._train_step.jaxpr(t.state, t.placement.put(batch))
-      predict = t._predictors[None].jaxpr(t.state, t.placement.put(batch["x"]))
+      step = t._programs.train_step.jaxpr(t.state, t.placement.put(batch))
+      predict = t._programs.predictors[None].jaxpr(t.state, t.placement.put(batch["x"]))
     kernels = [step.jaxpr.invars[i] for i in (2, 3)]  # params: head bias, head kernel, w1, w2
     assert [v.aval.ndim for v in kernels] == [4, 4]
     counts[name] = (_input_transposes(step, kernels),
@@ -145,7 +145,7 @@ def test_checkpoint_of_relaid_kernels_restores_bitwise_in_the_original_layout(tm
   trainer = _trainer(optax.adam(1e-2), checkpoint_dir=tmp_path)
   trainer.fit(data, batch_size=16, epochs=1)
   assert _kernel(trainer, "w1").shape == (3, 3, 3, 8)
-  logical = trainer._logical_state()
+  logical = trainer._programs.logical(trainer.state)
 
   # On disk: the original layout (what any reader of the checkpoint expects).
   restored, _ = Checkpointer(tmp_path).restore()

@@ -95,7 +95,7 @@ def test_steps_per_execution_runs_the_same_steps_in_one_scan():
   sunk = trainer.fit(data, batch_size=16, epochs=2)
   assert sunk.steps == one.steps  # 20 steps: 5 calls of 4
   np.testing.assert_allclose(sunk.losses, one.losses, rtol=1e-5)
-  assert len(trainer._multi_step.report()) == 1
+  assert len(trainer._programs.multi_step.report()) == 1
 
 
 def test_data_parallel_over_8_devices_matches_one_device(mesh8):
@@ -124,7 +124,7 @@ def test_evaluate_weights_batches_and_predict_compiles_once_per_shape():
   out = trainer.predict(data["x"], batch_size=32)
   assert out.shape == (100,)
   trainer.predict(data["x"][:32])
-  assert len(trainer._predictors[None].report()) == 2  # 32 and the short 4
+  assert len(trainer._programs.predictors[None].report()) == 2  # 32 and the short 4
   np.testing.assert_allclose(out, trainer.predict(data["x"]), rtol=1e-5, atol=1e-6)
 
 
@@ -287,7 +287,7 @@ def test_gradients_all_reduced_in_bfloat16_halve_the_wire_and_train_alike(mesh8)
   # The program reduces in bfloat16 (XLA:CPU then promotes a bf16 all-reduce to float32 on
   # the host, as tests/mixed_precision/test_allreduce.py shows; GPUs keep it).
   from tests.mixed_precision.test_allreduce import _lowered_all_reduce_types
-  types = _lowered_all_reduce_types(narrow._train_step.lower(narrow.state, batch).as_text())
+  types = _lowered_all_reduce_types(narrow._programs.train_step.lower(narrow.state, batch).as_text())
   assert {"bf16"} in types, types  # the gradients' reduction
   # BatchNorm, dropout and loss scaling work per shard too.
   bn = _nnx_trainer(allreduce_dtype="bfloat16", precision="mixed_float16").fit(
@@ -324,11 +324,11 @@ def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_app
   assert any(k.endswith("(tuned)") for k in kernels), kernels
   assert not any(k.endswith("(miss)") for k in kernels), kernels
   # Tuned before step 0, so no step runs (or compiles) the observe phase's all-xla program.
-  reports = trainer._train_step.report(memory=False)
+  reports = trainer._programs.train_step.report(memory=False)
   assert len(reports) == 1 and not any("(observe)" in k for r in reports for k in r.kernels)
   # And traced once: the loader's scratch copy of the state (its PRNG key
   # included) has the state's shardings, so the real steps reuse its program.
-  assert trainer._train_step.trace_count == 1
+  assert trainer._programs.train_step.trace_count == 1
 
 
 def test_the_scratch_copy_of_a_state_compiles_nothing_and_keeps_its_shardings():

@@ -57,7 +57,7 @@ def test_swapping_in_the_tuned_program_at_step_3_trains_like_tuning_before_step_
   early_history, early_params, _ = _fit(early, tmp_path / "early")
 
   # The swap happened: steps 0-2 ran the observe program, the rest a tuned one.
-  reports = late._train_step.report(memory=False)
+  reports = late._programs.train_step.report(memory=False)
   kinds = [{k.rsplit(" ", 1)[-1] for k in r.kernels} for r in reports]
   assert len(reports) == 2, kinds
   assert kinds[0] == {"(observe)"}, kinds

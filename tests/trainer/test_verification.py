@@ -124,7 +124,7 @@ def test_a_kernel_faster_alone_that_loses_in_the_program_is_undone_and_cached(
   last = [CLOCK.now]
   batch = {"x": _data(1)["x"], "y": _data(1)["y"]}
   with first._running():  # the trainer's config: the program it trains with
-    first.state, out = first._train_step(first.state, first.placement.put(batch))
+    first.state, out = first._programs.train_step(first.state, first.placement.put(batch))
     jax.block_until_ready(out)
   assert CLOCK.now - last[0] == pytest.approx(BASE_S - FAST_S)
   # The verdict is cached under the program's context, for SLOW's bucket.
@@ -146,7 +146,7 @@ def test_a_kernel_faster_alone_that_loses_in_the_program_is_undone_and_cached(
   # A warm cache: the observe phase's step 0 runs the kept program too, compiled
   # once for both phases.
   assert CLOCK.now - start == pytest.approx(20 * (BASE_S - FAST_S))
-  assert len(second._train_step.report(memory=False)) == 1
+  assert len(second._programs.train_step.report(memory=False)) == 1
 
 
 def test_with_k_steps_per_call_the_k_steps_program_is_checked(kernels, tmp_path):
@@ -160,7 +160,7 @@ def test_with_k_steps_per_call_the_k_steps_program_is_checked(kernels, tmp_path)
   check = history.tuning["verification"]
   assert check["outcome"] == _verify.FOUND_LOSERS
   assert [(d["kernel"], d["how"]) for d in check["lost"]] == [(SLOW, "alone")]
-  assert trainer._train_step.verification() is None  # the one-step program: not checked
+  assert trainer._programs.train_step.verification() is None  # the one-step program: not checked
   assert np.isfinite(history.losses).all()
 
 

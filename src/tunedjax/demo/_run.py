@@ -167,7 +167,7 @@ def train(name: str, train_data: _data.EncodedImages, eval_data: dict[str, np.nd
 
 def kernel_table(trainer: Trainer, batch: dict[str, np.ndarray]) -> list[autotune.BucketChoice]:
   """Each conv bucket of `trainer`'s training step, as the tuning cache has it."""
-  step = trainer._train_step.__wrapped__  # pylint: disable=protected-access
+  step = trainer._programs.train_step.__wrapped__  # pylint: disable=protected-access
   placed = trainer.placement.put(batch)
   return autotune.explain(step, trainer.state, placed)
 

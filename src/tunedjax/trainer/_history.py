@@ -11,13 +11,14 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from tunedjax.trainer import _history_plot
+
 FORMAT_VERSION = 1
 
 # Per-step lists: one entry per recorded step, all of the same length.
 _PER_STEP = ("losses", "step_times", "steps", "samples", "metrics", "learning_rates")
 _FIELDS = ("losses", "step_times", "steps", "samples", "metrics", "learning_rates", "skipped",
            "epochs", "evals", "tuning")
-_PLOT_HINT = "History.plot() needs matplotlib: pip install 'tunedjax[plot]'"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -385,71 +386,5 @@ class History:
     Raises:
       ImportError: matplotlib is not installed.
     """
-    try:
-      from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError(_PLOT_HINT) from e
-    if not isinstance(smoothing, int) or isinstance(smoothing, bool) or smoothing < 1:
-      raise ValueError(f"History.plot(smoothing=...) must be an int >= 1, got "
-                       f"{smoothing!r}.")
-    if ax is None:
-      fig = Figure(figsize=(11, 4), layout="constrained")
-      loss_ax, time_ax = fig.subplots(1, 2)
-      self._plot_loss(loss_ax, smoothing)
-      self._plot_step_time(time_ax)
-      return fig
-    self._plot_loss(ax, smoothing)
-    return ax.figure
+    return _history_plot.plot(self, ax=ax, smoothing=smoothing)
 
-  def _plot_loss(self, ax: Any, smoothing: int) -> None:
-    smoothed = smoothing > 1 and len(self.losses) > 1
-    ax.plot(self.steps, self.losses, color="C0", alpha=0.3 if smoothed else 1.0,
-            linewidth=1, label="train loss", gid="train_loss")
-    if smoothed:
-      ax.plot(self.steps, _moving_average(self.losses, smoothing), color="C0",
-              linewidth=2, label=f"train loss ({smoothing}-step mean)", gid="train_loss_mean")
-    evals = [(e["step"], e["loss"]) for e in self.evals if "loss" in e]
-    if evals:
-      ax.plot([s for s, _ in evals], [v for _, v in evals], "o", color="C1",
-              label="eval loss", gid="eval_loss")
-    if self.skipped:
-      # x in data coordinates, y in axes coordinates: the marks sit on the
-      # bottom edge whatever the (possibly nan) loss was.
-      ax.plot(self.skipped, [0.03] * len(self.skipped), "x", color="C3",
-              transform=ax.get_xaxis_transform(), label=f"skipped update ({len(self.skipped)})",
-              gid="skipped")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("training loss")
-    ax.grid(True, alpha=0.3)
-    if self.losses or evals:
-      ax.legend(loc="upper right")
-
-  def _plot_step_time(self, ax: Any) -> None:
-    ms = [t * 1e3 for t in self.step_times]
-    ax.plot(self.steps, ms, color="C2", linewidth=1, marker="." if len(ms) < 50 else None,
-            label="step time", gid="step_time")
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title("step time")
-    ax.grid(True, alpha=0.3)
-    rest = [t for t in ms[1:] if math.isfinite(t)]
-    if rest and ms[0] > 3 * max(rest) > 0:
-      ax.set_ylim(0, 1.15 * max(rest))
-      ax.text(0.98, 0.95, f"first step (compiles): {ms[0]:.4g} ms, off the scale",
-              transform=ax.transAxes, ha="right", va="top", fontsize="small")
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-  """Trailing mean over the last `window` finite values (nan where none)."""
-  out = []
-  total, count = 0.0, 0
-  for i, v in enumerate(values):
-    if math.isfinite(v):
-      total, count = total + v, count + 1
-    if i >= window:
-      old = values[i - window]
-      if math.isfinite(old):
-        total, count = total - old, count - 1
-    out.append(total / count if count else math.nan)
-  return out

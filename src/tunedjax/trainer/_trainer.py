@@ -28,8 +28,6 @@ from tunedjax import _tuning
 from tunedjax import mixed_precision as mp
 from tunedjax._config import Config, ConfigLike, config_context, get_config
 from tunedjax._errors import format_choices
-from tunedjax._jit import jit as tj_jit
-from tunedjax.ops.batch_norm._flax import route_batch_norm
 from tunedjax._policy import canonical_dtype
 from tunedjax.trainer import _learning_rate
 from tunedjax.trainer import _relayout
@@ -40,8 +38,10 @@ from tunedjax.trainer._data import (BatchChecker, BatchStream, Placement, is_arr
                                     predict_batches)
 from tunedjax.trainer._history import History
 from tunedjax.trainer._model import TrainerError, adapt, split_loss_output, takes_keyword
+from tunedjax.trainer._programs import StepPrograms
 from tunedjax.trainer._progress import Progress
 from tunedjax.trainer._report import jit_summary, loader_summary
+from tunedjax.trainer._saving import TrainerCheckpoints
 from tunedjax._errors import is_int as _is_int
 from tunedjax._errors import show_value as _show
 
@@ -252,81 +252,36 @@ class Trainer:
       state = state.replace(opt_state=opt.init(state.params))
     self.state: _step.TrainState = self.placement.replicate(state)
 
-    self._out_names: list[str] = []  # what each step's output vector holds
     allreduce = self._allreduce(allreduce_dtype)
     rate = _learning_rate.reader(state.opt_state, schedule)  # None: not known
-    step = _step.packed(_step.make_train_step(self.adapter, opt, skip_nonfinite=self._skips,
-                                              allreduce=allreduce, learning_rate=rate),
-                        self._out_names)
-    step = route_batch_norm()(step)  # Flax BatchNorm -> the batch_norm family, when tuning
     # This trainer's kernel-tuning phase, step counter and statistics.
     self.session = _tuning.TuningSession(f"Trainer-{id(self):x}")
-    self._step_fn = step
-    # Convolution kernels stored in the layout they run in (planned before the
-    # first step; the passes do not reach into an all-reduce's shard_map body).
-    self._weights: _relayout.WeightLayout | None = None
-    self._weights_planned = allreduce is not None
-    self._compile_steps()
+    self._programs = StepPrograms.build(self.adapter, opt, self.session,
+                                        self.steps_per_execution, skip_nonfinite=self._skips,
+                                        allreduce=allreduce, learning_rate=rate)
     self.checkpointer = (Checkpointer(checkpoint_dir, max_to_keep=max_checkpoints)
                          if checkpoint_dir is not None else None)
+    self._checkpoints = TrainerCheckpoints(self._programs, {
+        "steps_per_execution": self.steps_per_execution, "seed": self.seed,
+        "kind": self.adapter.kind})
     self.history = History()
     self.stop_training = False
     self._stream: BatchStream | None = None  # the data of the `fit` in progress
 
   # --- the pieces -------------------------------------------------------------
 
-  def _compile_steps(self) -> None:
-    """The compiled steps, for the state as `_weights` stores it."""
-    step = self._stored(self._step_fn, step=True)
-    k = self.steps_per_execution
-    # The whole-program check runs on the program that runs the fit's steps:
-    # with k > 1 the k-steps one (one call: k steps of the horizon); the
-    # one-step program then only runs leftovers.
-    self._train_step = tj_jit(step, donate_argnums=0, session=self.session, verify=k == 1)
-    self._multi_step = (tj_jit(_step.make_multi_step(step), donate_argnums=0,
-                               session=self.session) if k > 1 else None)
-    if self._multi_step is not None:
-      self._multi_step.runs_per_call = k
-    # Evaluation runs too rarely to compare programs on (the whole-program check).
-    self._eval_step = tj_jit(self._stored(_step.make_eval_step(self.adapter)),
-                             session=self.session, verify=False)
-    self._predictors: dict[Any, Any] = {}
-
-  def _stored(self, fn: Callable[..., Any], *, step: bool = False) -> Callable[..., Any]:
-    """`fn(state, x)` taking the state as stored (re-laid kernels undone inside)."""
-    if self._weights is None:
-      return fn
-    return self._weights.wrap_step(fn) if step else self._weights.wrap_reader(fn)
-
-  def _logical_state(self) -> _step.TrainState:
-    """The state in the model's own layout (`state` may hold re-laid kernels)."""
-    return self.state if self._weights is None else self._weights.to_logical(self.state)
-
   def _logical_params(self) -> Any:
-    """`state.params` in the model's own layout (their leaves come first in the state)."""
-    params = self.state.params
-    return params if self._weights is None else self._weights.to_logical(params)
+    """`state.params` in the model's own layout (`state` may hold re-laid kernels)."""
+    return self._programs.logical(self.state.params)
 
   def _lay_out_weights(self, batch: Any) -> None:
-    """Once, before the first step: keep kernels in the layout their convolutions run in.
-
-    The layout pass would transpose each such kernel (an input of the step)
-    on every call; stored re-laid, the step's own transposes cancel out. See
-    `_relayout`.
-    """
-    self._weights_planned = True
-    adapter = self.adapter
-
-    def forward(params: Any, rest: Any, batch: Any, rng: Any) -> Any:
-      return adapter.loss(params, rest, batch, rng, train=True)[0]
-
+    """Once, before the first step: keep kernels in the layout their convolutions
+    run in (`StepPrograms.plan_layout`, `_relayout`)."""
     with self._running():
-      weights = _relayout.plan(forward, self.state, batch, self.config)
+      weights = self._programs.plan_layout(self.state, batch, self.config)
     if weights is None:
       return
-    self._weights = weights
-    self.state = weights.to_stored(self.state)
-    self._compile_steps()
+    self.state = self._programs.use_layout(weights, self.state)
     self.history.tuning[_relayout.KEY] = weights.summary()
 
   def _allreduce(self, dtype: Any) -> _step.AllReduce | None:
@@ -452,9 +407,9 @@ class Trainer:
       loop = _Loop(self, stream, checker, bar, callbacks, target=target, epochs=epochs,
                    eval_data=eval_data, eval_every=eval_every, batch_size=batch_size)
       loop.run()
-      self.history.tuning.update(jit_summary(self._train_step))
-      if self._multi_step is not None:
-        self.history.tuning["verification"] = self._multi_step.verification()
+      self.history.tuning.update(jit_summary(self._programs.train_step))
+      if self._programs.multi_step is not None:
+        self.history.tuning["verification"] = self._programs.multi_step.verification()
       if self.attention is not None:
         self.history.tuning["attention"] = self._attention_summary()
       if self.checkpointer is not None:
@@ -472,8 +427,7 @@ class Trainer:
     be a fixed cost of each fit. The buckets and their kernels change only
     when the steps are traced again (their kernels are decided then).
     """
-    steps = [j for j in (self._train_step, self._multi_step, self._eval_step) if j is not None]
-    key = tuple((id(j), j.trace_count) for j in steps)
+    key = self._programs.traces()
     if self._attention_seen is None or self._attention_seen[0] != key:
       self._attention_seen = (key, self.attention.summary(session=self.session))
     return copy.deepcopy(self._attention_seen[1])
@@ -486,11 +440,11 @@ class Trainer:
     scratch: list[Any] = []
 
     def consumer(batch: Any) -> None:
-      if not self._weights_planned:
+      if not self._programs.weights_planned:
         self._lay_out_weights(self.placement.put(batch))
       if not scratch:  # a copy: tuning never changes the real state
         scratch.append(_copied(self.state))
-      scratch[0], out = self._train_step(scratch[0], self.placement.put(batch))
+      scratch[0], out = self._programs.train_step(scratch[0], self.placement.put(batch))
       jax.block_until_ready(out)
 
     bar.message("Trainer: tuning the loader's worker count with the training step ...")
@@ -503,7 +457,7 @@ class Trainer:
     if self.config.kernel.enable:
       self.session.end_observe()
     # Measured against the tuned step: the whole-program check waits for real steps.
-    with self._train_step.checks_paused():
+    with self._programs.train_step.checks_paused():
       result = loader.tune(consumer=consumer, expected_batches=total)  # this fit's steps
     if result is not None:
       self.history.tuning["dataloader"] = loader_summary(result)
@@ -545,7 +499,8 @@ class Trainer:
             break
           checker.check(batch, index)
           size = _size(batch)
-          out = jax.device_get(self._eval_step(self.state, self._place_any(batch, size)))
+          out = jax.device_get(self._programs.eval_step(self.state,
+                                                        self._place_any(batch, size)))
           for k, v in out.items():
             totals[k] = totals.get(k, 0.0) + float(v) * size
           count += size
@@ -580,11 +535,7 @@ class Trainer:
       raise TrainerError(f"predict(fn=...) must be None or a function fn(model, batch), "
                          f"got {_show(fn)}.")
     batches = predict_batches(x_or_data, batch_size)  # checks x_or_data
-    key = fn
-    if key not in self._predictors:
-      self._predictors[key] = tj_jit(self._stored(_step.make_predict(self.adapter, fn)),
-                                     session=self.session, verify=False)
-    predict = self._predictors[key]
+    predict = self._programs.predictor(fn)
     outs = []
     with self._running():
       for batch in batches:
@@ -609,12 +560,8 @@ class Trainer:
     best-checkpoint policy (`Checkpointer(best_metric=...)`)."""
     if stream is None:
       stream = self._stream  # during `fit`: its data position
-    metadata = {"history": self.history.to_dict(),
-                "data": stream.get_state() if stream is not None else None,
-                "trainer": {"steps_per_execution": self.steps_per_execution,
-                            "seed": self.seed, "kind": self.adapter.kind}}
-    return checkpointer.save(self.step, self._logical_state(), metadata, force=force,
-                             metrics=metrics)
+    return self._checkpoints.save(checkpointer, self.step, self.state, self.history, stream,
+                                  force=force, metrics=metrics)
 
   def _weights_copy(self) -> tuple[Any, Any]:
     """A copy of the model's weights as stored (params, other state), on their devices.
@@ -643,16 +590,8 @@ class Trainer:
                     else self.checkpointer)
     if checkpointer is None:
       raise TrainerError("Trainer.restore needs a checkpoint_dir: this Trainer has none.")
-    if self._weights is None:
-      target = jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-    else:  # checkpoints hold the model's own layout
-      target = self._weights.logical_abstract(self.state)
-    if checkpointer is self.checkpointer:
-      checkpointer.wait()
-    state, metadata = checkpointer.restore(step, target=target)
-    self.state = state if self._weights is None else self._weights.to_stored(state)
-    self.history = History.from_dict(metadata["history"])
+    self.state, self.history, metadata = self._checkpoints.restore(
+        checkpointer, self.state, step, wait=checkpointer is self.checkpointer)
     self._sync_model()
     logger.info("Trainer: restored step %d from %s", self.step, checkpointer.directory)
     return metadata
@@ -734,19 +673,19 @@ class _Loop:
   def _dispatch(self, batches: list[Any], step: int) -> int:
     """Runs `batches` from global step `step`; returns the next step."""
     t, k = self.t, self.t.steps_per_execution
-    if not t._weights_planned:
+    if not t._programs.weights_planned:
       t._lay_out_weights(t.placement.put(batches[0]))
     for s in range(step, step + len(batches)):
       t.session.step(index=s)
     sizes = [_size(b) for b in batches]
     if len(batches) == k > 1 and len(set(sizes)) == 1:
       stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *batches)
-      t.state, out = t._multi_step(t.state, t.placement.put(stacked, stacked=True))
+      t.state, out = t._programs.multi_step(t.state, t.placement.put(stacked, stacked=True))
       outs = [out]  # [k, outputs]
     else:
       outs = []
       for batch in batches:
-        t.state, out = t._train_step(t.state, t.placement.put(batch))
+        t.state, out = t._programs.train_step(t.state, t.placement.put(batch))
         outs.append(out)  # [outputs]
     self._read_pending()
     self.pending = ([(step + i, n) for i, n in enumerate(sizes)], outs)
@@ -772,7 +711,7 @@ class _Loop:
     self.last_ready = now
     t = self.t
     rows = [row for v in values for row in (v if v.ndim == 2 else [v])]
-    names = t._out_names
+    names = t._programs.out_names
     for (step, size), row in zip(info, rows):
       value = dict(zip(names, row.tolist()))
       loss, finite = value.pop("loss"), bool(value.pop("finite"))

@@ -200,7 +200,7 @@ def test_trainer_routes_batch_norm_and_matches_the_untuned_trainer(rng, tmp_path
 
   tuned = train(_config(tmp_path, "fused"))
   plain = train(False)
-  assert _bn_sites(tuned._train_step) == {("fused", "hint"): 2}
+  assert _bn_sites(tuned._programs.train_step) == {("fused", "hint"): 2}
   _assert_trees_close(nnx.state(tuned.model), nnx.state(plain.model), 1e-4,
                       "model after two steps")
   assert _rel(tuned.history.losses, plain.history.losses) < 1e-5
