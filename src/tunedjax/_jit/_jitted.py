@@ -44,7 +44,6 @@ class Jitted(Generic[P, R]):
                platform: str | None, session: _tuning.TuningSession | None = None,
                verify: bool = True):
     self.__wrapped__ = fun
-    self.level = level
     self._options = JitOptions.of(
         fun, level=level, static_argnums=static_argnums, static_argnames=static_argnames,
         donate_argnums=donate_argnums, donate_argnames=donate_argnames, platform=platform,
@@ -61,6 +60,11 @@ class Jitted(Generic[P, R]):
 
   def __repr__(self) -> str:
     return f"tunedjax.jit({self._book.name}, level={self.level!r})"
+
+  @property
+  def level(self) -> str | None:
+    """The level given to `tj.jit` (None: the config's level at each call)."""
+    return self._options.level
 
   @property
   def trace_count(self) -> int:
