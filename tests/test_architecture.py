@@ -446,6 +446,12 @@ def size_table(wanted: list[str]) -> str:
   return "\n".join(rows)
 
 
+def test_jitted_is_a_facade_over_its_parts():
+  """`Jitted` holds its parts, not their state (issue 48: at most about 10 fields)."""
+  _, _, fields = class_sizes()[f"{PACKAGE}._jit._jitted.Jitted"]
+  assert fields <= 10
+
+
 def test_the_size_table_measures_the_units_asked_for():
   table = size_table(["_jit._jitted"])
   assert "| `tunedjax._jit._jitted.Jitted` |" in table

@@ -477,3 +477,16 @@ def test_platform_and_session_are_checked_up_front():
     tj.jit(lambda x: x, platform="gpx")
   with pytest.raises(TypeError, match="session=.*TuningSession"):
     tj.jit(lambda x: x, session="mine")
+
+
+def test_runs_per_call_and_trace_count_are_public_and_checked():
+  f = tj.jit(lambda x: x * 2)
+  assert f.runs_per_call == 1 and f.trace_count == 0 and f.level is None
+  f.runs_per_call = 3
+  assert f.runs_per_call == 3
+  for bad in (0, -1, 2.0, True):
+    with pytest.raises(tj.ConfigError, match=r"runs_per_call must be a positive int.*got"):
+      f.runs_per_call = bad
+  with tj.config_context({"kernel": {"enable": True}}):
+    f(jnp.ones(2))
+  assert f.trace_count == 1  # a trace with kernel selection on

@@ -10,6 +10,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import jax
 
+from tunedjax import _errors
 from tunedjax import _host_memory
 from tunedjax import _native
 from tunedjax import _tuning
@@ -90,7 +91,8 @@ class Jitted(Generic[P, R]):
   @runs_per_call.setter
   def runs_per_call(self, runs: int) -> None:
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
-      raise ValueError(f"Jitted.runs_per_call must be a positive int, got {runs!r}.")
+      raise _errors.ConfigError(f"Jitted.runs_per_call must be a positive int (the runs of "
+                                f"the horizon's unit one call makes), got {runs!r}.")
     self._check.runs_per_call = runs
 
   # -- calling ------------------------------------------------------------------
