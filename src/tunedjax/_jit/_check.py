@@ -105,6 +105,8 @@ class WholeProgramCheck:
     runs_per_call: runs of the session horizon's unit per call (the
       Trainer's k-steps program: k); the check's budget is the horizon
       divided by it.
+    busy: whether a check waits to start or runs (a plain field: every call
+      reads it, and calls while it is False take the plain path).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -117,6 +119,7 @@ class WholeProgramCheck:
 
   def __init__(self, name: str, table: ProgramTable, *, enabled: bool):
     self.runs_per_call = 1
+    self.busy = False  # `_pending` or `_run` set (`_settle`)
     self._name, self._table, self._enabled = name, table, bool(enabled)
     self._lock = threading.Lock()
     # A tuned trace to check after its call: (select key, selection, trace start).
@@ -150,6 +153,7 @@ class WholeProgramCheck:
           and select_key not in self._checked and self._enabled):
         self._checked.add(select_key)
         self._pending = (select_key, selection, start)
+        self._settle()
 
   def after_call(self, start: float | None, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> None:
@@ -162,6 +166,7 @@ class WholeProgramCheck:
       began = pending[2] if start is None else start
       with _anatomy.first_call_stage("check"):
         self._start(pending[:2], _verify.clock() - began, arg_key(args, kwargs))
+    self._settle()
 
   def _start(self, pending: tuple[Any, ...], compile_s: float, args_key: Any) -> None:
     """Starts the whole-program check of a tuned program (when it can pay back)."""
@@ -195,6 +200,10 @@ class WholeProgramCheck:
   def _done(self, summary: dict[str, Any]) -> None:
     self._run = None
     self._verification = summary
+    self._settle()
+
+  def _settle(self) -> None:
+    self.busy = self._pending is not None or self._run is not None
 
   @contextlib.contextmanager
   def paused(self) -> Iterator[None]:

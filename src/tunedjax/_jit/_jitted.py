@@ -99,6 +99,21 @@ class Jitted(Generic[P, R]):
 
   def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
     check, book = self._check, self._book
+    if check.busy:  # the whole-program check waits to start or runs
+      return self._checked_call(args, kwargs)
+    fn = self._table.program()
+    try:
+      out = fn(*args, **kwargs) if self._probe is None else self._probed_call(fn, args, kwargs)
+    except BaseException:
+      _anatomy.drop(book.firsts)
+      raise
+    if check.busy:  # this call traced (and compiled) a tuned program: its check starts
+      check.after_call(None, args, kwargs)
+    return out if not book.firsts.count else book.first_call_done(out)
+
+  def _checked_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call while the whole-program check waits to start or runs."""
+    check, book = self._check, self._book
     if check.running:  # the whole-program check times it
       return book.first_call_done(check.call(args, kwargs))
     fn = self._table.program()
@@ -114,16 +129,13 @@ class Jitted(Generic[P, R]):
     return out if not book.firsts.count else book.first_call_done(out)
 
   def _after_trace(self, selection: Any, key: ProgramKey, start: float) -> None:
-    """After a trace with kernel selection: the table files what it found and
-    a tuned program waits for its check (`start`: the trace's start on the
-    check's clock)."""
+    """After a trace with kernel selection (`start`: on the check's clock)."""
     warm = self._table.after_trace(selection, key)
     self._check.note_trace(selection, key, warm, start)
 
   def _probed_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-    """A call of `fn` while the host-memory probe is on (`_host_memory.CallProbe`): CPU
-    programs only."""
+    """`fn` called under the host-memory probe (`_host_memory.CallProbe`): CPU only."""
     probe = self._probe
     if (probe is None or probe.done or not _host_memory.measuring()
         or self._options.platform not in (None, "cpu") or jax.default_backend() != "cpu"):
