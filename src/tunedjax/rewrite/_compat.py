@@ -472,3 +472,8 @@ def _traced_computation(x: Any, max_eqns: int
   invars = [v for v in leaves if v not in consts]
   debug = _lu.DebugInfo("traced_computation", "<traced value>", ("",) * len(invars), ("",))
   return Jaxpr(list(consts), invars, [x.val], eqns, debug_info=debug), consts, tracers
+
+
+def current_trace() -> Any:
+  """The trace values bound now land in (JAX's innermost trace context)."""
+  return _core.trace_ctx.trace
