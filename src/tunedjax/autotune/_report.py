@@ -25,8 +25,10 @@ LOSES_IN_CONTEXT, VERIFYING = "loses in context", "verifying"
 # A GPU where nothing measured (nor a prior of its class) says a candidate wins:
 # XLA's own kernel: a routed call site runs the user's code (`_select.leaves_as_written`).
 XLA_FIRST = "xla first"
+# Rewriting for a platform with no device here: the family's rule for it chose.
+BY_RULE = "by the platform's rule"
 REASONS = (HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED,
-           CANNOT_PAY_BACK, LOSES_IN_CONTEXT, VERIFYING, XLA_FIRST)
+           CANNOT_PAY_BACK, LOSES_IN_CONTEXT, VERIFYING, XLA_FIRST, BY_RULE)
 
 
 @dataclasses.dataclass(frozen=True)

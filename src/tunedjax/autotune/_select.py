@@ -208,6 +208,9 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if names == [default]:
     return default, _report.ONLY_DEFAULT
   if not _measurable(selection.platform):  # rewriting for another machine (an export)
+    ruled = _by_rule(family, key, candidates, selection)
+    if ruled is not None:
+      return ruled, f"{_report.BY_RULE}, no {selection.platform} here"
     return default, f"no {selection.platform} here"
   if selection.untuned:
     return default, _report.VERIFYING
@@ -354,6 +357,25 @@ def leaves_as_written(op: str, spec: Any) -> bool:
     return False
   _count(selection, family.name, family.default, why + ", as written")
   return True
+
+
+def _by_rule(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,
+             selection: Selection) -> str | None:
+  """Where nothing can be timed (rewriting for a platform with no device here), the
+  candidate the family's rule for that platform puts first, when even its
+  pessimistic estimate beats the default by the tuner's margin (on a GPU, cuDNN's
+  attention for half-precision causal attention); None: the default."""
+  if family.presumed is None or len(candidates) < 2:
+    return None
+  prediction = predict_bucket(family, key, candidates, selection)
+  if prediction is None:
+    return None
+  best = prediction.best()
+  est = prediction.estimates.get(best)
+  threshold = 1.0 / (1.0 + _tune_options(selection).margin)
+  if best == family.default or est is None or est.source != "rule" or est.high >= threshold:
+    return None
+  return best
 
 
 def _xla_first(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,

@@ -235,7 +235,7 @@ def _softmax(walk: _Walk, p: Any, axis: int) -> Any:
   _need(exp is not None and exp.name == "exp", "no exp over the logits")
   walk.take(exp)
   _need(_reduced(walk, denom, "reduce_sum", ex, axis), f"no sum of exp over axis {axis}")
-  sub = view.producer(exp.ins[0])
+  sub = view.producer(walk.strip(exp.ins[0]))  # mixed precision: exp runs in float32
   _need(sub is not None and sub.name == "sub", "the exp is not of logits minus their max")
   walk.take(sub)
   s = sub.ins[0]
@@ -522,6 +522,10 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   biases, masks = extras
   out = d2.outs[0]
+  cast = _cast_after(walk.view, out, spec.dtype)
+  if cast is not None:  # mixed precision: a float32-accumulated product cast to the compute dtype
+    region = region | {cast[0]}
+    out = cast[1]
   fam_out = [B0, Q, B1, E]
 
   def operands(invals: Sequence[Any]) -> tuple[Any, ...]:
@@ -554,6 +558,24 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
          f"{nb} batch axes")
   return AttentionMatch(eqns=tuple(sorted(region)), inputs=tuple(inputs), output=out,
                         spec=spec, operands=operands, result=result, why=why)
+
+
+def _cast_after(view: FlatView, out: Any, dtype: str) -> tuple[int, Any] | None:
+  """The cast of the second product's result to the operands' `dtype`, when it is
+  that result's only reader (autocast writes ``convert(dot(p, v, preferred=f32))``,
+  and the backward then reads the cast's cotangent): ``(its equation, its value)``."""
+  jaxpr = view.jaxpr
+  if np.dtype(out.aval.dtype).name == dtype or any(v is out for v in jaxpr.outvars):
+    return None
+  readers = [(i, e) for i, e in enumerate(jaxpr.eqns)
+             if any(v is out for v in e.invars if not isinstance(v, _compat.Literal))]
+  if len(readers) != 1:
+    return None
+  i, e = readers[0]
+  if (e.primitive.name != "convert_element_type"
+      or np.dtype(e.outvars[0].aval.dtype).name != dtype):
+    return None
+  return i, e.outvars[0]
 
 
 def attention_matches(jaxpr: Any) -> list[AttentionMatch]:
