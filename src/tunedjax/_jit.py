@@ -669,6 +669,8 @@ class Jitted(Generic[P, R]):
     config = state[1]
     if level == "O2":
       enable_compilation_cache(config)
+    else:  # a GPU's or TPU's executables and XLA's autotuning, kept with the tuning cache
+      _tuning.persist_xla(config)
     traced = _anatomy.recording(self._rewriting(level, config, state), self._firsts)
     return jax.jit(functools.wraps(self.__wrapped__)(traced), **self._jit_options)
 
