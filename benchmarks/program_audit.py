@@ -275,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   sizes = QUICK if args.quick else FULL
   start = time.perf_counter()
-  rows = audit(sizes)
+  # --quick: a smoke run (CUDA, mixed precision alone and everything on).
+  rows = (audit(sizes, platforms=("cuda",), variants=("tj mixed precision", "tj all on"))
+          if args.quick else audit(sizes))
   body = [
       "## What tunedjax hands XLA (program audit, by export)", "",
       f"`python benchmarks/program_audit.py{' --quick' if args.quick else ''}`: each step "
@@ -289,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   text = "\n".join(body)
   print(text)
   if not args.quick:
-    write_section("program-audit", text)
+    write_section("program_audit", text)
 
 
 if __name__ == "__main__":
