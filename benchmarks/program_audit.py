@@ -18,7 +18,8 @@ by target.
 
 Usage:
   python benchmarks/program_audit.py            # full sizes (ResNet-50 at 224), writes BENCHMARKS.md
-  python benchmarks/program_audit.py --quick    # small models, prints the table only
+  python benchmarks/program_audit.py --small    # small models, every variant; writes BENCHMARKS.md
+  python benchmarks/program_audit.py --quick    # a smoke run: small models, CUDA; prints only
 
 The measuring code (`audit`, `count_ops`, the `*_program` builders) is kept
 apart from the command line (`main`), so another harness can call it.
@@ -271,16 +272,17 @@ def table(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small models; print only")
+  parser.add_argument("--quick", action="store_true", help="smoke run: small, CUDA; print only")
+  parser.add_argument("--small", action="store_true", help="small models, every variant")
   args = parser.parse_args(argv)
-  sizes = QUICK if args.quick else FULL
+  sizes = QUICK if args.quick or args.small else FULL
   start = time.perf_counter()
   # --quick: a smoke run (CUDA, mixed precision alone and everything on).
   rows = (audit(sizes, platforms=("cuda",), variants=("tj mixed precision", "tj all on"))
           if args.quick else audit(sizes))
   body = [
       "## What tunedjax hands XLA (program audit, by export)", "",
-      f"`python benchmarks/program_audit.py{' --quick' if args.quick else ''}`: each step "
+      f"`python benchmarks/program_audit.py{' --small' if args.small else ''}`: each step "
       "exported with `jax.export` on CPU for CUDA and TPU, its StableHLO ops counted. "
       "`tj` rows: `tj.jit(platform=...)` with the named tuners on and the others off "
       "(mixed precision's policy `mixed_bfloat16`). No GPU or TPU ran: this is the program, "
