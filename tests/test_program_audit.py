@@ -57,8 +57,12 @@ def test_no_more_transposes_than_jax_jit(model):
   assert rows["tj mixed precision"].counts.transposes <= plain
 
 
-def test_flax_attention_is_cudnn_where_the_gpu_rule_chooses_it():
-  row = _rows("miniGPT, nnx.MultiHeadAttention", ("tj all on",))["tj all on"]
+@pytest.mark.parametrize("model", ["miniGPT, nnx.MultiHeadAttention",
+                                   "miniGPT, hand-written attention"])
+def test_attention_is_cudnn_where_the_gpu_rule_chooses_it(model):
+  """Mixed precision makes it bfloat16 and causal: the GPU rule puts cuDNN first;
+  the hand-written one is found by the pattern (forward and backward replaced)."""
+  row = _rows(model, ("tj all on",))["tj all on"]
   assert row.counts.custom_calls.get("__cudnn$fmhaSoftmax") == 1, row.counts.custom_calls
   assert row.counts.custom_calls.get("__cudnn$fmhaSoftmaxBackward") == 1
   assert any(k.startswith("attention cudnn (by the platform's rule") for k in row.kernels), \

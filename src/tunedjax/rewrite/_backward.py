@@ -437,17 +437,18 @@ def _verify(jaxpr: Any, fwd: list[int], region: list[int], inputs: Sequence[Any]
 
 def _trim(jaxpr: Any, kept: list[int], bad: Sequence[Any], fwd_vals: set[Any]
           ) -> list[int] | None:
-  """`kept` without the equations defining `bad`, if each reads no forward value and
-  is read by no other region equation; else None."""
-  drop = set()
-  for v in bad:
-    i = next(i for i in kept if v in jaxpr.eqns[i].outvars)
-    eqn = jaxpr.eqns[i]
-    if any(_is_var(u) and u in fwd_vals for u in eqn.invars):
-      return None
-    drop.add(i)
+  """`kept` without the equations defining `bad` and the region equations that read
+  what they define (in order), if none of those reads a forward value; else None."""
+  drop = {next(i for i in kept if v in jaxpr.eqns[i].outvars) for v in bad}
+  # With them, the region equations downstream of them (what the layer upstream
+  # does with a cotangent: a concatenate of split operands' cotangents, a bias's
+  # gradient, an optimizer's update), none of which may read a forward value.
   outs = {v for i in drop for v in jaxpr.eqns[i].outvars}
-  rest = [i for i in kept if i not in drop]
-  if any(_is_var(u) and u in outs for i in rest for u in jaxpr.eqns[i].invars):
+  for i in kept:
+    if i not in drop and any(_is_var(u) and u in outs for u in jaxpr.eqns[i].invars):
+      drop.add(i)
+      outs.update(jaxpr.eqns[i].outvars)
+  if any(_is_var(u) and u in fwd_vals for i in drop for u in jaxpr.eqns[i].invars):
     return None
+  rest = [i for i in kept if i not in drop]
   return rest or None
