@@ -30,7 +30,7 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
 # stay under 15 minutes with the demo and the notebooks.
 LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native", "first_process", "host_memory",
               "import_dispatch", "input_pipeline", "jit_overhead", "kernel_priors", "kernels", "layout",
-              "malloc_settings", "mixed_precision", "rewrite_overhead", "trainer", "vs_pytorch",
+              "malloc_settings", "mixed_precision", "program_audit", "rewrite_overhead", "trainer", "vs_pytorch",
               "xla_options"}
 # Scripts whose smoke run has a test file of its own (which checks what it writes, too).
 OWN_SMOKE_TEST = {"gpu"}  # tests/test_gpu_bench.py

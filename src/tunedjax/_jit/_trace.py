@@ -117,6 +117,8 @@ class Builder:
     config = key.config
     if level == "O2":
       enable_compilation_cache(config)
+    else:  # a GPU's or TPU's executables and XLA's autotuning, kept with the tuning cache
+      _tuning.persist_xla(config)
     traced = _anatomy.recording(self._rewriting(level, config, key), self.book.firsts)
     return jax.jit(functools.wraps(self.fun)(traced), **self.options.jax_jit)
 

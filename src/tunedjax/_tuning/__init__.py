@@ -58,6 +58,7 @@ from tunedjax._tuning._inputs import relative_error as relative_error
 from tunedjax._tuning._platform import PLATFORMS as PLATFORMS
 from tunedjax._tuning._platform import canonical_platform as canonical_platform
 from tunedjax._tuning._platform import usable_cores as usable_cores
+from tunedjax._tuning._xla_cache import persist_xla as persist_xla
 from tunedjax._tuning._session import APPLY as APPLY
 from tunedjax._tuning._session import OBSERVE as OBSERVE
 from tunedjax._tuning._session import TUNE as TUNE

@@ -22,8 +22,13 @@ CANNOT_PAY_BACK = "cannot pay back"
 # The whole-program check (`_verify`): a bucket whose kernel made the program
 # slower (cached), and a bucket run on its default in a variant being compared.
 LOSES_IN_CONTEXT, VERIFYING = "loses in context", "verifying"
+# A GPU where nothing measured (nor a prior of its class) says a candidate wins:
+# XLA's own kernel: a routed call site runs the user's code (`_select.leaves_as_written`).
+XLA_FIRST = "xla first"
+# Rewriting for a platform with no device here: the family's rule for it chose.
+BY_RULE = "by the platform's rule"
 REASONS = (HINT, ONLY_DEFAULT, OBSERVE, HIT, TUNED, MISS, NOT_APPLICABLE, RECEIVED, FAILED,
-           CANNOT_PAY_BACK, LOSES_IN_CONTEXT, VERIFYING)
+           CANNOT_PAY_BACK, LOSES_IN_CONTEXT, VERIFYING, XLA_FIRST, BY_RULE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +47,10 @@ class KernelChoice:
       decision cached with the horizon; a later trace reusing that
       decision counts as a ``"hit"``), ``"loses in context"`` (the whole-program
       check found its tuned kernel makes this program slower: the default,
-      from a cached verdict), or ``"verifying"`` (the default, in a variant
-      of the program the whole-program check compares).
+      from a cached verdict), ``"verifying"`` (the default, in a variant
+      of the program the whole-program check compares), or ``"xla first"``
+      (a GPU where nothing measured nor a prior says a candidate wins: XLA's
+      own kernel, nothing compiled).
     count: how many sites.
   """
 

@@ -208,6 +208,9 @@ def decide(family: _registry.OpFamily, spec: Any, selection: Selection) -> tuple
   if names == [default]:
     return default, _report.ONLY_DEFAULT
   if not _measurable(selection.platform):  # rewriting for another machine (an export)
+    ruled = _by_rule(family, key, candidates, selection)
+    if ruled is not None:
+      return ruled, f"{_report.BY_RULE}, no {selection.platform} here"
     return default, f"no {selection.platform} here"
   if selection.untuned:
     return default, _report.VERIFYING
@@ -321,6 +324,75 @@ def _leader_decides(site: _Site, selection: Selection, why: dict[str, Any]) -> s
   return _tune_now(site, selection, why, weigh_payback=value is None)
 
 
+def leaves_as_written(op: str, spec: Any) -> bool:
+  """Whether a routed call site (a Flax layer sent to `op`'s family) should run
+  the user's own code: the active selection would give it the default having
+  measured nothing (rewriting for a platform with no device here, or a GPU
+  where nothing measured nor a prior says a candidate wins: `_xla_first`).
+  The site is counted with that reason; a hint, a cached winner or a
+  measurement routes it as before.
+
+  Example:
+    >>> from tunedjax.ops.batch_norm._spec import BatchNormSpec
+    >>> leaves_as_written("batch_norm", BatchNormSpec((8, 4), "float32"))  # no selection
+    False
+  """
+  selection = active_selection()
+  if selection is None or selection.explain_only or selection.untuned:
+    return False
+  family = _registry.op_family(op)
+  config = selection.config
+  candidates = _registry.applicable_kernels(spec, selection.platform, op=family.name)
+  if len(candidates) < 2 or family.name in _hints.active_hints(config):
+    return False
+  key = bucket_key(spec, candidates, bucket=config.kernel.bucket, family=family,
+                   objective=config.kernel.objective)
+  if not _measurable(selection.platform):
+    why = f"no {selection.platform} here"
+  elif (selection.session.lookup(selection.cache, family.name, key,
+                                 platform=selection.platform) is None
+        and _xla_first(family, key, candidates, selection)):
+    why = _report.XLA_FIRST
+  else:
+    return False
+  _count(selection, family.name, family.default, why + ", as written")
+  return True
+
+
+def _by_rule(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,
+             selection: Selection) -> str | None:
+  """Where nothing can be timed (rewriting for a platform with no device here), the
+  candidate the family's rule for that platform puts first, when even its
+  pessimistic estimate beats the default by the tuner's margin (on a GPU, cuDNN's
+  attention for half-precision causal attention); None: the default."""
+  if family.presumed is None or len(candidates) < 2:
+    return None
+  prediction = predict_bucket(family, key, candidates, selection)
+  if prediction is None:
+    return None
+  best = prediction.best()
+  est = prediction.estimates.get(best)
+  threshold = 1.0 / (1.0 + _tune_options(selection).margin)
+  if best == family.default or est is None or est.source != "rule" or est.high >= threshold:
+    return None
+  return best
+
+
+def _xla_first(family: _registry.OpFamily, key: dict[str, Any], candidates: Any,
+               selection: Selection) -> bool:
+  """Whether, on a GPU, nothing measured there, no prior of its class and no
+  rule of the family says a candidate could beat the default (XLA's own
+  kernel, cuDNN's convolutions autotuned by XLA): nothing is compiled ahead
+  for the bucket, and a routed call site runs the user's own code."""
+  if selection.platform != "gpu":
+    return False
+  prediction = predict_bucket(family, key, candidates, selection)
+  if prediction is None:
+    return False
+  kept, _ = prediction.could_win(margin=_tune_options(selection).margin)
+  return kept == [family.default]
+
+
 def _tune_now(site: _Site, selection: Selection, why: dict[str, Any], *,
               weigh_payback: bool) -> str:
   """Tunes the site's bucket (`tune_bucket`), stores and counts the result."""
@@ -387,7 +459,8 @@ def _expect(family: _registry.OpFamily, spec: Any, selection: Selection,
                    objective=config.kernel.objective)
   if (_verdict.bucket_id(family.name, key) in selection.vetoed
       or selection.session.lookup(selection.cache, family.name, key,
-                                  platform=selection.platform) is not None):
+                                  platform=selection.platform) is not None
+      or _xla_first(family, key, candidates, selection)):
     return
   make = functools.partial(_tuner.prepared_default, spec, tuple(candidates),
                            platform=selection.platform, options=_tune_options(selection),

@@ -54,6 +54,18 @@ def _first_conv(closed: Any) -> Any | None:
   return next((e for e in rewrite.iter_equations(closed) if e.primitive.name == CONV), None)
 
 
+XLA_GPU_ASSIGNS = (
+    "XLA:GPU assigns each convolution's layout itself (layout_assignment.cc: NHWC for "
+    "2-D convolutions on Hopper, and for float16/bfloat16 on Volta and newer), so a "
+    "transpose written into the program does not steer it")
+
+
+def _user_layout(conv: Any) -> str:
+  """The activation layout the user wrote a convolution in (feature dim first or last)."""
+  lhs_spec = conv.params["dimension_numbers"].lhs_spec
+  return "NCHW" if lhs_spec[1] == 1 else "NHWC"
+
+
 def _count(closed: Any, name: str) -> int:
   return rewrite.count_primitives(closed)[name]
 
@@ -118,6 +130,8 @@ class Optimized:
           target=self.target, decision="unchanged",
           reason="no convolutions", **base)
     target, reason = self.target, f"target={self.target!r} given"
+    if target == "auto" and platform == "gpu":
+      return self._gpu(closed, flat, _user_layout(first), base)
     if target == "auto":
       dtype = np.dtype(first.invars[0].aval.dtype).name
       target = preferred(dtype, platform)
@@ -126,6 +140,24 @@ class Optimized:
       return self._measured(closed, flat, target, platform, reason, base)
     outs, state = _run_relaid(closed, flat, target, platform)
     return outs, self._relaid_report(state, target, reason, base)
+
+  def _gpu(self, closed: Any, flat: list[Any], user: str, base: dict[str, Any]
+           ) -> tuple[list[Any], LayoutReport]:
+    """On a GPU the user's layout stays unless measure mode timed the other one here."""
+    other = "NCHW" if user == "NHWC" else "NHWC"
+    keep = f"{XLA_GPU_ASSIGNS}; the pass keeps the user's {user}"
+    if self.mode == "measure" and _measure.can_measure("gpu"):
+      return self._measured(closed, flat, other, "gpu", keep + f" unless {other} times faster",
+                            base)
+    value = None if _has_tracer_consts(closed) else _measure.lookup(closed, other, "gpu")
+    if value is not None and value["choice"] != "original":
+      outs, state = _run_relaid(closed, flat, other, "gpu")
+      return outs, self._relaid_report(state, other, f"measured on this GPU: {other} faster",
+                                       base, seconds=value.get("seconds") or None, cached=True)
+    why = ("measure mode has no GPU here to time " + other) if self.mode == "measure" else (
+        "nothing measured on this GPU (mode='measure' times " + other + ")")
+    return _run_plain(closed, flat), LayoutReport(
+        target=user, decision="unchanged", reason=f"{keep}; {why}", **base)
 
   def _relaid_report(self, state: LayoutState, target: str, reason: str,
                      base: dict[str, Any], **extra: Any) -> LayoutReport:

@@ -14,7 +14,13 @@ where it comes from:
   want channels-last; XLA:GPU itself picks NHWC for these dtypes.
 * **GPU, float32 (and float64): NCHW.** Without Tensor Cores cuDNN's NCHW
   kernels are at least as fast (PaddlePaddle's layout autotune keeps NCHW for
-  float32). This is a prior, not a measurement: use ``mode="measure"`` on GPU.
+  float32). This is a prior, not a measurement, and it predates TF32 Tensor
+  Cores.
+
+On a GPU the layout pass does not apply these entries: XLA:GPU assigns every
+convolution's physical layout itself (``layout_assignment.cc``), so with
+``target="auto"`` the pass keeps the user's layout, NHWC or NCHW, unless
+``mode="measure"`` timed the other one on that GPU (`optimize`).
 * **TPU, every dtype: NHWC.** The TPU convolution unit puts the feature
   dimension on the minor (lane) axis.
 

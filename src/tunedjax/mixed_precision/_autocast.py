@@ -7,9 +7,16 @@ norms in float32) and on Paddle's AMP lists
 (`paddle/static/amp/fp16_lists.py`: a white list of matmul/conv and a black
 list of exp, log, mean, sum, softmax, cross-entropy):
 
-- *allow*: run in the policy's `compute_dtype`. Matmuls and convolutions
-  accumulate in float32 (`preferred_element_type=float32`), then their
-  output is cast to the compute dtype.
+- *allow*: run in the policy's `compute_dtype`. What matmuls and
+  convolutions return is, by default, what the target platform runs natively
+  (`native_accumulate_dtype`): matmuls accumulate in float32 everywhere
+  (`preferred_element_type=float32`, native in cuBLAS, Triton, the TPU's MXU
+  and XLA:CPU), then are cast to the compute dtype; on a GPU a convolution
+  takes and returns the compute dtype (bf16 x bf16 -> bf16, as Flax's
+  ``dtype=`` and `torch.autocast` write it), because XLA:GPU declares mixed
+  precision for dots only and runs a bf16 x bf16 -> f32 convolution as a
+  float32 one (``OperandUpcaster``); cuDNN still accumulates in float32
+  inside it. An explicit ``accumulate_dtype`` overrides the platform's.
 - *deny*: always run in (at least) float32.
 - *follow*: run in the widest floating dtype of their inputs (weak-typed
   Python scalars do not widen, as in JAX's promotion).
@@ -41,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from tunedjax import rewrite
+from tunedjax.rewrite import _compat
 from tunedjax._errors import did_you_mean
 from tunedjax._policy import (DTypeLike, PolicyError,
                                               PolicyLike, canonical_dtype,
@@ -70,6 +78,32 @@ DEFAULT_FOLLOW = (
 )
 KNOWN_PRIMITIVES = tuple(sorted({*DEFAULT_ALLOW, *DEFAULT_DENY, *DEFAULT_FOLLOW}))
 _ACCUMULATING = ("dot_general", "conv_general_dilated")
+PLATFORM_DEFAULT = "platform"
+"""The ``accumulate_dtype`` default: what the target platform runs natively."""
+_GPU_NAMES = ("gpu", "cuda", "rocm")
+
+
+def native_accumulate_dtype(primitive: str, platform: str | None) -> np.dtype | None:
+  """The accumulation dtype a platform runs `primitive` in natively (None: the compute dtype).
+
+  GPU: matmuls float32 (cuBLAS/Triton take bf16 x bf16 -> f32), convolutions
+  the compute dtype (XLA:GPU upcasts a mixed-precision convolution to a
+  float32 one, forward and backward). TPU: float32 for both (the MXU
+  accumulates in float32 and XLA:TPU takes a bf16 x bf16 -> f32 convolution
+  as written). CPU: float32 for both (measured: a bf16-result convolution's
+  step was within the A/A spread of the float32-accumulated one, and the
+  conv kernels' buckets are keyed by the float32 result).
+
+  Example:
+    >>> native_accumulate_dtype("conv_general_dilated", "gpu") is None
+    True
+    >>> native_accumulate_dtype("dot_general", "gpu")
+    dtype('float32')
+  """
+  if primitive == "conv_general_dilated" and str(platform).lower() in _GPU_NAMES:
+    return None
+  return np.dtype(np.float32)
+
 
 @dataclasses.dataclass(frozen=True)
 class OpLists:
@@ -131,13 +165,45 @@ def _dtype_of(x: Any) -> Any:
 
 
 def _cast(ctx: rewrite.Context, x: Any, dtype: np.dtype) -> Any:
+  """`x` in `dtype`; one cast per value and dtype within a trace.
+
+  A weight used by a forward convolution and by the backward one that takes
+  its gradient would otherwise be cast twice (XLA would CSE the copies, but
+  the program handed to it would carry twice the converts an expert's does).
+  """
   current = _dtype_of(x)
   if current is None:  # a Python scalar literal
     return jnp.asarray(x, dtype)
   if current == dtype:
     return x
-  ctx.count("casts inserted")
-  return lax.convert_element_type(x, dtype)
+  key = ("autocast cast", id(x), np.dtype(dtype).name)
+  hit = ctx.memo.get(key)
+  trace = _compat.current_trace()
+  if hit is not None and hit[0] is x and hit[2] is trace:
+    return hit[1]
+  moved = ctx.memo.get(("autocast moved", id(x)))
+  if moved is not None and moved[0] is x and moved[3] is trace:
+    # x = move(src) (a reverse, transpose, reshape, ...): move src's cast instead,
+    # as the backward convolution's reversed kernel is in the expert's program.
+    _, eqn, src, _ = moved
+    out = ctx.bind(eqn, [_cast(ctx, src, dtype)])[0]
+  else:
+    ctx.count("casts inserted")
+    out = lax.convert_element_type(x, dtype)
+  ctx.memo[key] = (x, out, trace)  # keeps `x` alive, so its id stays unique
+  return out
+
+
+# Unary data movement commutes with a cast, element for element.
+_MOVES = frozenset({"rev", "transpose", "reshape", "squeeze", "expand_dims",
+                    "broadcast_in_dim", "slice", "copy", "copy_p"})
+
+
+def _remember_move(ctx: rewrite.Context, eqn: Any, invals: list[Any], outs: list[Any]) -> None:
+  if (eqn.primitive.name in _MOVES and len(invals) == 1 and len(outs) == 1
+      and _dtype_of(invals[0]) == _dtype_of(outs[0])):
+    ctx.memo[("autocast moved", id(outs[0]))] = (outs[0], eqn, invals[0],
+                                                 _compat.current_trace())
 
 
 def _materialize(value: Any, aval: Any) -> Any:
@@ -164,7 +230,16 @@ def _keep(ctx: rewrite.Context, eqn: Any) -> bool:
   return True
 
 
-def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
+def _accumulate_for(ctx: rewrite.Context, name: str, target: np.dtype,
+                    accumulate: np.dtype | None | str) -> np.dtype:
+  if isinstance(accumulate, str):  # PLATFORM_DEFAULT
+    accumulate = native_accumulate_dtype(name, ctx.platform)
+    if accumulate is None:
+      ctx.count(f"{name} returns {target.name} ({ctx.platform}-native)")
+  return target if accumulate is None else jnp.promote_types(target, accumulate)
+
+
+def _allow_rule(compute: np.dtype, accumulate: np.dtype | None | str) -> rewrite.Rule:
   def rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     floating = _floating_inputs(eqn)
     if not any(floating):
@@ -174,7 +249,7 @@ def _allow_rule(compute: np.dtype, accumulate: np.dtype | None) -> rewrite.Rule:
     name = eqn.primitive.name
     ctx.count(f"{name} in {target.name}")
     if name in _ACCUMULATING:
-      acc = target if accumulate is None else jnp.promote_types(target, accumulate)
+      acc = _accumulate_for(ctx, name, target, accumulate)
       extra = {}
       if name == "dot_general" and ctx.platform == "cpu" and target != jnp.float32:
         new, extra = _leading_batch_dims(new, eqn.params["dimension_numbers"])
@@ -244,7 +319,9 @@ def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]
     target = functools.reduce(jnp.promote_types, [v.aval.dtype for v, f in zip(eqn.invars, floating) if f])
   if all(_dtype_of(x) == v.aval.dtype == target
          for x, f, v in zip(invals, floating, eqn.invars) if f):
-    return ctx.bind(eqn, invals)
+    outs = ctx.bind(eqn, invals)
+    _remember_move(ctx, eqn, invals, outs)
+    return outs
   if eqn.primitive.name == "convert_element_type":  # its param sets the output dtype
     return ctx.bind(eqn, invals)
   new = [_cast(ctx, x, target) if f else x for x, f in zip(invals, floating)]
@@ -255,9 +332,19 @@ def _follow_rule(ctx: rewrite.Context, eqn: Any, invals: list[Any]) -> list[Any]
     return ctx.default(eqn, invals)
 
 
+def _resolve_accumulate(value: Any) -> np.dtype | None | str:
+  if value is None or (isinstance(value, str) and value == PLATFORM_DEFAULT):
+    return value
+  try:
+    return canonical_dtype(value, what="accumulate_dtype")
+  except PolicyError as e:
+    raise PolicyError(f"{e} Or None (the compute dtype), or {PLATFORM_DEFAULT!r} "
+                      "(what the target platform runs natively).") from None
+
+
 def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str] = (),
-                  deny: Iterable[str] = (), accumulate_dtype: DTypeLike | None = jnp.float32
-                  ) -> rewrite.Pass:
+                  deny: Iterable[str] = (),
+                  accumulate_dtype: DTypeLike | None = PLATFORM_DEFAULT) -> rewrite.Pass:
   """The `tunedjax.rewrite.Pass` that `autocast` applies (for `tunedjax.jit`).
 
   Args:
@@ -266,7 +353,9 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
       `DEFAULT_ALLOW` (moved from the other lists).
     deny: primitive names to always run in float32, on top of `DEFAULT_DENY`.
     accumulate_dtype: what matmuls and convolutions accumulate in (their
-      `preferred_element_type`); None accumulates in the compute dtype.
+      `preferred_element_type`); None accumulates in the compute dtype; the
+      default, ``"platform"``, is what the target platform runs natively
+      (`native_accumulate_dtype`: float32, except convolutions on a GPU).
 
   Example:
     >>> autocast_pass("mixed_bfloat16").name
@@ -274,8 +363,7 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
   """
   policy = get_policy(policy)
   lists = OpLists.resolve(allow=allow, deny=deny)
-  accumulate = None if accumulate_dtype is None else canonical_dtype(
-      accumulate_dtype, what="accumulate_dtype")
+  accumulate = _resolve_accumulate(accumulate_dtype)
   allow_rule = _allow_rule(policy.compute_dtype, accumulate)
   rules: dict[str, rewrite.Rule] = {name: _follow_rule for name in lists.follow}
   rules.update({name: _deny_rule for name in lists.deny})
@@ -288,7 +376,7 @@ def autocast_pass(policy: PolicyLike = "mixed_bfloat16", *, allow: Iterable[str]
 
 def autocast_transform(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
                        allow: Iterable[str] = (), deny: Iterable[str] = (),
-                       accumulate_dtype: DTypeLike | None = jnp.float32,
+                       accumulate_dtype: DTypeLike | None = PLATFORM_DEFAULT,
                        platform: str | None = None,
                        on_trace: Callable[[rewrite.Context], None] | None = None
                        ) -> Callable[..., Any]:
@@ -319,7 +407,7 @@ def autocast_transform(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat
 
 def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
              allow: Iterable[str] = (), deny: Iterable[str] = (),
-             accumulate_dtype: DTypeLike | None = jnp.float32,
+             accumulate_dtype: DTypeLike | None = PLATFORM_DEFAULT,
              on_trace: Callable[[rewrite.Context], None] | None = None) -> Callable[..., Any]:
   """Returns `f` with each op run in the precision the op lists give it.
 
@@ -338,8 +426,9 @@ def autocast(f: Callable[..., Any], policy: PolicyLike = "mixed_bfloat16", *,
     allow: extra primitive names to run in the compute dtype.
     deny: extra primitive names to always run in float32 (e.g.
       ["dot_general"] keeps matmuls in float32).
-    accumulate_dtype: matmul/conv accumulation dtype (default float32; None
-      accumulates in the compute dtype).
+    accumulate_dtype: matmul/conv accumulation dtype (default ``"platform"``:
+      float32, except a GPU's convolutions, which return the compute dtype;
+      None accumulates in the compute dtype).
     on_trace: called with the pass's `Context` after each trace (its
       `counts` say what was cast).
 

@@ -152,13 +152,27 @@ def _region(jaxpr: Any, fwd: frozenset[int], inputs: Sequence[Any], outputs: Seq
     ins = [v for v in jaxpr.eqns[i].invars if _is_var(v)]
     if any(v not in known and v not in touch for v in ins):
       continue
-    if not any(v in touch for v in ins) and not i < max(fwd):  # a residual of inputs only
+    if ins and not any(v in touch for v in ins) and not i < max(fwd):  # a residual of inputs
       continue
+    if not ins and not _read_by_later(jaxpr, i, touch):
+      continue  # a constant (zeros for a select's cotangent) joins only where the region reads it
     region.append(i)
     touch.update(v for v in jaxpr.eqns[i].outvars if _is_var(v))
   if not region:
     return None
   return region, ct, fwd_vals
+
+
+def _read_by_later(jaxpr: Any, i: int, touch: set[Any]) -> bool:
+  """Whether equation `i` (no variable operands: a constant made where it is used, as
+  a program rewritten by a pass can have it) is read by a later equation that
+  also reads a region value."""
+  outs = {v for v in jaxpr.eqns[i].outvars if _is_var(v)}
+  for e in jaxpr.eqns[i + 1:]:
+    ins = [v for v in e.invars if _is_var(v)]
+    if any(v in outs for v in ins) and any(v in touch for v in ins):
+      return True
+  return False
 
 
 def _upstream(jaxpr: Any, vars_: Sequence[Any]) -> set[int]:
@@ -196,11 +210,23 @@ def _random(aval: Any, rng: np.random.Generator) -> np.ndarray:
   return np.where(np.abs(x) < 1e-2, 0.5, x).astype(dtype)
 
 
+def _host_operands(eqn: Any, ins: list[Any]) -> list[Any]:
+  """A half-precision dot with a float32 result, as a program rewritten for a GPU
+  writes it, with float32 operands: the same numbers (a product of two bf16 or
+  f16 values is exact in float32), and XLA:CPU, where checks run, lacks some
+  layouts of the mixed one ("Unsupported element type for DotThunk")."""
+  if (eqn.primitive.name == "dot_general" and jax.default_backend() == "cpu"
+      and eqn.params.get("preferred_element_type") == np.dtype(np.float32)
+      and all(np.dtype(x.dtype).itemsize == 2 for x in ins)):
+    return [x.astype(np.float32) for x in ins]
+  return ins
+
+
 def _evaluate(jaxpr: Any, order: Sequence[int], env: dict[Any, Any]) -> None:
   for i in order:
     eqn = jaxpr.eqns[i]
-    outs = _compat.bind_equation(eqn, [v.val if not _is_var(v) else env[v]
-                                       for v in eqn.invars], eqn.params)
+    ins = _host_operands(eqn, [v.val if not _is_var(v) else env[v] for v in eqn.invars])
+    outs = _compat.bind_equation(eqn, ins, eqn.params)
     env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, _compat.DropVar))
 
 
@@ -411,17 +437,18 @@ def _verify(jaxpr: Any, fwd: list[int], region: list[int], inputs: Sequence[Any]
 
 def _trim(jaxpr: Any, kept: list[int], bad: Sequence[Any], fwd_vals: set[Any]
           ) -> list[int] | None:
-  """`kept` without the equations defining `bad`, if each reads no forward value and
-  is read by no other region equation; else None."""
-  drop = set()
-  for v in bad:
-    i = next(i for i in kept if v in jaxpr.eqns[i].outvars)
-    eqn = jaxpr.eqns[i]
-    if any(_is_var(u) and u in fwd_vals for u in eqn.invars):
-      return None
-    drop.add(i)
+  """`kept` without the equations defining `bad` and the region equations that read
+  what they define (in order), if none of those reads a forward value; else None."""
+  drop = {next(i for i in kept if v in jaxpr.eqns[i].outvars) for v in bad}
+  # With them, the region equations downstream of them (what the layer upstream
+  # does with a cotangent: a concatenate of split operands' cotangents, a bias's
+  # gradient, an optimizer's update), none of which may read a forward value.
   outs = {v for i in drop for v in jaxpr.eqns[i].outvars}
-  rest = [i for i in kept if i not in drop]
-  if any(_is_var(u) and u in outs for i in rest for u in jaxpr.eqns[i].invars):
+  for i in kept:
+    if i not in drop and any(_is_var(u) and u in outs for u in jaxpr.eqns[i].invars):
+      drop.add(i)
+      outs.update(jaxpr.eqns[i].outvars)
+  if any(_is_var(u) and u in fwd_vals for i in drop for u in jaxpr.eqns[i].invars):
     return None
+  rest = [i for i in kept if i not in drop]
   return rest or None

@@ -323,7 +323,12 @@ def triton_compiler_params() -> Any:
 
 # Custom calls that tunedjax's own kernels put in a program and that
 # `jax.export` has no stability guarantee for, by lowering platform.
-_TUNEDJAX_CUSTOM_CALLS = {"cuda": ("__gpu$xla.gpu.triton",), "rocm": ("__gpu$xla.gpu.triton",)}
+# cuDNN's fused attention (the attention family's ``cudnn`` kernel) has no export
+# compatibility guarantee either.
+_CUDNN_ATTENTION = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward",
+                    "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+_TUNEDJAX_CUSTOM_CALLS = {"cuda": ("__gpu$xla.gpu.triton", *_CUDNN_ATTENTION),
+                          "rocm": ("__gpu$xla.gpu.triton",)}
 _LOWERING_PLATFORMS = {"gpu": "cuda"}
 
 
@@ -397,7 +402,39 @@ def lowering_for(platforms: Sequence[str], device_kind: str | None = None
   if kind is None:
     return contextlib.nullcontext()
   device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
-  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+  mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+  if local_gpu or gpu[0] != "cuda":
+    return mesh
+  stack = contextlib.ExitStack()
+  stack.enter_context(mesh)
+  stack.enter_context(_cudnn_stand_in())
+  return stack
+
+
+# What cuDNN attention is lowered for when exporting for CUDA on a machine with no
+# CUDA: the cuDNN version jax 0.10's wheels bundle and the export's default GPU's
+# (an H100's) compute capability. Only the lowering's own checks read them.
+_EXPORT_CUDNN_VERSION = 91000
+_EXPORT_COMPUTE_CAPABILITY = 9.0
+
+
+@contextlib.contextmanager
+def _cudnn_stand_in() -> Iterator[None]:
+  """`jax.nn.dot_product_attention(implementation="cudnn")` traced and lowered for
+  CUDA on a host without CUDA (jax checks the local cuDNN at trace time)."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as _fa  # pylint: disable=import-outside-toplevel
+  except ImportError:  # another jax: nothing to stand in for
+    yield
+    return
+  saved = (_fa.check_cudnn_version, _fa.check_compute_capability)
+  _fa.check_cudnn_version = lambda: _EXPORT_CUDNN_VERSION
+  _fa.check_compute_capability = lambda capability: (
+      float(capability) <= _EXPORT_COMPUTE_CAPABILITY)
+  try:
+    yield
+  finally:
+    _fa.check_cudnn_version, _fa.check_compute_capability = saved
 
 
 def where(eqn: JaxprEqn) -> str:
@@ -472,3 +509,8 @@ def _traced_computation(x: Any, max_eqns: int
   invars = [v for v in leaves if v not in consts]
   debug = _lu.DebugInfo("traced_computation", "<traced value>", ("",) * len(invars), ("",))
   return Jaxpr(list(consts), invars, [x.val], eqns, debug_info=debug), consts, tracers
+
+
+def current_trace() -> Any:
+  """The trace values bound now land in (JAX's innermost trace context)."""
+  return _core.trace_ctx.trace

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from tunedjax.ops.attention import _causal
+from tunedjax.ops.attention._axes import to_layout as _to_layout
 from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.ops.attention._view import FlatEqn, FlatView
 from tunedjax.rewrite import _compat
@@ -235,7 +236,7 @@ def _softmax(walk: _Walk, p: Any, axis: int) -> Any:
   _need(exp is not None and exp.name == "exp", "no exp over the logits")
   walk.take(exp)
   _need(_reduced(walk, denom, "reduce_sum", ex, axis), f"no sum of exp over axis {axis}")
-  sub = view.producer(exp.ins[0])
+  sub = view.producer(walk.strip(exp.ins[0]))  # mixed precision: exp runs in float32
   _need(sub is not None and sub.name == "sub", "the exp is not of logits minus their max")
   walk.take(sub)
   s = sub.ins[0]
@@ -379,24 +380,6 @@ def _product_labels(d1: FlatEqn, out: dict[int, Any]) -> tuple[dict[int, Any], d
   return sides[0], sides[1]
 
 
-def _to_layout(x: Any, labels: dict[int, Any], order: Sequence[Any]) -> Any:
-  """`x` (axes labelled by `labels`) with its axes in `order`, size 1 where a label of
-  `order` is absent (works on jax and NumPy arrays)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  extra = [a for a, lab in sorted(labels.items()) if lab not in order]
-  if extra:  # axes of size 1 the family's layout does not have (a squeezed batch axis)
-    kept = [a for a in range(np.ndim(x)) if a not in extra]
-    x = x.reshape([x.shape[a] for a in kept])
-    labels = {j: labels[a] for j, a in enumerate(kept)}
-  axis_of = {lab: a for a, lab in labels.items()}
-  present = [lab for lab in order if lab in axis_of]
-  perm = [axis_of[lab] for lab in present]
-  if perm != sorted(perm) or len(perm) != np.ndim(x):
-    x = (np.transpose if isinstance(x, np.ndarray) else jnp.transpose)(x, perm)
-  shape = [x.shape[present.index(lab)] if lab in axis_of else 1 for lab in order]
-  return x.reshape(shape) if tuple(shape) != tuple(x.shape) else x
-
-
 def _source(walk: _Walk, v: Any, labels: dict[int, Any]) -> tuple[Any, dict[int, Any]]:
   """A bias or mask before its broadcast to the logits' shape, and its axis labels."""
   view = walk.view
@@ -522,6 +505,10 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   biases, masks = extras
   out = d2.outs[0]
+  cast = _cast_after(walk.view, out, spec.dtype)
+  if cast is not None:  # mixed precision: a float32-accumulated product cast to the compute dtype
+    region = region | {cast[0]}
+    out = cast[1]
   fam_out = [B0, Q, B1, E]
 
   def operands(invals: Sequence[Any]) -> tuple[Any, ...]:
@@ -554,6 +541,24 @@ def _finish(walk: _Walk, spec: AttentionSpec, data: list[Any], labels: tuple[dic
          f"{nb} batch axes")
   return AttentionMatch(eqns=tuple(sorted(region)), inputs=tuple(inputs), output=out,
                         spec=spec, operands=operands, result=result, why=why)
+
+
+def _cast_after(view: FlatView, out: Any, dtype: str) -> tuple[int, Any] | None:
+  """The cast of the second product's result to the operands' `dtype`, when it is
+  that result's only reader (autocast writes ``convert(dot(p, v, preferred=f32))``,
+  and the backward then reads the cast's cotangent): ``(its equation, its value)``."""
+  jaxpr = view.jaxpr
+  if np.dtype(out.aval.dtype).name == dtype or any(v is out for v in jaxpr.outvars):
+    return None
+  readers = [(i, e) for i, e in enumerate(jaxpr.eqns)
+             if any(v is out for v in e.invars if not isinstance(v, _compat.Literal))]
+  if len(readers) != 1:
+    return None
+  i, e = readers[0]
+  if (e.primitive.name != "convert_element_type"
+      or np.dtype(e.outvars[0].aval.dtype).name != dtype):
+    return None
+  return i, e.outvars[0]
 
 
 def attention_matches(jaxpr: Any) -> list[AttentionMatch]:

@@ -58,6 +58,15 @@ def _routing() -> bool:
   return _select.active_selection() is not None
 
 
+def _as_written(x: Any, epsilon: float) -> bool:
+  """Whether kernel selection would keep this layer's default without having
+  measured anything (`_select.leaves_as_written`): Flax's own code then runs."""
+  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
+  from tunedjax.ops.batch_norm._spec import BatchNormSpec  # pylint: disable=import-outside-toplevel
+  spec = BatchNormSpec(tuple(jnp.shape(x)), jnp.dtype(x.dtype).name, float(epsilon))
+  return _select.leaves_as_written("batch_norm", spec)
+
+
 def _feature_last(axis: Any, ndim: int) -> bool:
   axes = axis if isinstance(axis, (tuple, list)) else (axis,)
   return ndim >= 2 and len(axes) == 1 and isinstance(axes[0], int) and \
@@ -80,7 +89,8 @@ def _nnx_call(self: Any, x: Any, use_running_average: bool | None = None, *,
   xp, _, _, scale, bias = self.promote_dtype(
       (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype)
   if xp.dtype != jnp.float32 or (self.dtype is not None
-                                 and jnp.dtype(self.dtype) != jnp.float32):
+                                 and jnp.dtype(self.dtype) != jnp.float32) \
+      or _as_written(xp, self.epsilon):
     return original(self, x, use_running_average, mask=mask)
   y, mean, var = _stats_call(xp, scale, bias, self.epsilon)
   # Flax's running-average update, as Flax writes it.
@@ -137,7 +147,8 @@ def _linen_interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, A
       or not _feature_last(module.axis, jnp.ndim(x))
       or jnp.result_type(x) != jnp.float32
       or jnp.dtype(module.param_dtype) != jnp.float32
-      or (module.dtype is not None and jnp.dtype(module.dtype) != jnp.float32)):
+      or (module.dtype is not None and jnp.dtype(module.dtype) != jnp.float32)
+      or _as_written(jnp.asarray(x), module.epsilon)):
     return next_fun(*args, **kwargs)
   c = jnp.shape(x)[-1]
   stat_dtype = jnp.float32 if module.force_float32_reductions else module.param_dtype
