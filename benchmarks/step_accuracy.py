@@ -7,7 +7,11 @@ update. Each parameter's update error against the same step in float64
 (``max |got - want| / max |want|``) is divided by `jax.jit`'s own error,
 floored by how far `jax.jit`'s update moves when the images move by 1e-7 of
 themselves (at float32's resolution the step is chaotic for some
-parameters); a run's figure is the worst parameter's ratio. Each run tunes
+parameters); a run's figure is the worst parameter's ratio. ``same_branches``
+is the same figure against the float64 step taking the run's own ReLU branches
+(a pre-activation within float32's noise of zero may take either, and the
+update jumps there: a flip is not a kernel's error), ``flips`` how many ReLU
+inputs took the other branch than in float64. Each run tunes
 with a fresh cache (`tunedjax.jit`, ``kernel.enable``), with the hints given
 (``--hints '{"batch_norm": "native"}'``) and the other families tuned.
 
@@ -71,18 +75,36 @@ def network(rng: np.random.Generator, widths, c0: int = 32) -> dict[str, np.ndar
 
 
 def update_fn(strides) -> Callable[..., Any]:
-  """One SGD step's update (``-0.1 * gradient``) of the network's cross-entropy."""
+  """One SGD step's update (``-0.1 * gradient``) of the network's cross-entropy:
+  ``update(params, x, y, masks=None) -> (updates, masks)``, `masks` the ReLUs'
+  branches (``pre-activation > 0``, in order). Given `masks`, each ReLU takes
+  that branch (``where(mask, h, 0)``: the same gradient as ReLU's there) whatever
+  its input: the same branches as another run's, in another precision."""
 
-  def loss(params, x, y):
-    h = jax.nn.relu(_conv(x, params["stem"], 2))
+  def loss(params, x, y, masks):
+    seen = []
+
+    def relu(h):
+      if masks is None:
+        seen.append(h > 0)
+        return jax.nn.relu(h)
+      seen.append(masks[len(seen)])
+      return jnp.where(seen[-1], h, 0)
+
+    h = relu(_conv(x, params["stem"], 2))
     for i, s in enumerate(strides):
       h = _conv(h, params[f"dw{i}"], s, groups=h.shape[-1])
-      h = jax.nn.relu(_bn(h, params[f"g{i}a"], params[f"b{i}a"]))
-      h = jax.nn.relu(_bn(_conv(h, params[f"pw{i}"]), params[f"g{i}b"], params[f"b{i}b"]))
+      h = relu(_bn(h, params[f"g{i}a"], params[f"b{i}a"]))
+      h = relu(_bn(_conv(h, params[f"pw{i}"]), params[f"g{i}b"], params[f"b{i}b"]))
     logits = h.mean(axis=(1, 2)) @ params["head"]
-    return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+    value = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+    return value, tuple(seen)
 
-  return lambda params, x, y: jax.tree.map(lambda g: -0.1 * g, jax.grad(loss)(params, x, y))
+  def update(params, x, y, masks=None):
+    grads, seen = jax.grad(loss, has_aux=True)(params, x, y, masks)
+    return jax.tree.map(lambda g: -0.1 * g, grads), seen
+
+  return update
 
 
 def rel(a, b) -> float:
@@ -90,22 +112,47 @@ def rel(a, b) -> float:
   return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def problem(batch: int, size: int, widths, strides, seed: int = 0):
-  """``(update, float32 args, float64 updates, per-parameter floor)``."""
-  rng = np.random.default_rng(seed)
-  params = network(rng, widths)
-  x, y = rng.normal(size=(batch, size, size, 3)), rng.integers(0, 10, size=batch)
-  update = update_fn(strides)
-  with jax.enable_x64(True):
-    want = jax.jit(update)(jax.tree.map(jnp.asarray, params), jnp.asarray(x), jnp.asarray(y))
-    want = {k: np.asarray(v) for k, v in want.items()}
-  p32 = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
-  args = (p32, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.int32))
-  jitted = jax.jit(update)(*args)
-  moved_x = (x * (1 + PERTURBATION * rng.normal(size=x.shape))).astype(np.float32)
-  moved = jax.jit(update)(p32, jnp.asarray(moved_x), args[2])
-  floor = {k: max(rel(jitted[k], want[k]), rel(moved[k], jitted[k])) for k in want}
-  return update, args, want, floor
+class Problem:
+  """The step's float32 arguments, its float64 updates and each parameter's floor.
+
+  Two measures. *Own branches*: against the float64 step (its ReLUs on their
+  own branches), floored by `jax.jit`'s error and its spread under a 1e-7 change
+  of the images. *Same branches*: against the float64 step taking the float32
+  run's ReLU branches (`same_branches`), floored likewise: a pre-activation
+  within float32's noise of zero may take either branch, and the update is not
+  continuous there, so the first measure counts such a flip as error.
+  """
+
+  def __init__(self, batch: int, size: int, widths, strides, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    params = network(rng, widths)
+    x, y = rng.normal(size=(batch, size, size, 3)), rng.integers(0, 10, size=batch)
+    self.update = update_fn(strides)
+    self._p64 = (params, x, y)
+    self.want, self.masks = self.reference(None)
+    p32 = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    self.args = (p32, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.int32))
+    jitted, jit_masks = jax.jit(self.update)(*self.args)
+    moved_x = (x * (1 + PERTURBATION * rng.normal(size=x.shape))).astype(np.float32)
+    moved, moved_masks = jax.jit(self.update)(p32, jnp.asarray(moved_x), self.args[2])
+    self.floor = {k: max(rel(jitted[k], self.want[k]), rel(moved[k], jitted[k]))
+                  for k in self.want}
+    same, moved_same = self.reference(jit_masks)[0], self.reference(moved_masks)[0]
+    self.same_floor = {k: max(rel(jitted[k], same[k]), rel(moved[k], moved_same[k]))
+                       for k in self.want}
+
+  def reference(self, masks):
+    """The float64 step's updates (on `masks`' branches, or its own) and its branches."""
+    params, x, y = self._p64
+    with jax.enable_x64(True):
+      masks = None if masks is None else tuple(jnp.asarray(np.asarray(m)) for m in masks)
+      want, own = jax.jit(self.update)(jax.tree.map(jnp.asarray, params), jnp.asarray(x),
+                                       jnp.asarray(y), masks)
+      return {k: np.asarray(v) for k, v in want.items()}, [np.asarray(m) for m in own]
+
+  def flips(self, masks) -> int:
+    """How many ReLU inputs take another branch than in the float64 step."""
+    return int(sum(np.sum(np.asarray(m) != w) for m, w in zip(masks, self.masks)))
 
 
 def worst(got, want, floor) -> tuple[float, str]:
@@ -116,19 +163,19 @@ def worst(got, want, floor) -> tuple[float, str]:
 
 
 def tuned(update, args, hints: dict[str, str], cache_dir: str):
-  """The update under `tj.jit` with kernel selection (a fresh session, `cache_dir`),
-  and the kernels each family ran: ``{family: {kernel: sites}}``."""
+  """The update and its ReLU branches under `tj.jit` with kernel selection (a fresh
+  session, `cache_dir`), and the kernels each family ran: ``{family: {kernel: sites}}``."""
   config = {"kernel": {"enable": True, "hints": hints}, "cache": {"dir": cache_dir}}
   with tj.config_context(config):
     f = tj.jit(update, session=autotune.TuningSession())
-    got = jax.block_until_ready(f(*args))
+    got, masks = jax.block_until_ready(f(*args))
     report = f.report(memory=False).last.kernel_report
   kernels: dict[str, dict[str, int]] = {}
   for family in ("conv", "batch_norm"):
     for c in report.of(family):
       kernels.setdefault(family, {})
       kernels[family][c.kernel] = kernels[family].get(c.kernel, 0) + c.count
-  return got, kernels
+  return got, masks, kernels
 
 
 def sweep_hints() -> list[dict[str, str]]:
@@ -146,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   shape = QUICK if args.quick else FULL
   runs = 1 if args.quick else args.runs
-  update, step_args, want, floor = problem(**shape)
+  step = Problem(**shape)
   hint_sets = sweep_hints() if args.sweep else [json.loads(args.hints)]
   print(f"# step {shape}; load {os.getloadavg()[0]:.1f}; jax {jax.__version__}; "
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
@@ -154,13 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(runs):
       with tempfile.TemporaryDirectory() as cache_dir:
         start = time.perf_counter()
-        got, kernels = tuned(update, step_args, hints, cache_dir)
+        got, masks, kernels = tuned(step.update, step.args, hints, cache_dir)
         seconds = time.perf_counter() - start
-      ratio, name = worst(got, want, floor)
+      ratio, name = worst(got, step.want, step.floor)
+      same, same_name = worst(got, step.reference(masks)[0], step.same_floor)
       print(json.dumps({"hints": hints, "run": run, "worst": round(ratio, 2), "param": name,
-                        "error": f"{rel(got[name], want[name]):.2e}",
-                        "floor": f"{floor[name]:.2e}", "first_call_s": round(seconds, 1),
-                        "kernels": kernels}), flush=True)
+                        "error": f"{rel(got[name], step.want[name]):.2e}",
+                        "floor": f"{step.floor[name]:.2e}", "same_branches": round(same, 2),
+                        "same_param": same_name, "flips": step.flips(masks),
+                        "first_call_s": round(seconds, 1), "kernels": kernels}), flush=True)
   print(f"# load after {os.getloadavg()[0]:.1f}")
   return 0
 
