@@ -11,7 +11,7 @@ import pytest
 import tunedjax as tj
 
 PUBLIC = {
-    "tunedjax": {"AutotuneError", "CacheWarning", "Config", "LayoutError", "ConfigError", "FirstCall", "JitReport", "Jitted", "RewriteError",
+    "tunedjax": {"AutotuneError", "CacheWarning", "Config", "LayoutError", "ConfigError", "FirstCall", "JitReport", "Jitted", "RewriteError", "ShapeError",
                  "TunedJaxError", "__version__", "attention", "autotune", "config_context", "get_config",
                  "input_pipeline", "jit", "layout", "mixed_precision", "rewrite", "set_config",
                  "History", "Trainer", "trainer", "AttentionSwap", "use_tuned_attention",

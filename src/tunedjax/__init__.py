@@ -49,6 +49,7 @@ _LAZY = {
     "release_host_memory": ("tunedjax._host_memory", "release_host_memory"),
     "LayoutError": ("tunedjax._errors", "LayoutError"),
     "RewriteError": ("tunedjax._errors", "RewriteError"),
+    "ShapeError": ("tunedjax._errors", "ShapeError"),
     "TunedJaxError": ("tunedjax._errors", "TunedJaxError"),
     "FirstCall": ("tunedjax._tuning._anatomy", "FirstCall"),
     "Jitted": ("tunedjax._jit", "Jitted"),
@@ -99,6 +100,7 @@ if _typing.TYPE_CHECKING:
   from tunedjax._errors import HostMemoryWarning as HostMemoryWarning
   from tunedjax._errors import LayoutError as LayoutError
   from tunedjax._errors import RewriteError as RewriteError
+  from tunedjax._errors import ShapeError as ShapeError
   from tunedjax._errors import TunedJaxError as TunedJaxError
   from tunedjax._host_memory import HostMemoryStatus as HostMemoryStatus
   from tunedjax._host_memory import host_memory_status as host_memory_status
@@ -126,6 +128,7 @@ __all__ = [
     "Jitted",
     "LayoutError",
     "RewriteError",
+    "ShapeError",
     "Trainer",
     "TunedJaxError",
     "__version__",

@@ -53,6 +53,34 @@ class AutotuneError(TunedJaxError):
   """
 
 
+class ShapeError(AutotuneError, ValueError):
+  """An op's array arguments do not fit: a rank, shape or dtype that is not valid.
+
+  A `ValueError` too, as JAX's and Flax's own checks raise, so a caller's
+  ``except ValueError`` catches it where it caught theirs (`tunedjax.attention`,
+  and Flax's attention through `tunedjax.use_tuned_attention`). The message
+  names the argument, its shape or dtype and what is allowed.
+
+  Example:
+    >>> import numpy as np
+    >>> import tunedjax as tj
+    >>> q = np.ones((1, 4, 2, 8), np.float32)
+    >>> try:
+    ...   tj.attention(q, q[:, :, :, :4], q[:, :, :, :4])
+    ... except ValueError as e:
+    ...   print(type(e).__name__, "head_dim" in str(e))
+    ShapeError True
+  """
+
+
+class ShapeTypeError(ShapeError, TypeError):
+  """A `ShapeError` where JAX raises a `TypeError`: an argument that is not an
+  array, or a mask or bias that does not broadcast to the logits' shape.
+
+  Both a `ValueError` and a `TypeError`, so either ``except`` catches it.
+  """
+
+
 class LayoutError(ConfigError):
   """The layout pass was asked for something it cannot do (an unknown target, mode or platform).
 

@@ -50,13 +50,41 @@ def vjp_of(fn, q, k, v, bias, mask, ct, **kw):
 
 
 def reference64(q, k, v, bias, mask, ct, *, is_causal=False, scale=None):
-  """JAX's attention in float64: output and gradients, as NumPy float64."""
-  with jax.enable_x64(True):
-    f64 = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
-    out, grads = vjp_of(
-        lambda *a, **kw: jax.nn.dot_product_attention(*a, implementation="xla", **kw),
-        f64(q), f64(k), f64(v), f64(bias), mask, f64(ct), is_causal=is_causal, scale=scale)
-    return np.asarray(out), [np.asarray(g) for g in grads]
+  """Attention in float64 in NumPy: the output and the gradients ``(dq, dk, dv[, dbias])``
+  for cotangent `ct`, as NumPy float64.
+
+  Not `jax.nn.dot_product_attention` in float64: JAX's casts the logits to float32
+  before its softmax, so it is no float64 reference.
+  """
+  f64 = lambda x: None if x is None else np.asarray(x, np.float64)
+  q, k, v, bias, ct = f64(q), f64(k), f64(v), f64(bias), f64(ct)
+  b, t, n, h = q.shape
+  s, groups = k.shape[1], n // k.shape[2]
+  kr, vr = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head i reads i // G
+  scale = 1 / np.sqrt(h) if scale is None else scale
+  logits = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+  if bias is not None:
+    logits = logits + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  keep = np.ones((b, n, t, s), bool)
+  if mask is not None:
+    keep = keep & np.asarray(mask, bool).reshape((1,) * (4 - np.ndim(mask)) + np.shape(mask))
+  if is_causal:
+    keep = keep & (np.arange(s)[None, :] <= np.arange(t)[:, None])
+  logits = np.where(keep, logits, -0.7 * float(np.finfo(np.float32).max))
+  p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+  p = p / p.sum(axis=-1, keepdims=True)
+  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  dp = np.einsum("btnh,bsnh->bnts", ct, vr)
+  ds = np.where(keep, p * (dp - np.sum(dp * p, axis=-1, keepdims=True)), 0.0)
+  fold = lambda x: x.reshape(b, s, k.shape[2], groups, h).sum(axis=3)
+  grads = [np.einsum("bnts,bsnh->btnh", ds, kr) * scale,
+           fold(np.einsum("bnts,btnh->bsnh", ds, q) * scale),
+           fold(np.einsum("bnts,btnh->bsnh", p, ct))]
+  if bias is not None:
+    full = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    axes = tuple(i for i, d in enumerate(full.shape) if d == 1)
+    grads.append(ds.sum(axis=axes, keepdims=True).reshape(bias.shape))
+  return out, grads
 
 
 def kernel_call(fn):

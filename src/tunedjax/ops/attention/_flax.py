@@ -22,6 +22,11 @@ custom einsums (AQT), a value head size other than the query's, a dtype
 `tunedjax.attention` does not take. A module whose ``attention_fn`` is not
 Flax's default (the user's own function) is left as it is.
 
+A call whose operands do not fit (ranks, batch axes, lengths or heads that
+differ, a mask that does not broadcast) raises what Flax's own function raises
+for them (nnx: a `ValueError`; linen: its `AssertionError`), `tunedjax.attention`'s
+`ShapeError` as its cause: a caller's ``except`` sees what it saw without the swap.
+
 Flax's mask (``[batch..., heads or 1, q_len, kv_len]``, True or non-zero to
 attend) and bias become `tunedjax.attention`'s boolean mask and float bias;
 leading batch axes are flattened into one and restored. A mask that is the
@@ -54,7 +59,7 @@ from flax import nnx
 from tunedjax import _tuning
 from tunedjax.ops.attention import _causal
 from tunedjax.ops.attention._function import attention, half_compute_dtype
-from tunedjax._errors import TunedJaxError, show_value
+from tunedjax._errors import ShapeError, TunedJaxError, show_value
 
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -181,11 +186,6 @@ class TunedAttentionFn:
       q, k, v = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     reason = _fallback_reason(q, v, dropout_rate=dropout_rate, deterministic=deterministic,
                               module=module, precision=precision, extras=extras)
-    if reason is None:
-      # force_fp32_for_softmax needs nothing: tunedjax.attention's softmax is float32.
-      return _tuned_call(self.record, self._lock, q, k, v, bias, mask, is_causal)
-    with self._lock:
-      self.record.fallbacks[reason] = None
     kwargs = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
                   dropout_rng=dropout_rng, dropout_rate=dropout_rate,
                   deterministic=deterministic, dtype=dtype, precision=precision,
@@ -194,7 +194,31 @@ class TunedAttentionFn:
     kwargs = {n: x for n, x in kwargs.items()
               if n in self._accepts and (x is not None or n in ("bias", "mask"))
               and not (n in ("is_causal", "force_fp32_for_softmax") and not x)}
+    if (reason is None and self.kind == "linen" and q.ndim == k.ndim
+        and q.shape[-2:-1] != k.shape[-2:-1]):  # linen's function asserts equal heads
+      self._raise_as_flax(ShapeError(f"linen attention: key heads {k.shape[-2]} differ from "
+                                     f"query heads {q.shape[-2]}"), query, key, value, kwargs)
+    if reason is None:
+      # force_fp32_for_softmax needs nothing: tunedjax.attention's softmax is float32
+      # (float64 for float64 operands).
+      try:
+        return _tuned_call(self.record, self._lock, q, k, v, bias, mask, is_causal)
+      except (ShapeError, ValueError, TypeError, IndexError) as error:  # shapes that do not fit
+        self._raise_as_flax(error, query, key, value, kwargs)
+    with self._lock:
+      self.record.fallbacks[reason] = None
     return self.original(query, key, value, **kwargs)
+
+  def _raise_as_flax(self, error: Exception, query: Any, key: Any, value: Any,
+                     kwargs: Mapping[str, Any]) -> None:
+    """Raises what Flax's own function raises for these operands (its exception,
+    ours as its cause), so a caller's ``except`` sees what it saw without the swap;
+    `error` itself where Flax's function raises nothing."""
+    try:
+      jax.eval_shape(lambda q, k, v: self.original(q, k, v, **kwargs), query, key, value)
+    except Exception as flax_error:  # whatever Flax raises, as it raises it
+      raise flax_error from error
+    raise error
 
   def __deepcopy__(self, memo: dict[int, Any]) -> TunedAttentionFn:
     return self  # nnx.clone keeps sharing the record, as it shares Flax's function

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunedjax._errors import AutotuneError, format_choices, show_value
+from tunedjax._errors import (AutotuneError, ShapeError, ShapeTypeError, format_choices,
+                              show_value)
 from tunedjax import autotune
 from tunedjax import mixed_precision as mp
 from tunedjax.ops.attention import _causal
@@ -27,15 +28,19 @@ from tunedjax.ops.attention._spec import AttentionSpec
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def _bad(message: str) -> AutotuneError:
-  return AutotuneError(f"tunedjax.attention: {message}")
+def _bad(message: str, cls: type[AutotuneError] = ShapeError) -> AutotuneError:
+  """The error for a bad argument: a `ShapeError` (a `ValueError`, as JAX raises for
+  shapes and dtypes) unless `cls` says otherwise (`ShapeTypeError` where JAX raises
+  a `TypeError`)."""
+  return cls(f"tunedjax.attention: {message}")
 
 
 def _as_array(name: str, x: Any) -> jax.Array:
   try:
     return jnp.asarray(x)
   except (TypeError, ValueError) as e:
-    raise _bad(f"{name} must be an array, got {show_value(x)} ({type(x).__name__}).") from e
+    raise _bad(f"{name} must be an array, got {show_value(x)} ({type(x).__name__}).",
+               ShapeTypeError) from e
 
 
 def _broadcast_operand(name: str, t: Any, logits: tuple[int, int, int, int],
@@ -57,7 +62,7 @@ def _broadcast_operand(name: str, t: Any, logits: tuple[int, int, int, int],
     if got not in (1, want):
       raise _bad(f"{name} of shape {tuple(t.shape)} does not broadcast to [batch, heads, "
                  f"q_len, kv_len] = {list(logits)}: axis {axis} is {got}, must be 1 or "
-                 f"{want}.")
+                 f"{want}.", ShapeTypeError)
   return t
 
 
@@ -75,7 +80,8 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
   every value, as JAX's does.
 
   Outside kernel selection (plain `jax.jit`, eager) it runs the reference,
-  ``jax.nn.dot_product_attention(implementation="xla")``. Under `tunedjax.jit`
+  ``jax.nn.dot_product_attention(implementation="xla")`` (for float64, the same
+  formula with a float64 softmax, where JAX's casts the logits to float32). Under `tunedjax.jit`
   or a `Trainer` with kernel selection on (``kernel.enable``), each call's
   bucket (batch, lengths, heads, key/value heads, head dimension, dtype, mask
   kind, causality, platform) runs its measured fastest kernel, each checked
@@ -106,8 +112,11 @@ def attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = No
     ``[batch, q_len, heads, head_dim]`` (`query`'s shape), `query`'s dtype.
 
   Raises:
-    AutotuneError: an argument of the wrong rank, shape, dtype or type; the
-      message names it and says what is allowed.
+    ShapeError: an array argument of the wrong rank, shape or dtype (a
+      `ValueError`, as JAX's; a `ShapeTypeError`, also a `TypeError`, where
+      JAX raises one: an argument that is not an array, a mask or bias that
+      does not broadcast); the message names it and says what is allowed.
+    AutotuneError: `scale` or `is_causal` not valid.
 
   Example:
     >>> import jax, numpy as np, tunedjax as tj
@@ -205,6 +214,6 @@ def _check_options(scale: Any, is_causal: Any) -> None:
   if scale is not None and not (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
                                 and math.isfinite(scale)):
     raise _bad(f"scale must be a finite number or None (1/sqrt(head_dim)), got "
-               f"{show_value(scale)}.")
+               f"{show_value(scale)}.", AutotuneError)
   if not isinstance(is_causal, (bool, np.bool_)):
-    raise _bad(f"is_causal must be True or False, got {show_value(is_causal)}.")
+    raise _bad(f"is_causal must be True or False, got {show_value(is_causal)}.", AutotuneError)

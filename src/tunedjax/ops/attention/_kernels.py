@@ -6,10 +6,11 @@ operands as `_attn_spec.split_operands` reads them) computing exactly what
 ``q k^T * scale`` in float32 (float64 for float64 inputs), plus the bias, the
 masked logits (boolean mask, causal) replaced by ``-0.7 * finfo.max`` (so a
 fully masked row attends every key evenly, as JAX's does), a float32
-softmax, the probabilities cast to the value's dtype, times the value.
+softmax (float64 for float64 inputs, where JAX's casts to float32), the probabilities cast to the value's dtype, times the value.
 Grouped-query attention: query head ``n`` reads key/value head ``n // G``.
 
-- ``xla``: `jax.nn.dot_product_attention(implementation="xla")`. The reference.
+- ``xla``: `jax.nn.dot_product_attention(implementation="xla")`. The reference
+  (``einsum`` for float64, which JAX's would softmax in float32).
 - ``einsum``: the formula written out (``einsum, softmax, einsum``), grouped
   heads as an extra axis instead of JAX's `vmap`.
 - ``blocked_128``, ``blocked_256``, ``blocked_512``: online-softmax (flash)
@@ -68,10 +69,14 @@ def xla(*operands: Any) -> jax.Array:
 
   For float16 on CPU, whose `dot_general` rejects the ``F16_F16_F32`` precision
   JAX asks for (under `jax.jit`; eagerly JAX falls back), the same formula
-  without it (`einsum`), chosen when lowered (`lax.platform_dependent`).
+  without it (`einsum`), chosen when lowered (`lax.platform_dependent`). For
+  float64, `einsum` too: JAX's casts the logits to float32 for its softmax,
+  and float64 stays float64 here.
   """
   *ops, spec = operands
   q = ops[0]
+  if q.dtype == jnp.float64:
+    return einsum(*ops, spec)
 
   def jax_attention(*ops):
     q, k, v, bias, mask = split_operands(ops, spec)
