@@ -198,17 +198,20 @@ Dims MakeDims(int64_t B, int64_t T, int64_t N, int64_t S, int64_t K, int64_t H,
 }
 
 // Copies rows [r0, r0 + rows) of head `head` of x [B, L, heads, H] (batch b) into
-// dst [rows][Hp] (rows past L zero), and, if dst_t, transposed into dst_t [Hp][ld].
+// dst [rows][Hp] (rows past L zero), and, if dst_t, transposed by blocks of rows:
+// dst_t [rows / 64][Hp][64], so that one block's [Hp][64] is contiguous (a row
+// stride of a power of two, 4 KiB at 1,024 tokens, would put every row of a
+// block in the same L1 cache set).
 void PackRows(const float* x, const Dims& d, int64_t L, int64_t heads, int64_t b,
-              int64_t head, int64_t r0, int64_t rows, float* dst, float* dst_t,
-              int64_t ld) {
+              int64_t head, int64_t r0, int64_t rows, float* dst, float* dst_t) {
   for (int64_t r = 0; r < rows; ++r) {
     int64_t t = r0 + r;
     if (t >= L) continue;
     const float* src = x + ((b * L + t) * heads + head) * d.H;
     if (dst) std::memcpy(dst + r * d.Hp, src, d.H * sizeof(float));
     if (dst_t)
-      for (int64_t h = 0; h < d.H; ++h) dst_t[h * ld + r] = src[h];
+      for (int64_t h = 0; h < d.H; ++h)
+        dst_t[(r / kBlock) * d.Hp * kBlock + h * kBlock + r % kBlock] = src[h];
   }
 }
 
@@ -238,7 +241,7 @@ struct Fwd {
 void FwdKeyBlock(const Fwd& f, int64_t bk, int64_t b, int64_t i0, int64_t j0,
                  const float* qs, float* s, float* m, float* l, float* o) {
   const Dims& d = f.d;
-  ScoreBlock(qs, kBlock, d.Hp, f.kt + bk * d.Hp * d.Sp + j0, d.Sp, s);
+  ScoreBlock(qs, kBlock, d.Hp, f.kt + (bk * d.Sp + j0) * d.Hp, kBlock, s);
   MaskScores(d, d.masked ? f.keep + b * d.S : nullptr, i0, j0, s);
   for (int64_t r = 0; r < kBlock; ++r) {
     float* row = s + r * kBlock;
@@ -271,7 +274,7 @@ void FwdTask(const Fwd& f, int64_t b, int64_t n, int64_t qb) {
   float m[kBlock], l[kBlock];
   std::fill(m, m + kBlock, -kInf);
   std::fill(l, l + kBlock, 0.0f);
-  PackRows(f.q, d, d.T, d.N, b, n, i0, rows, qs.get(), nullptr, 0);
+  PackRows(f.q, d, d.T, d.N, b, n, i0, rows, qs.get(), nullptr);
   const int64_t kend = d.causal ? std::min(d.S, i0 + rows) : d.S;
   for (int64_t j0 = 0; j0 < kend; j0 += kBlock)
     FwdKeyBlock(f, bk, b, i0, j0, qs.get(), s.get(), m, l, o.get());
@@ -294,9 +297,9 @@ void PackKeys(ffi::ThreadPool& pool, const Dims& d, const float* k, const float*
               float* kt, float* vr, float* vmean) {
   parallel_for(pool, d.B * d.K, [&](int64_t bk) {
     const int64_t b = bk / d.K, kh = bk % d.K;
-    PackRows(k, d, d.S, d.K, b, kh, 0, d.S, nullptr, kt + bk * d.Hp * d.Sp, d.Sp);
+    PackRows(k, d, d.S, d.K, b, kh, 0, d.S, nullptr, kt + bk * d.Hp * d.Sp);
     float* vb = vr + bk * d.Sp * d.Hp;
-    PackRows(v, d, d.S, d.K, b, kh, 0, d.S, vb, nullptr, 0);
+    PackRows(v, d, d.S, d.K, b, kh, 0, d.S, vb, nullptr);
     if (!d.masked) return;
     for (int64_t h = 0; h < d.H; ++h) {
       double sum = 0.0;
@@ -378,9 +381,9 @@ void PackGroup(const Bwd& w, int64_t b, int64_t kh, GroupPack& g) {
   for (int64_t gi = 0; gi < d.G; ++gi) {
     const int64_t n = kh * d.G + gi;
     PackRows(w.q, d, d.T, d.N, b, n, 0, d.T, g.qr.get() + gi * d.Tp * d.Hp,
-             g.qt.get() + gi * d.Hp * d.Tp, d.Tp);
+             g.qt.get() + gi * d.Hp * d.Tp);
     PackRows(w.dout, d, d.T, d.N, b, n, 0, d.T, g.dor.get() + gi * d.Tp * d.Hp,
-             g.dot.get() + gi * d.Hp * d.Tp, d.Tp);
+             g.dot.get() + gi * d.Hp * d.Tp);
     float* lse = g.lse.get() + gi * d.Tp;
     float* delta = g.delta.get() + gi * d.Tp;
     for (int64_t t = 0; t < d.Tp; ++t) {
@@ -431,15 +434,15 @@ struct Scratch {
 void BwdPair(const Bwd& w, const GroupPack& g, Scratch& x, int64_t b, int64_t gi,
              int64_t i0, int64_t j0, float* dq) {
   const Dims& d = w.d;
-  const float* qt = g.qt.get() + gi * d.Hp * d.Tp + i0;
-  const float* dot = g.dot.get() + gi * d.Hp * d.Tp + i0;
+  const float* qt = g.qt.get() + (gi * d.Tp + i0) * d.Hp;  // block i0 / 64 of [Hp][64]
+  const float* dot = g.dot.get() + (gi * d.Tp + i0) * d.Hp;
   const float* delta = g.delta.get() + gi * d.Tp + i0;
   float *st = x.st.get(), *dpt = x.dpt.get();
-  ScoreBlock(x.kb.get(), kBlock, d.Hp, qt, d.Tp, st);
+  ScoreBlock(x.kb.get(), kBlock, d.Hp, qt, kBlock, st);
   Probabilities(d, d.masked ? w.keep + b * d.S : nullptr, i0, j0, g.lse.get() + gi * d.Tp, st);
   Accum(st, kBlock, 1, kBlock, kBlock, g.dor.get() + (gi * d.Tp + i0) * d.Hp, d.Hp,
         x.dv.get());
-  ScoreBlock(x.vb.get(), kBlock, d.Hp, dot, d.Tp, dpt);
+  ScoreBlock(x.vb.get(), kBlock, d.Hp, dot, kBlock, dpt);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int v = 0; v < kVB; ++v) {
       const int64_t o = r * kBlock + v * kLanes;
@@ -465,8 +468,8 @@ void BwdTask(const Bwd& w, int64_t b, int64_t kh, int64_t chunk) {
     std::memset(x.vb.get(), 0, kBlock * d.Hp * sizeof(float));
     std::memset(x.dk.get(), 0, kBlock * d.Hp * sizeof(float));
     std::memset(x.dv.get(), 0, kBlock * d.Hp * sizeof(float));
-    PackRows(w.k, d, d.S, d.K, b, kh, j0, keys, x.kb.get(), nullptr, 0);
-    PackRows(w.v, d, d.S, d.K, b, kh, j0, keys, x.vb.get(), nullptr, 0);
+    PackRows(w.k, d, d.S, d.K, b, kh, j0, keys, x.kb.get(), nullptr);
+    PackRows(w.v, d, d.S, d.K, b, kh, j0, keys, x.vb.get(), nullptr);
     const int64_t qb_lo = d.causal ? j0 / kBlock : 0;
     for (int64_t gi = 0; gi < d.G; ++gi)
       for (int64_t qb = qb_lo; qb < d.nqb; ++qb) BwdPair(w, g, x, b, gi, qb * kBlock, j0, dq);
