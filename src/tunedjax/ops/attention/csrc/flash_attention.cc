@@ -26,10 +26,11 @@
 // pass adds the chunks' partials in chunk order. The number of chunks
 // depends on the shape alone, so the bits never depend on the thread count.
 //
-// The inner loops are GCC/clang vector extensions over 16 floats (one
-// AVX-512 register with -march=native; two or four narrower ones elsewhere),
-// on packed copies whose head dim is padded to a multiple of 16 with zeros
-// and whose token axes are padded to whole blocks. exp is a vector
+// The inner loops are GCC/clang vector extensions: 16 floats where
+// -march=native has AVX-512 (register tiles of 4 rows x 4 vectors), 8 floats
+// elsewhere (one AVX2 register, or two SSE ones; tiles of 4 x 2), on packed
+// copies whose head dim is padded to a multiple of the vector width with
+// zeros and whose token axes are padded to whole blocks. exp is a vector
 // polynomial (Cephes' expf, ~1 ulp). No -ffast-math: sums are in a fixed
 // order.
 #include <algorithm>
