@@ -28,7 +28,8 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
 # Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
 # each (the others) run with `make bench-smoke`, not in `make test`, which must
 # stay under 15 minutes with the demo and the notebooks.
-LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native", "first_process", "host_memory",
+LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native",
+              "first_process", "flash_attention", "host_memory",
               "import_dispatch", "input_pipeline", "jit_overhead", "kernel_priors", "kernels", "layout",
               "malloc_settings", "mixed_precision", "program_audit", "rewrite_overhead", "trainer", "vs_pytorch",
               "xla_options"}

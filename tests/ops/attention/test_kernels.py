@@ -119,9 +119,10 @@ def test_low_precision_within_its_bound(dtype, rng):
 
 # -- the registered kernels, at lengths where they apply ----------------------------------
 
-# (blocked_causal_*: causal without bias or mask only, in test_causal_kernels.py.)
+# (blocked_causal_*: causal without bias or mask only, in test_causal_kernels.py;
+# native_flash: no bias, in test_native_flash.py.)
 CPU_KERNELS = [k.name for k in autotune.kernels("attention")
-               if k.name not in ("cudnn", "pallas_gpu", "pallas_tpu")
+               if k.name not in ("cudnn", "pallas_gpu", "pallas_tpu", "native_flash")
                and not k.name.startswith("blocked_causal")]
 
 
@@ -148,8 +149,8 @@ def test_registered_kernel_applies_and_matches_float64(name, rng):
 
 def test_applicability_rules():
   spec = functools.partial(AttentionSpec, 1, 1024, 1024, 8, 8, 64)
-  names = lambda s, p: [k.name for k in autotune.kernels("attention")
-                        if k.applicable(s, p)]
+  names = lambda s, p: [k.name for k in autotune.kernels("attention")  # native_flash:
+                        if k.applicable(s, p) and k.name != "native_flash"]  # its own tests
   assert names(spec("float32"), "cpu") == ["xla", "einsum", "blocked_128", "blocked_256",
                                            "blocked_512", "query_chunked"]
   assert "pallas_gpu" in names(spec("float32"), "gpu")

@@ -38,6 +38,7 @@ from tunedjax._tuning import random_array
 from tunedjax import autotune
 from tunedjax.autotune import _registry
 from tunedjax.ops.attention import _kernels as _attn_kernels
+from tunedjax.ops.attention import _native_flash
 from tunedjax.ops.attention import _pattern as _attn_pattern
 from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.autotune._bucket import pow2
@@ -193,7 +194,7 @@ FAMILY = autotune.OpFamily(
 
 
 def register() -> None:
-  """Registers the family and its kernels, in order (xla first)."""
+  """Registers the family and its kernels, in order (xla first; C++ on CPU last)."""
   autotune.register_op_family(FAMILY, replace=True)
-  for name, fn, applicable in _attn_kernels.KERNELS:
+  for name, fn, applicable in (*_attn_kernels.KERNELS, *_native_flash.KERNELS):
     autotune.register_kernel(NAME, name, fn, applicable=applicable, replace=True)
