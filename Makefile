@@ -18,8 +18,20 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/tunedjax native build || echo "native kernels not built; tunedjax works without them"
 	@touch $(STAMP)
 
+# The suite in two phases, both always run, failing if either fails: the tests
+# that can share the cores in $(WORKERS) worker processes (pytest-xdist; a test
+# module stays on one worker, so its module-scoped compiled fixtures compile
+# once), then the tests marked `serial` (they time something, count page faults
+# or let the tuner decide by speed) alone. ARGS go to both phases.
+WORKERS ?= 2
+SKIPPED := not bench_smoke and not native_checks
+SUITE = status=0; \
+  $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not serial and $(SKIPPED)" $(ARGS) || status=1; \
+  $(1) -m pytest -m "serial and $(SKIPPED)" $(ARGS) || status=1; \
+  exit $$status
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(call SUITE,$(PY))
 
 # CI's second environment: the suite on Python 3.12 with the newest JAX the pin
 # allows, in its own venv. .ci/find-python312 finds the interpreter (PATH, pyenv)
@@ -36,7 +48,7 @@ $(STAMP312): pyproject.toml
 
 test-py312: $(STAMP312)
 	@$(PY312) -c "import sys, jax, jaxlib, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax', flax.__version__)"
-	$(PY312) -m pytest
+	$(call SUITE,$(PY312))
 
 # The native C++ kernels' tests (tests/test_native_*.py, tests/autotune/test_*native*.py)
 # with every source built under AddressSanitizer and UndefinedBehaviorSanitizer:
