@@ -73,20 +73,15 @@ demo: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) notebooks/execute.py
 
-# Every benchmark, one after another (about 30 minutes on 2 quiet cores); each
-# rewrites its own section of BENCHMARKS.md. Run one alone with
-# `$(PY) benchmarks/<name>.py --write`, or `--quick` for a smoke run.
+# Every CPU benchmark of benchmarks/harness/registry.py, one after another (an
+# hour or more on 2 quiet cores); each rewrites its own sections of BENCHMARKS.md.
+# Run one alone with `$(PY) benchmarks/run.py NAME --write`, or `--quick` for a
+# smoke run; benchmarks/README.md says how to add one.
 bench: $(STAMP)
-	$(PY) benchmarks/rewrite_overhead.py --write
-	$(PY) benchmarks/kernels.py --write
-	$(PY) benchmarks/layout.py --image 112 --rounds 9 --write
-	$(PY) benchmarks/mixed_precision.py --write
-	$(PY) benchmarks/input_pipeline.py --write
-	$(PY) benchmarks/jit_overhead.py --write
-	$(PY) benchmarks/trainer.py --write
-	$(PY) benchmarks/attention.py --write
+	$(PY) benchmarks/run.py all --write
 
-# Every benchmark's --quick run (about 8 minutes), nothing written.
+# Every benchmark's --quick run (those not in `make test`; about 8 minutes),
+# nothing written.
 bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 

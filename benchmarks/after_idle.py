@@ -34,7 +34,7 @@ os.environ.setdefault("TUNEDJAX_HOST_MEMORY", "retain")  # before tunedjax is im
 
 import vs_pytorch as vp  # re-runs this script under .venv-torch when torch is missing here
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -32,7 +32,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 
-import _workers
+from harness import workers as _workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE, NCHW, CONTROL = "PyTorch eager, channels_last", "PyTorch eager, NCHW", "A/A control"
@@ -206,7 +206,7 @@ def _speed(runs: dict[str, list[dict]], name: str, against: str | None) -> list[
 
 
 def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+  import harness as _harness  # pylint: disable=import-outside-toplevel
   ref = BASE if args.torch else FIRST
   first = ready[FIRST]["status"]
   lines = [
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
   text = report(runs, ready, args, (load0, os.getloadavg()[0]))
   print(text)
   if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
+    import harness as _harness  # pylint: disable=import-outside-toplevel
     _harness.write_section(SECTION, text)
   return 0
 

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-import _workers
+from harness import workers as _workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VARIANTS = {"retain": {"TUNEDJAX_HOST_MEMORY": "retain"}, "auto, first process": {},
@@ -167,7 +167,7 @@ def _row(result: dict, program: str) -> str:
 
 
 def report(results: list[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+  import harness as _harness  # pylint: disable=import-outside-toplevel
   statuses = results[0]["statuses"]
   lines = [
       "## Host memory: a CPU step with and without tunedjax's malloc settings",
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
   text = report(results, args, (load0, os.getloadavg()[0]))
   print(text)
   if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
+    import harness as _harness  # pylint: disable=import-outside-toplevel
     _harness.write_section(SECTION, text)
   return 0
 

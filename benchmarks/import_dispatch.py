@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-import _workers
+from harness import workers as _workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLS = 200  # jit_overhead.CALLS_PER_RUN
@@ -133,7 +133,7 @@ def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]
 
 
 def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+  import harness as _harness  # pylint: disable=import-outside-toplevel
   ratio = {n: [t / b for t, b in zip(runs[n], runs[BASE])] for n in runs}
   lines = [
       "## Dispatch: a tiny jitted call with `import tunedjax` and without",
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
   text = report(runs, statuses, args.rounds, (load0, os.getloadavg()[0]))
   print(text)
   if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
+    import harness as _harness  # pylint: disable=import-outside-toplevel
     _harness.write_section(SECTION, text)
   return 0
 

@@ -46,7 +46,7 @@ import zlib
 import grain
 import numpy as np
 
-import _harness
+import harness as _harness
 from tunedjax.input_pipeline import LoaderSettings
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes

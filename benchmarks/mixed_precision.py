@@ -30,7 +30,7 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
-import _harness
+import harness as _harness
 from tunedjax import mixed_precision as mp
 
 BASELINE = "float32"

@@ -1,16 +1,77 @@
-"""What the benchmarks that time programs in worker processes share.
+"""Worker processes: a variant per process, talked to a JSON line at a time.
 
-`host_memory.py`, `malloc_settings.py` and `import_dispatch.py` run each
-variant in a process of its own (its malloc settings, or whether tunedjax is
-imported at all, are per process) and talk to it a JSON line at a time;
-`mlp_problem` is the small step several of them time. Nothing here imports
-tunedjax, so a worker that must run without it can use it.
+`host_memory.py`, `malloc_settings.py`, `import_dispatch.py` and
+`first_process.py` run each variant in a process of its own (its malloc
+settings, whether tunedjax is imported at all, or being a machine's first
+process are per process). The protocol: the worker prints ``{"ready": ...}``
+once it is set up (`serve`), then answers each ``run`` line on its stdin with
+one JSON line; the driver starts it with a scrubbed environment (`user_env`,
+`spawn`), reads its replies (`reply`) and times the workers in rotated rounds
+(`run_rounds`). `mlp_problem` is the small step several of them time. Nothing
+here imports tunedjax or JAX at import time, so a worker that must run
+without them can use it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .timing import rotated
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# What a user's shell would not have set: allocator settings and tunedjax's own.
+_SCRUBBED_PREFIXES = ("MALLOC_", "TUNEDJAX_")
+_SCRUBBED = ("GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def user_env(**settings: str) -> dict[str, str]:
+  """This process's environment as a user's would be (no allocator or tunedjax
+  settings), tunedjax's src/ and benchmarks/ importable, plus `settings`."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(_SCRUBBED_PREFIXES) and k not in _SCRUBBED}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
+                                                    env.get("PYTHONPATH")]))
+  env.update(settings)
+  return env
+
+
+def spawn(command: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
+  """Starts a worker that speaks the protocol (stdin and stdout as text pipes)."""
+  return subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, env=None if env is None else dict(env))
+
+
+def serve(run: Callable[[], Any], ready: Any = True) -> None:
+  """The worker's side: announces `ready`, then prints `run()` for each ``run`` line."""
+  print(json.dumps({"ready": ready}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "run":
+      break
+    print(json.dumps(run()), flush=True)
+
+
+def ask(proc: subprocess.Popen) -> dict:
+  """Sends one ``run`` line and returns the worker's reply."""
+  proc.stdin.write("run\n")
+  proc.stdin.flush()
+  return reply(proc)
+
+
+def run_rounds(procs: Mapping[str, subprocess.Popen], rounds: int) -> dict[str, list[dict]]:
+  """Asks every worker once per round, in a rotated order; then ends them."""
+  runs: dict[str, list[dict]] = {n: [] for n in procs}
+  for r in range(rounds):
+    for name in rotated(procs, r):
+      runs[name].append(ask(procs[name]))
+  for p in procs.values():
+    p.communicate("")
+  return runs
 
 
 def reply(proc: subprocess.Popen) -> dict:
