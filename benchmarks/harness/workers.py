@@ -101,3 +101,17 @@ def mlp_problem(width: int = 64, batch: int = 32):
     return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
 
   return step, (params, x, y)
+
+
+def command(script: str, python: str | None = None, **kwargs: Any) -> list[str]:
+  """The command line that runs ``worker(**kwargs)`` of the benchmark module at
+  `script` (its `run_worker` reads them); `python` defaults to this one."""
+  return [python or sys.executable, script, "--worker", json.dumps(kwargs)]
+
+
+def run_worker(worker: Callable[..., None]) -> None:
+  """A benchmark module's ``__main__``: the worker that `command` started."""
+  if sys.argv[1:2] != ["--worker"]:
+    name = pathlib.Path(sys.argv[0]).stem
+    raise SystemExit(f"a worker's entry point; run the benchmark with benchmarks/run.py {name}")
+  worker(**json.loads(sys.argv[2]))
