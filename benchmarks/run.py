@@ -38,11 +38,13 @@ def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool,
   if as_json:
     print(result.to_json())
     return 0
-  body = module.render(result)
-  print(body)
-  if write:
-    harness.write_section(bench.sections[0], body)
-    print(f"\nwrote {bench.sections[0]} in {harness.BENCHMARKS_MD}", file=sys.stderr)
+  rendered = module.render(result)  # one section's text, or {section: text}
+  bodies = rendered if isinstance(rendered, dict) else {bench.sections[0]: rendered}
+  for section, body in bodies.items():
+    print(body)
+    if write:
+      harness.write_section(section, body)
+      print(f"\nwrote {section} in {harness.BENCHMARKS_MD}", file=sys.stderr)
   return 0
 
 

@@ -14,7 +14,8 @@ Adding a benchmark (``benchmarks/NAME.py``):
 1. Write ``measure(quick: bool) -> harness.Result`` (time the variants with
    `interleaved`, put the timings and any other figures in the result) and
    ``render(result) -> str`` (the section's Markdown, with ``result.machine``
-   and ``result.load_line()``). No argparse, no printing to files.
+   and ``result.load_line()``; a benchmark that writes several sections
+   returns ``{section: markdown}``). No argparse, no file I/O.
 2. Add ``Benchmark("NAME", smoke=...)`` to `registry.BENCHMARKS` and the
    section's two markers to BENCHMARKS.md (``<!-- NAME:start -->``,
    ``<!-- NAME:end -->``). tests/test_docs.py then smoke-runs it and checks
