@@ -18,8 +18,23 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/tunedjax native build || echo "native kernels not built; tunedjax works without them"
 	@touch $(STAMP)
 
+# The suite in two phases, both always run, failing if either fails: the tests
+# that can share the cores in $(WORKERS) worker processes (pytest-xdist; a test
+# module stays on one worker, so its module-scoped compiled fixtures compile
+# once), then the tests marked `serial` (they time something, count page faults
+# or wait on a time limit) alone. ARGS go to both phases (`make test
+# ARGS=tests/test_jit.py`); a phase that ARGS leave empty (pytest's exit
+# status 5) is not a failure.
+WORKERS ?= 2
+SKIPPED := not bench_smoke and not native_checks
+SUITE = status=0; \
+  $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not serial and $(SKIPPED)" $(ARGS) \
+    || [ $$? -eq 5 ] || status=1; \
+  $(1) -m pytest -m "serial and $(SKIPPED)" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+  exit $$status
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(call SUITE,$(PY))
 
 # CI's second environment: the suite on Python 3.12 with the newest JAX the pin
 # allows, in its own venv. .ci/find-python312 finds the interpreter (PATH, pyenv)
@@ -36,7 +51,7 @@ $(STAMP312): pyproject.toml
 
 test-py312: $(STAMP312)
 	@$(PY312) -c "import sys, jax, jaxlib, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax', flax.__version__)"
-	$(PY312) -m pytest
+	$(call SUITE,$(PY312))
 
 # The native C++ kernels' tests (tests/test_native_*.py, tests/autotune/test_*native*.py)
 # with every source built under AddressSanitizer and UndefinedBehaviorSanitizer:
@@ -61,20 +76,15 @@ demo: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) notebooks/execute.py
 
-# Every benchmark, one after another (about 30 minutes on 2 quiet cores); each
-# rewrites its own section of BENCHMARKS.md. Run one alone with
-# `$(PY) benchmarks/<name>.py --write`, or `--quick` for a smoke run.
+# Every CPU benchmark of benchmarks/harness/registry.py, one after another (an
+# hour or more on 2 quiet cores); each rewrites its own sections of BENCHMARKS.md.
+# Run one alone with `$(PY) benchmarks/run.py NAME --write`, or `--quick` for a
+# smoke run; benchmarks/README.md says how to add one.
 bench: $(STAMP)
-	$(PY) benchmarks/rewrite_overhead.py --write
-	$(PY) benchmarks/kernels.py --write
-	$(PY) benchmarks/layout.py --image 112 --rounds 9 --write
-	$(PY) benchmarks/mixed_precision.py --write
-	$(PY) benchmarks/input_pipeline.py --write
-	$(PY) benchmarks/jit_overhead.py --write
-	$(PY) benchmarks/trainer.py --write
-	$(PY) benchmarks/attention.py --write
+	$(PY) benchmarks/run.py all --write
 
-# Every benchmark's --quick run (about 8 minutes), nothing written.
+# Every benchmark's --quick run (those not in `make test`; about 8 minutes),
+# nothing written.
 bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
 

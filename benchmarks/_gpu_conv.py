@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import _harness
+import harness as _harness
 import tunedjax as tj
 from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
                           out_of_time, steady_state, step_of, timing_fields)

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-import _harness
+import harness as _harness
 import tunedjax as tj
 from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded,
                           out_of_time, step_of, timing_fields)

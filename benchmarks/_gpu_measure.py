@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-import _harness
+import harness as _harness
 from _gpu_run import Deadline, emit, fit_rounds, say
 
 

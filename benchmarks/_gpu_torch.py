@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import _harness
+import harness as _harness
 from _gpu_measure import Sizes, freeze_heap, guarded, out_of_time, step_of, timing_fields
 from _gpu_names import TORCH_AMP, TORCH_F32, TORCH_SDPA
 from _gpu_run import Deadline, emit, fit_rounds, say

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-import _harness
+import harness as _harness
 from tunedjax.demo import DemoNet, TransformerLM, lm_data, lm_loss
 from tunedjax.trainer import Trainer
 
@@ -253,6 +253,6 @@ def main(args: Any, *, rounds: int) -> int:
                              command) + cnn_lines(cnn_t))
   print(body)
   if args.write:
-    _harness.write_section("trainer-autotune", body)
+    _harness.write_section("trainer_autotune", body)
     print(f"wrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
   return 0

@@ -16,15 +16,13 @@ variable is set), so that page faults, a separate matter, stay out of it.
 
 Usage::
 
-    .venv-torch/bin/python benchmarks/after_idle.py [--quick] [--write]
+    .venv-torch/bin/python benchmarks/run.py after_idle [--quick] [--write]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,7 +32,7 @@ os.environ.setdefault("TUNEDJAX_HOST_MEMORY", "retain")  # before tunedjax is im
 
 import vs_pytorch as vp  # re-runs this script under .venv-torch when torch is missing here
 
-import _harness
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,39 +85,33 @@ def variants(quick: bool) -> dict[str, Callable[[], Any]]:
   return out
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (smoke)")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  steps, repeats = (3, 2) if args.quick else (6, 7)
-  runs = variants(args.quick)
+def measure(quick: bool = False) -> harness.Result:
+  """Each variant's step times after each pause: ``{name: {pause: [ms per step]}}``."""
+  steps, repeats = (3, 2) if quick else (6, 7)
+  runs = variants(quick)
   for run in runs.values():  # compiled and warm
     for _ in range(3):
       run()
-  load = os.getloadavg()[0]
-  header = "| pause | " + " | ".join(f"step {i + 1}" for i in range(steps)) + " |"
+  ms = {name: {p: steps_after(run, p, steps=steps, repeats=repeats) for p in PAUSES_S}
+        for name, run in runs.items()}
+  return harness.Result("after_idle", figures={"ms": ms}, params={
+      "quick": quick, "steps": steps, "repeats": repeats,
+      "host_memory": tj.host_memory_status().mode})
+
+
+def render(result: harness.Result) -> str:
+  p = result.params
+  header = "| pause | " + " | ".join(f"step {i + 1}" for i in range(p["steps"])) + " |"
   lines = []
-  for name, run in runs.items():
-    lines += ["", f"**{name}** (ms per step)", "", header,
-              "|---|" + "---:|" * steps]
-    for pause in PAUSES_S:
-      ms = steps_after(run, pause, steps=steps, repeats=repeats)
-      lines.append(f"| {pause:g} s | " + " | ".join(f"{t:.1f}" for t in ms) + " |")
-  body = "\n".join([
+  for name, by_pause in result.figures["ms"].items():
+    lines += ["", f"**{name}** (ms per step)", "", header, "|---|" + "---:|" * p["steps"]]
+    lines += [f"| {pause:g} s | " + " | ".join(f"{t:.1f}" for t in ms) + " |"
+              for pause, ms in by_pause.items()]
+  return "\n".join([
       "## After idle: a step's first calls after the cores sat idle",
       "",
-      f"`benchmarks/after_idle.py{' --quick' if args.quick else ''}`: after each pause "
-      f"(a sleep), {steps} consecutive steps, each step's time the median over {repeats} "
-      f"repetitions; host memory `{tj.host_memory_status().mode}`. Load average "
-      f"{load:.1f} before, {os.getloadavg()[0]:.1f} after. "
-      + _harness.machine_line(),
+      f"`benchmarks/run.py after_idle{' --quick' if p['quick'] else ''}`: after each pause "
+      f"(a sleep), {p['steps']} consecutive steps, each step's time the median over "
+      f"{p['repeats']} repetitions; host memory `{p['host_memory']}`. {result.load_line()} "
+      + result.machine,
       *lines])
-  print(body)
-  if args.write:
-    _harness.write_section("after_idle", body)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

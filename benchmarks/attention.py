@@ -38,7 +38,7 @@ import time
 import warnings
 from typing import Any
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np

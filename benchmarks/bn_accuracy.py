@@ -18,21 +18,17 @@ Cases: centred data (normal, 32x16x16x64); large channel means (1e3 to 1e4,
 spreads 0.1 to 1.1); a long reduction (2**20 rows of 8 channels, mean 3);
 near-constant channels (5 + 1e-3 noise).
 
-Run from the repository root:
-
-  PYTHONPATH=src python benchmarks/bn_accuracy.py [--quick] [--write]
+Run: `.venv/bin/python benchmarks/run.py bn_accuracy [--quick] [--write]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
-import _harness
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,9 +38,6 @@ from tunedjax import autotune
 from tunedjax.autotune import _accuracy, _registry, _tuner
 from tunedjax.ops.batch_norm import _kernels
 from tunedjax.ops.batch_norm._spec import BatchNormSpec
-
-SECTION = "bn_accuracy"
-
 
 def _one_pass(colsum: Callable[[jax.Array], jax.Array], one_row_shift: bool
               ) -> Callable[..., Any]:
@@ -104,7 +97,7 @@ def _compiled(kernel: Any, spec: BatchNormSpec) -> Callable[..., Any]:
   return _JITTED[key]
 
 
-def measure(x: np.ndarray, rng: np.random.Generator) -> dict[str, tuple[float, float, float]]:
+def _errors(x: np.ndarray, rng: np.random.Generator) -> dict[str, tuple[float, float, float]]:
   """``{kernel: (forward error, backward error, error ratio)}`` on input `x`."""
   x = x.astype(np.float32)
   c = x.shape[-1]
@@ -126,24 +119,23 @@ def measure(x: np.ndarray, rng: np.random.Generator) -> dict[str, tuple[float, f
   return result
 
 
-def table(quick: bool) -> str:
-  lines = ["| case | kernel | forward error | backward error | error ratio (x `xla`'s) | "
-           "accepted |", "|---|---|---:|---:|---:|---|"]
+def measure(quick: bool = False) -> harness.Result:
+  """Every case's rows: ``[case, kernel, forward error, backward error, error ratio]``."""
+  autotune.op_family("batch_norm")  # registers the family's kernels
+  rows = []
   for i, (case, draw) in enumerate(cases(quick).items()):
     rng = np.random.default_rng(i)
-    for name, (fwd, bwd, ratio) in measure(draw(rng), rng).items():
-      ok = "yes" if ratio <= _accuracy.ERROR_RATIO_LIMIT else "**no**"
-      lines.append(f"| {case} | `{name}` | {fwd:.1e} | {bwd:.1e} | {ratio:.2f} | {ok} |")
-  return "\n".join(lines)
+    rows += [[case, name, *e] for name, e in _errors(draw(rng), rng).items()]
+  return harness.Result("bn_accuracy", params={"quick": quick}, figures={"rows": rows})
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  autotune.op_family("batch_norm")  # registers the family's kernels
-  body = "\n".join([
+def render(result: harness.Result) -> str:
+  lines = ["| case | kernel | forward error | backward error | error ratio (x `xla`'s) | "
+           "accepted |", "|---|---|---:|---:|---:|---|"]
+  for case, name, fwd, bwd, ratio in result.figures["rows"]:
+    ok = "yes" if ratio <= _accuracy.ERROR_RATIO_LIMIT else "**no**"
+    lines.append(f"| {case} | `{name}` | {fwd:.1e} | {bwd:.1e} | {ratio:.2f} | {ok} |")
+  return "\n".join([
       "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)",
       "",
       "Each batch-norm kernel's error against the reference kernel run in float64, forward "
@@ -152,19 +144,10 @@ def main(argv: list[str] | None = None) -> int:
       f"{_accuracy.ERROR_RATIO_LIMIT:g} accepted. The last three rows of each case are no "
       "longer kernels: `fused_dot` took its sums as products with ones (removed), once more "
       "at `Precision.HIGHEST`, and `fused` before its shift became the mean of the first "
-      "64 rows. " + _harness.machine_line(),
+      "64 rows. " + result.machine,
       "",
-      "Command: `PYTHONPATH=src python benchmarks/bn_accuracy.py --write`"
-      + (" --quick" if args.quick else ""),
+      "Command: `.venv/bin/python benchmarks/run.py bn_accuracy --write`"
+      + (" --quick" if result.params["quick"] else ""),
       "",
-      table(args.quick),
+      *lines,
   ])
-  print(body)
-  if args.write:
-    _harness.write_section(SECTION, body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

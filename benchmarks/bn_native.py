@@ -36,7 +36,7 @@ from typing import Any
 
 os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")  # the JAX side only: no torch
 
-import _harness  # pylint: disable=wrong-import-position
+import harness as _harness  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import vs_pytorch  # pylint: disable=wrong-import-position
 

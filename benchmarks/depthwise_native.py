@@ -31,7 +31,7 @@ from typing import Any
 # is used here.
 os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np

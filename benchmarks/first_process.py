@@ -30,25 +30,24 @@ loop's steady state); 7 rounds. Speed = PyTorch's time over the variant's, the
 median of per-round ratios (over 1: faster than PyTorch). Page faults and
 system CPU time are the worker's, per timed step (`getrusage`).
 
-Run: ``PYTHONPATH=src:benchmarks python benchmarks/first_process.py [--rounds N] [--write]``
+Run: ``.venv/bin/python benchmarks/run.py first_process [--quick] [--write]``
 (PyTorch from this interpreter, else ``.venv-torch``; without it the tunedjax
 rows are timed against each other only).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+import types
 
-import _workers
+import harness
+from harness import workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE, NCHW, CONTROL = "PyTorch eager, channels_last", "PyTorch eager, NCHW", "A/A control"
@@ -67,7 +66,6 @@ VARIANTS = {BASE: ("torch", "channels_last", False), NCHW: ("torch", "NCHW", Fal
 ENVIRONMENT_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
                         "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 WARM_CALLS = 8  # tunes (call 1), is measured (calls 4-6) and decided before timing
-SECTION = "first_process"
 
 
 # -- the workers -----------------------------------------------------------------------------
@@ -86,11 +84,15 @@ def _per_step(run, untimed: int, steps: int) -> dict[str, float]:
 
 
 def _serve(run, untimed: int, steps: int, ready: dict) -> None:
-  print(json.dumps({"ready": ready}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "run":
-      break
-    print(json.dumps(_per_step(run, untimed, steps)), flush=True)
+  workers.serve(lambda: _per_step(run, untimed, steps), ready)
+
+
+def worker(kind: str, what: str, quick: bool, untimed: int, steps: int) -> None:
+  """The worker process `command` starts: tunedjax's or PyTorch's."""
+  if kind == "tunedjax":
+    tunedjax_worker(quick, untimed, steps)
+  else:
+    torch_worker(what, quick, untimed, steps)
 
 
 def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
@@ -154,45 +156,37 @@ def _torch_python() -> str | None:
     return str(python) if python.exists() else None
 
 
-def _spawn(name: str, folder: str, args: argparse.Namespace) -> subprocess.Popen:
+def _spawn(name: str, folder: str, p: dict, torch_python: str | None):
   kind, what, _ = VARIANTS[name]
-  env = {k: v for k, v in os.environ.items()  # a user's environment: no allocator settings
-         if not k.startswith(("MALLOC_", "TUNEDJAX_")) and k not in ("GLIBC_TUNABLES",
-                                                                     "LD_PRELOAD")}
-  env["TUNEDJAX_CACHE_DIR"] = folder
+  env = workers.user_env(TUNEDJAX_CACHE_DIR=folder)  # a user's environment
   if kind == "tunedjax":
     env["TUNEDJAX_HOST_MEMORY"] = what
     if name == ONE_BLOCK:
       env.update(ENVIRONMENT_SETTINGS)
   else:  # PyTorch alone: tunedjax (imported by vs_pytorch) leaves malloc as it is
     env["TUNEDJAX_HOST_MEMORY"] = "default"
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
-                                                    env.get("PYTHONPATH")]))
-  python = args.torch if kind == "torch" else sys.executable
-  cmd = [python, __file__, "--worker", kind, "--what", what, "--untimed",
-         str(args.untimed), "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
-  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          env=env)
+  return workers.spawn(workers.command(
+      __file__, python=torch_python if kind == "torch" else None, kind=kind, what=what,
+      quick=p["quick"], untimed=p["untimed"], steps=p["steps"]), env)
 
 
-def measure(args: argparse.Namespace) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def measure(quick: bool = False) -> harness.Result:
   """Starts the workers one at a time (the second after the first decided), then rounds."""
-  names = [n for n in VARIANTS if VARIANTS[n][0] == "tunedjax" or args.torch]
+  p = {"quick": quick, "rounds": 2 if quick else 7, "untimed": 1 if quick else 2,
+       "steps": 2 if quick else 5}
+  torch_python = _torch_python()
+  if not torch_python:
+    print("torch is not installed here: the tunedjax rows only", file=sys.stderr)
+  names = [n for n in VARIANTS if VARIANTS[n][0] == "tunedjax" or torch_python]
   shared = tempfile.mkdtemp(prefix="tunedjax-first-process-")  # empty: the first process's
   procs, ready = {}, {}
   for name in names:  # the later tunedjax ones read the kernels the first process tuned
     folder = shared if VARIANTS[name][2] else tempfile.mkdtemp(prefix="tunedjax-first-")
-    procs[name] = _spawn(name, folder, args)
-    ready[name] = _workers.reply(procs[name])["ready"]
-  runs: dict[str, list[dict]] = {n: [] for n in names}
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      procs[name].stdin.write("run\n")
-      procs[name].stdin.flush()
-      runs[name].append(_workers.reply(procs[name]))
-  for p in procs.values():
-    p.communicate("")
-  return runs, ready
+    procs[name] = _spawn(name, folder, p, torch_python)
+    ready[name] = workers.reply(procs[name])["ready"]
+  runs = workers.run_rounds(procs, p["rounds"])
+  return harness.Result("first_process", params={**p, "torch": bool(torch_python)},
+                        figures={"runs": runs, "ready": ready})
 
 
 def _speed(runs: dict[str, list[dict]], name: str, against: str | None) -> list[float]:
@@ -205,14 +199,15 @@ def _speed(runs: dict[str, list[dict]], name: str, against: str | None) -> list[
   return [b / r["s"] for r, b in zip(runs[name], base)]
 
 
-def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+def render(result: harness.Result) -> str:
+  runs, ready = result.figures["runs"], result.figures["ready"]
+  args = types.SimpleNamespace(**result.params)
   ref = BASE if args.torch else FIRST
   first = ready[FIRST]["status"]
   lines = [
       "## The first process: a CPU training step in its first run, against PyTorch",
       "",
-      (f"`benchmarks/first_process.py --rounds {args.rounds}`: the MobileNet-style step in "
+      (f"`benchmarks/run.py first_process`: the MobileNet-style step in "
        "plain JAX (`vs_pytorch.py`'s `mobilenet-plain`, batch "
        f"{'4, 32x32' if args.quick else '32, 64x64'}) under `tj.jit` with kernel selection, "
        "each variant a fresh worker process started as a user's script is (no `TUNEDJAX_*` "
@@ -230,8 +225,7 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
        f"{ref}'s time over the variant's (median of per-round ratios; over 1: faster). "
        "Speed vs the fastest PyTorch variant: against the fastest of the three PyTorch "
        "rows in each round. Page faults and system CPU time per timed step (`getrusage`). "
-       "Load average "
-       f"{load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}"),
+       f"{result.load_line()} {result.machine}"),
       "",
       (f"First process: host memory {'applied' if first['applied'] else 'not applied'} "
        f"({', '.join(f'{k}={v}' for k, v in first['settings'].items()) or 'nothing set'}); "
@@ -261,40 +255,5 @@ def report(runs, ready, args: argparse.Namespace, load: tuple[float, float]) -> 
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--untimed", type=int, default=2, help="untimed steps before each run")
-  parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--worker", choices=("tunedjax", "torch"), help=argparse.SUPPRESS)
-  parser.add_argument("--what", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.worker == "tunedjax":
-    tunedjax_worker(args.quick, args.untimed, args.steps)
-    return 0
-  if args.worker == "torch":
-    torch_worker(args.what, args.quick, args.untimed, args.steps)
-    return 0
-  args.rounds = args.rounds or (2 if args.quick else 7)
-  if args.quick:
-    args.untimed, args.steps = 1, 2
-  args.torch = _torch_python()
-  if not args.torch:
-    print("torch is not installed here: the tunedjax rows only", file=sys.stderr)
-  load0 = os.getloadavg()[0]
-  runs, ready = measure(args)
-  raw = pathlib.Path(tempfile.mkstemp(prefix="first-process-", suffix=".json")[1])
-  raw.write_text(json.dumps({"runs": runs, "ready": ready}))
-  print(f"raw figures: {raw}", file=sys.stderr)
-  text = report(runs, ready, args, (load0, os.getloadavg()[0]))
-  print(text)
-  if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
-    _harness.write_section(SECTION, text)
-  return 0
-
-
 if __name__ == "__main__":
-  sys.exit(main())
+  workers.run_worker(worker)

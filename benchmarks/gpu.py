@@ -253,7 +253,7 @@ def publish(results: dict[str, Any], write: bool, log: Log) -> None:
   for name, body in render.sections(results).items():
     log("\n" + body + "\n")
     if write:
-      import _harness  # pylint: disable=import-outside-toplevel  # imports JAX
+      import harness as _harness  # pylint: disable=import-outside-toplevel  # imports JAX
       _harness.write_section(name, body)
       log(f"gpu.py: wrote the {name} section of {_harness.BENCHMARKS_MD}")
 

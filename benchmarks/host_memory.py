@@ -18,30 +18,26 @@ own worker process:
 
 The parent tunes each step once into a cache the workers then read, so nothing
 is tuned while timing. Each round asks every worker for one timed run, in a
-rotated order, one worker at a time; a run is `--reps` steps of each program
+rotated order, one worker at a time; a run is 5 steps of each program
 (`jax.jit` and `tj.jit` with kernel selection), with the process's minor page
 faults and system CPU time per step. The third step, `jit_overhead.py`'s small
 MLP (40x the steps per run), is host-bound: it never faults, so auto mode must
 leave it alone. Ratios are medians of per-round ratios against retain.
 
-Run: ``PYTHONPATH=src:benchmarks python benchmarks/host_memory.py [--write]``.
+Run: ``.venv/bin/python benchmarks/run.py host_memory [--quick] [--write]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-import _workers
+import harness
+from harness import workers
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 VARIANTS = {"retain": {"TUNEDJAX_HOST_MEMORY": "retain"}, "auto, first process": {},
             "auto, next process": {}, "opt-out": {"TUNEDJAX_HOST_MEMORY": "default"},
             "A/A control": {"TUNEDJAX_HOST_MEMORY": "retain"}}
@@ -49,7 +45,6 @@ VARIANTS = {"retain": {"TUNEDJAX_HOST_MEMORY": "retain"}, "auto, first process":
 DECIDING = ("auto, first process", "auto, next process")
 PROGRAMS = ("jax.jit", "tj.jit (kernel selection)")
 NETS = ("mobilenet", "demo", "mlp")
-SECTION = "host_memory"
 
 
 # -- the worker ------------------------------------------------------------------------------
@@ -69,7 +64,7 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   import vs_pytorch  # pylint: disable=import-outside-toplevel
 
   if net == "mlp":  # host-bound: what one arena costs a small step's dispatch, if anything
-    step, args = _workers.mlp_problem()
+    step, args = workers.mlp_problem()
     reps *= 40
   else:
     step, args = vs_pytorch.net_problem(net, quick)[:2]
@@ -85,10 +80,8 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   for fn in programs.values():  # tj.jit measures calls 4-6 of its program (auto mode)
     for _ in range(7 if fn is programs["tj.jit (kernel selection)"] else 2):
       run(fn)
-  print(json.dumps({"ready": tj.host_memory_status().to_dict()}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "run":
-      break
+
+  def timed():
     out = {}
     for name, fn in programs.items():
       before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -98,49 +91,42 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
       after = resource.getrusage(resource.RUSAGE_SELF)
       out[name] = {"s": wall / reps, "faults": (after.ru_minflt - before.ru_minflt) / reps,
                    "sys_s": (after.ru_stime - before.ru_stime) / reps}
-    print(json.dumps(out), flush=True)
+    return out
+
+  workers.serve(timed, tj.host_memory_status().to_dict())
 
 
 # -- the parent ------------------------------------------------------------------------------
 
 
-def _spawn(net: str, cache_dir: str, args: argparse.Namespace, extra_env: dict[str, str],
-           decisions: str | None = None) -> subprocess.Popen:
-  env = {k: v for k, v in os.environ.items()  # no allocator settings but the variant's
-         if k not in ("TUNEDJAX_HOST_MEMORY", "TUNEDJAX_CACHE_DIR", "GLIBC_TUNABLES")
-         and not k.startswith("MALLOC_")}
-  env.update(extra_env)
+def _spawn(net: str, cache_dir: str, quick: bool, reps: int, extra_env: dict[str, str],
+           decisions: str | None = None):
   # Where host-memory decisions are read and recorded (the kernel choices: `cache_dir`).
-  env["TUNEDJAX_CACHE_DIR"] = decisions or tempfile.mkdtemp(prefix="tunedjax-decisions-")
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "benchmarks"),
-                                                    env.get("PYTHONPATH")]))
-  cmd = [sys.executable, __file__, "--worker", net, "--cache", cache_dir,
-         "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
-  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          env=env)
+  env = workers.user_env(**extra_env, TUNEDJAX_CACHE_DIR=decisions or tempfile.mkdtemp(
+      prefix="tunedjax-decisions-"))
+  return workers.spawn(workers.command(__file__, net=net, cache_dir=cache_dir, quick=quick,
+                                       reps=reps), env)
 
 
-def measure(net: str, args: argparse.Namespace) -> dict:
+def _one_net(net: str, quick: bool, rounds: int, reps: int) -> dict:
   """Tunes `net` once, then times every variant's worker in rotated rounds."""
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-host-memory-")
-  tuner = _spawn(net, cache_dir, args, VARIANTS["retain"])  # tunes into the cache, then exits
-  status = _workers.reply(tuner)["ready"]
+  tuner = _spawn(net, cache_dir, quick, reps, VARIANTS["retain"])  # tunes, then exits
+  status = workers.reply(tuner)["ready"]
   tuner.communicate("")
   decisions = tempfile.mkdtemp(prefix="tunedjax-host-memory-decisions-")
   procs, statuses = {}, {}
   for name, env in VARIANTS.items():  # one at a time: the next auto process reads the first's
-    procs[name] = _spawn(net, cache_dir, args, env, decisions if name in DECIDING else None)
-    statuses[name] = _workers.reply(procs[name])["ready"]
-  names = list(procs)
-  runs: dict[str, list[dict]] = {n: [] for n in names}
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      procs[name].stdin.write("run\n")
-      procs[name].stdin.flush()
-      runs[name].append(_workers.reply(procs[name]))
-  for p in procs.values():
-    p.communicate("")
-  return {"net": net, "runs": runs, "statuses": statuses, "tuner": status}
+    procs[name] = _spawn(net, cache_dir, quick, reps, env, decisions if name in DECIDING else None)
+    statuses[name] = workers.reply(procs[name])["ready"]
+  return {"net": net, "runs": workers.run_rounds(procs, rounds), "statuses": statuses,
+          "tuner": status}
+
+
+def measure(quick: bool = False) -> harness.Result:
+  rounds, reps = (2, 2) if quick else (9, 5)
+  return harness.Result("host_memory", params={"quick": quick, "rounds": rounds, "reps": reps},
+                        figures={"nets": [_one_net(n, quick, rounds, reps) for n in NETS]})
 
 
 def _ms(seconds: float) -> str:
@@ -166,13 +152,13 @@ def _row(result: dict, program: str) -> str:
   return "| " + " | ".join(cells) + " |"
 
 
-def report(results: list[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+def render(result: harness.Result) -> str:
+  results, p = result.figures["nets"], result.params
   statuses = results[0]["statuses"]
   lines = [
       "## Host memory: a CPU step with and without tunedjax's malloc settings",
       "",
-      (f"`benchmarks/host_memory.py{' --quick' if args.quick else ''}`: the train steps of "
+      (f"`benchmarks/run.py host_memory{' --quick' if p['quick'] else ''}`: the train steps of "
        "`benchmarks/vs_pytorch.py` (one SGD step, same weights and batch) and "
        "`jit_overhead.py`'s small MLP step, each variant in its own worker process: "
        f"**retain** (`TUNEDJAX_HOST_MEMORY=retain`), **auto, first** (no variable, nothing "
@@ -181,12 +167,12 @@ def report(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
        "variable, started after the first recorded its measurement; for the MobileNet step: "
        f"{statuses['auto, next process']['reason']}), **opt-out** "
        "(`TUNEDJAX_HOST_MEMORY=default`) and a second retain process as the A/A control. "
-       f"{args.rounds} rounds in a rotated order, one process at a time; a run is "
-       f"{args.reps} steps of each program (the MLP: {40 * args.reps}); ratios = the "
+       f"{p['rounds']} rounds in a rotated order, one process at a time; a run is "
+       f"{p['reps']} steps of each program (the MLP: {40 * p['reps']}); ratios = the "
        "variant's time over retain's (median of per-round ratios; 1: as fast as with the "
        "settings). Page faults and system CPU time are the worker's, per step (`getrusage`). "
-       "The kernel choices come from one tuning run shared by all workers. Load average "
-       f"{load[0]:.1f} before, {load[1]:.1f} after. " + _harness.machine_line()),
+       "The kernel choices come from one tuning run shared by all workers. "
+       f"{result.load_line()} {result.machine}"),
       "",
       ("| step | program | retain (ms) | auto, first (ms) | auto, next (ms) | opt-out (ms) | "
        "first / retain | next / retain | opt-out / retain | A/A | page faults per step, "
@@ -198,31 +184,5 @@ def report(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (smoke)")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--reps", type=int, default=None, help="steps per timed run")
-  parser.add_argument("--net", choices=(*NETS, "all"), default=["all"], nargs="+")
-  parser.add_argument("--worker", choices=NETS, help=argparse.SUPPRESS)
-  parser.add_argument("--cache", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  args.rounds = args.rounds or (2 if args.quick else 9)
-  args.reps = args.reps or (2 if args.quick else 5)
-  if args.worker:
-    worker(args.worker, args.cache, args.quick, args.reps)
-    return 0
-  nets = NETS if "all" in args.net else tuple(args.net)
-  load0 = os.getloadavg()[0]
-  results = [measure(net, args) for net in nets]
-  text = report(results, args, (load0, os.getloadavg()[0]))
-  print(text)
-  if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
-    _harness.write_section(SECTION, text)
-  return 0
-
-
 if __name__ == "__main__":
-  sys.exit(main())
+  workers.run_worker(worker)

@@ -21,22 +21,19 @@ tuning cache holds:
 Each round asks every worker for one run, in a rotated order, one worker at a
 time; ratios are medians of per-round ratios against the baseline.
 
-Run: ``PYTHONPATH=src:benchmarks python benchmarks/import_dispatch.py [--rounds N] [--write]``.
+Run: ``.venv/bin/python benchmarks/run.py import_dispatch [--quick] [--write]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-import _workers
+import harness
+from harness import workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CALLS = 200  # jit_overhead.CALLS_PER_RUN
@@ -56,14 +53,13 @@ VARIANTS = {
     "tj.jit, tunedjax imported, decision for another workload": (
         True, "tj.jit", "another workload's decision"),
 }
-SECTION = "import_dispatch"
 
 
 def worker(imports_tunedjax: bool, program: str) -> None:
   if imports_tunedjax:
     import tunedjax as tj  # pylint: disable=import-outside-toplevel  # first, as users do
   import jax  # pylint: disable=import-outside-toplevel
-  step, args = _workers.mlp_problem()
+  step, args = workers.mlp_problem()
   fn = tj.jit(step) if program == "tj.jit" else jax.jit(step)
 
   def run():
@@ -74,17 +70,16 @@ def worker(imports_tunedjax: bool, program: str) -> None:
 
   for _ in range(3):
     run()
-  status = tj.host_memory_status().to_dict() if imports_tunedjax else None
-  print(json.dumps({"ready": status}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "run":
-      break
+
+  def timed():
     times = []
     for _ in range(BATCHES):  # the median batch: one load spike does not move a run
       start = time.perf_counter()
       run()
       times.append((time.perf_counter() - start) / CALLS * 1e6)
-    print(json.dumps({"us": statistics.median(times)}), flush=True)
+    return {"us": statistics.median(times)}
+
+  workers.serve(timed, tj.host_memory_status().to_dict() if imports_tunedjax else None)
 
 
 def _another_workloads_decision(folder: str) -> None:
@@ -96,19 +91,15 @@ def _another_workloads_decision(folder: str) -> None:
   assert record["pays"] and _decisions.store(pathlib.Path(folder), record)
 
 
-def _spawn(name: str, folder: str) -> subprocess.Popen:
+def _spawn(name: str, folder: str):
   imports, program, _ = VARIANTS[name]
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("MALLOC_", "TUNEDJAX_")) and k not in ("GLIBC_TUNABLES",
-                                                                     "LD_PRELOAD")}
-  env["TUNEDJAX_CACHE_DIR"] = folder
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
-  cmd = [sys.executable, __file__, "--worker", program] + (["--tunedjax"] if imports else [])
-  return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          env=env)
+  return workers.spawn(workers.command(__file__, imports_tunedjax=imports, program=program),
+                       workers.user_env(TUNEDJAX_CACHE_DIR=folder))
 
 
-def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]]:
+def measure(quick: bool = False) -> harness.Result:
+  """Starts every variant's worker, then asks each for a run per round."""
+  rounds = 2 if quick else 40
   procs, statuses = {}, {}
   for name, (_, _, cache) in VARIANTS.items():
     folder = tempfile.mkdtemp(prefix="tunedjax-dispatch-")  # each process its own
@@ -116,36 +107,31 @@ def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, dict | None]
       _another_workloads_decision(folder)
     elif cache == "after a first process":  # runs, measures, ends: records what it found
       first = _spawn(name, folder)
-      _workers.reply(first)
+      workers.reply(first)
       first.communicate("")
     procs[name] = _spawn(name, folder)
-    statuses[name] = _workers.reply(procs[name])["ready"]
-  names = list(procs)
-  runs: dict[str, list[float]] = {n: [] for n in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      procs[name].stdin.write("run\n")
-      procs[name].stdin.flush()
-      runs[name].append(_workers.reply(procs[name])["us"])
-  for p in procs.values():
-    p.communicate("")
-  return runs, statuses
+    statuses[name] = workers.reply(procs[name])["ready"]
+  runs = {n: [r["us"] for r in rs] for n, rs in workers.run_rounds(procs, rounds).items()}
+  return harness.Result("import_dispatch", params={"rounds": rounds},
+                        figures={"runs": runs, "statuses": statuses})
 
 
-def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+def render(result: harness.Result) -> str:
+  runs, statuses = result.figures["runs"], result.figures["statuses"]
+  rounds = result.params["rounds"]
   ratio = {n: [t / b for t, b in zip(runs[n], runs[BASE])] for n in runs}
   lines = [
       "## Dispatch: a tiny jitted call with `import tunedjax` and without",
       "",
-      f"`benchmarks/import_dispatch.py --rounds {rounds}`: `jit_overhead.py`'s steady state "
-      f"(its MLP train step, {CALLS} calls dispatched without waiting, then one wait; a run is the median of {BATCHES} such batches), each variant in "
+      "`benchmarks/run.py import_dispatch`: `jit_overhead.py`'s steady state "
+      f"(its MLP train step, {CALLS} calls dispatched without waiting, then one wait; a run "
+      f"is the median of {BATCHES} such batches), each variant in "
       "a worker process of its own, started with no `TUNEDJAX_*` or `MALLOC_*` variables "
       f"(auto mode), each on a cache folder of its own (a first process: empty; a later "
       "process: after a first one of this workload ended on it); "
       f"{rounds} rounds in a rotated order, one process at a time; ratio = median "
       "of per-round ratios to the baseline (`jax.jit` without tunedjax). "
-      f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
+      f"{result.load_line()} {result.machine}",
       "",
       "| variant | us per call | ratio | range | host memory in that process |",
       "|---|---:|---:|---:|---|",
@@ -160,27 +146,5 @@ def report(runs, statuses, rounds: int, load: tuple[float, float]) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="2 rounds (smoke)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--worker", choices=("jax.jit", "tj.jit"), help=argparse.SUPPRESS)
-  parser.add_argument("--tunedjax", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.worker:
-    worker(args.tunedjax, args.worker)
-    return 0
-  args.rounds = args.rounds or (2 if args.quick else 40)
-  load0 = os.getloadavg()[0]
-  runs, statuses = measure(args.rounds)
-  text = report(runs, statuses, args.rounds, (load0, os.getloadavg()[0]))
-  print(text)
-  if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
-    _harness.write_section(SECTION, text)
-  return 0
-
-
 if __name__ == "__main__":
-  sys.exit(main())
+  workers.run_worker(worker)

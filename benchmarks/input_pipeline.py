@@ -32,21 +32,19 @@ per batch and the per-round ratio to grain's defaults, with the defaults timed
 twice as an A/A control. The tuning time is compared with a 1,000-step epoch
 at the tuned throughput. The machine is shared: the load average is printed.
 
-Run: `.venv/bin/python benchmarks/input_pipeline.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py input_pipeline [--quick] [--write]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 import zlib
 
 import grain
 import numpy as np
 
-import _harness
+import harness
 from tunedjax.input_pipeline import LoaderSettings
 from tunedjax.input_pipeline import _dataset
 from tunedjax.input_pipeline import _processes
@@ -155,16 +153,15 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
           ("fixed", tuned[HORIZONS[1]].settings),
       f"oracle (sweep of {len(grid)}) -> {label(oracle)}": ("fixed", oracle),
   }
-  names = [*variants, _harness.CONTROL]
+  names = [*variants, harness.CONTROL]
   baseline = names[0]
   runs = {n: [] for n in names}
   for r in range(rounds):
-    order = names[r % len(names):] + names[:r % len(names)]
-    for n in order:
+    for n in harness.rotated(names, r):
       kind, setting = variants.get(n, variants[baseline])
       runs[n].append(window_s_per_batch(ds, setting or LoaderSettings(), window=window,
                                         grain_defaults=kind == "defaults"))
-  timings = _harness.Timings(runs, baseline)
+  timings = harness.Timings(runs, baseline)
   oracle_name = names[4]
   notes = {names[1]: f"tuned in {paddle.seconds:.1f} s, {len(paddle.trials)} trials",
            oracle_name: f"sweep took {sweep_s:.0f} s"}
@@ -182,42 +179,26 @@ def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick
         f"{r.seconds / epoch_s:.1%} of a 1,000-step epoch "
         f"({r.seconds / (epoch_s * horizon / 1000):.1%} of the horizon's batches); "
         f"{r.reason or r.stopped}.")
-  table = _harness.ratio_table(timings, unit="ms/batch", scale=1e3, notes=notes)
+  table = harness.ratio_table(timings, unit="ms/batch", scale=1e3, notes=notes)
   summary = "\n".join(f"- {line}" for line in lines)
   return f"**{name}**\n\n{table}\n\n{summary}\n", tuned
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
-  parser.add_argument("--write", action="store_true", help="write BENCHMARKS.md")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--only", default=None, help="light, decode or python")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 5)
-  window = 16 if args.quick else 40
+def measure(quick: bool = False) -> harness.Result:
+  """Each pipeline's table (its tuning and the interleaved throughput rounds)."""
+  rounds, window = (2, 16) if quick else (5, 40)
   max_workers = os.cpu_count() or 1
-  load_before = os.getloadavg()
-  sources = make_sources(400 if args.quick else 4000)
-  parts = []
-  for name, (source, transforms) in sources.items():
-    if args.only and name != args.only:
-      continue
-    part, _ = run_pipeline(name, source, transforms, rounds=rounds, window=window,
-                           max_workers=max_workers, quick=args.quick)
-    print(part, flush=True)
-    parts.append(part)
-  load_after = os.getloadavg()
-  footer = (f"{_harness.machine_line()} Load average {load_before[0]:.1f} before, "
-            f"{load_after[0]:.1f} after (1 min). {rounds} rounds of {window} batches "
-            f"of {BATCH}; max_workers={max_workers}.")
-  print(footer)
-  if args.write:
-    body = ("## Input pipeline: tuned workers and read threads\n\n"
-            "Median ms per batch (lower is better), ratio to grain's defaults per round. "
-            "Produced by `benchmarks/input_pipeline.py`.\n\n" + "\n".join(parts) + "\n" + footer)
-    _harness.write_section("input_pipeline", body)
+  parts = [run_pipeline(name, source, transforms, rounds=rounds, window=window,
+                        max_workers=max_workers, quick=quick)[0]
+           for name, (source, transforms) in make_sources(400 if quick else 4000).items()]
+  return harness.Result("input_pipeline", figures={"parts": parts}, params={
+      "rounds": rounds, "window": window, "max_workers": max_workers})
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def render(result: harness.Result) -> str:
+  p = result.params
+  return ("## Input pipeline: tuned workers and read threads\n\n"
+          "Median ms per batch (lower is better), ratio to grain's defaults per round. "
+          "Produced by `benchmarks/run.py input_pipeline`.\n\n" + "\n".join(result.figures["parts"])
+          + f"\n{result.machine} {result.load_line()} {p['rounds']} rounds of {p['window']} "
+          f"batches of {BATCH}; max_workers={p['max_workers']}.")

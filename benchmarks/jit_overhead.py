@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import _harness
-from _workers import mlp_problem
+import harness as _harness
+from harness.workers import mlp_problem
 import kernels as kernels_bench
 import layout as layout_bench
 import tunedjax as tj

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import _harness
+import harness as _harness
 
 NETWORKS = ("demo", "mobilenet", "resnet18")
 FAMILIES = ("conv", "batch_norm")

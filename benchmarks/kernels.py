@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import _harness
+import harness as _harness
 from tunedjax import _tuning
 from tunedjax.autotune import _select
 

@@ -49,7 +49,7 @@ import optax
 from flax import nnx
 from jax import lax
 
-import _harness
+import harness as _harness
 from tunedjax import layout
 from tunedjax.trainer import Trainer
 from tunedjax.trainer import _relayout

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-import _workers
+from harness import workers as _workers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
@@ -193,7 +193,7 @@ def _ratio(runs, name):
 
 def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
            in_process: bool = False) -> str:
-  import _harness  # pylint: disable=import-outside-toplevel
+  import harness as _harness  # pylint: disable=import-outside-toplevel
   how = ("each variant set through glibc's environment variables before Python starts"
          if not in_process else
          "the in-process variants act in a process that has started JAX (`IN_PROCESS`: "
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
   text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]), args.in_process)
   print(text)
   if args.write and not args.quick:
-    import _harness  # pylint: disable=import-outside-toplevel
+    import harness as _harness  # pylint: disable=import-outside-toplevel
     if args.in_process:
       _harness.write_section("malloc_in_process", text)
     else:

@@ -14,14 +14,10 @@ reports for the step's arguments (parameters, optimizer state, batch) and
 temporaries, and the loss after the same number of steps from the same
 initialization and data.
 
-Run: `.venv/bin/python benchmarks/mixed_precision.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py mixed_precision [--quick] [--write]`.
 """
 
 from __future__ import annotations
-
-import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +26,7 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
-import _harness
+import harness
 from tunedjax import mixed_precision as mp
 
 BASELINE = "float32"
@@ -116,8 +112,8 @@ def nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
 
 
-def measure(title: str, steps: dict, batch, params, *, rounds: int, train_steps: int):
-  """Times the variants side by side; returns the markdown for one model."""
+def _one_model(steps: dict, batch, params, *, rounds: int, train_steps: int) -> dict:
+  """Times the variants side by side; their memory and losses."""
   live = {}
   memory = {}
   losses = {}
@@ -139,60 +135,66 @@ def measure(title: str, steps: dict, batch, params, *, rounds: int, train_steps:
       jax.block_until_ready(loss)
     return run
 
-  t = _harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE,
-                           rounds=rounds, warmup=2)
-  table = _harness.ratio_table(t, notes={
+  t = harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE,
+                          rounds=rounds, warmup=2)
+  return {"timings": t, "memory": memory, "losses": losses, "params_bytes": nbytes(params)}
+
+
+MODELS = (("(a) Transformer block (linen)", transformer_steps),
+          ("(b) Small CNN with BatchNorm (nnx)", cnn_steps))
+
+
+def measure(quick: bool = False) -> harness.Result:
+  """Both models' step times, memory and losses, float32 against mixed bfloat16."""
+  rounds, train_steps = (2, 3) if quick else (9, 30)
+  result = harness.Result("mixed_precision", params={"quick": quick, "rounds": rounds,
+                                                     "train_steps": train_steps})
+  for title, make in MODELS:
+    steps, batch, params = make(quick)
+    one = _one_model(steps, batch, params, rounds=rounds, train_steps=train_steps)
+    result.timings[title] = one.pop("timings")
+    result.figures[title] = one
+  return result
+
+
+def _model_text(title: str, t: harness.Timings, f: dict, train_steps: int) -> tuple[str, str]:
+  """One model's table, and its verdict line."""
+  memory, losses = f["memory"], f["losses"]
+  table = harness.ratio_table(t, notes={
       n: (f"args {memory[n][0] / 2**20:.2f} MiB, temps {memory[n][1] / 2**20:.2f} MiB, "
-          f"loss after {train_steps} steps {losses[n]:.4f}") for n in steps})
+          f"loss after {train_steps} steps {losses[n]:.4f}") for n in memory})
   text = "\n".join([f"### {title}", "",
-                    f"Parameters stored: {nbytes(params) / 2**20:.2f} MiB (float32 in both "
+                    f"Parameters stored: {f['params_bytes'] / 2**20:.2f} MiB (float32 in both "
                     "variants: O1 keeps float32 master weights).", "", table])
   loss_gap = abs(losses[MIXED] - losses[BASELINE]) / abs(losses[BASELINE])
   temp_change = memory[MIXED][1] / memory[BASELINE][1] - 1
-  return text, t, loss_gap, temp_change
+  mixed, control = t.ratio(MIXED), t.ratio(harness.CONTROL)
+  # A change smaller than what the A/A control moved (or 10%) is noise.
+  noise = max(0.10, abs(control - 1.0))
+  word = ("faster" if mixed < 1 - noise else "slower" if mixed > 1 + noise
+          else "no clear change at this noise level")
+  return text, (f"- {title}: mixed bf16 step time ratio {mixed:.2f} ({word}; "
+                f"A/A control {control:.2f}); temporaries {temp_change:+.0%}; loss after "
+                f"{train_steps} steps within {loss_gap:.2%} of float32.")
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 9)
-  train_steps = 3 if args.quick else 30
-  load_before = os.getloadavg()
-  sections, ratios = [], {}
-  for title, make in (("(a) Transformer block (linen)", transformer_steps),
-                      ("(b) Small CNN with BatchNorm (nnx)", cnn_steps)):
-    steps, batch, params = make(args.quick)
-    text, t, loss_gap, temp_change = measure(title, steps, batch, params, rounds=rounds,
-                                             train_steps=train_steps)
-    sections.append(text)
-    ratios[title] = (t.ratio(MIXED), t.ratio(_harness.CONTROL), loss_gap, temp_change)
-  load_after = os.getloadavg()
-  verdict = []
-  for title, (mixed, control, loss_gap, temp_change) in ratios.items():
-    # A change smaller than what the A/A control moved (or 10%) is noise.
-    noise = max(0.10, abs(control - 1.0))
-    word = ("faster" if mixed < 1 - noise else "slower" if mixed > 1 + noise
-            else "no clear change at this noise level")
-    verdict.append(f"- {title}: mixed bf16 step time ratio {mixed:.2f} ({word}; "
-                   f"A/A control {control:.2f}); temporaries {temp_change:+.0%}; loss after "
-                   f"{train_steps} steps within {loss_gap:.2%} of float32.")
-  body = "\n".join([
+def render(result: harness.Result) -> str:
+  """The section: a table per model, the verdicts, what limits the gain."""
+  p = result.params
+  texts = [_model_text(title, result.timings[title], result.figures[title], p["train_steps"])
+           for title, _ in MODELS]
+  return "\n".join([
       "## Mixed precision: float32 vs mixed bfloat16 training step",
       "",
-      "`benchmarks/mixed_precision.py`" + (" --quick" if args.quick else "") +
+      "`benchmarks/run.py mixed_precision`" + (" --quick" if p["quick"] else "") +
       ": one Adam training step, float32 against `mp.wrap(model, \"mixed_bfloat16\")` "
-      f"(O1). {rounds} interleaved rounds after 2 warm-up rounds; ratios are medians of "
+      f"(O1). {p['rounds']} interleaved rounds after 2 warm-up rounds; ratios are medians of "
       "per-round ratios (below 1 is faster). Memory from `compiled.memory_analysis()` "
       "(arguments: parameters, optimizer state and batch; temporaries: activations and "
-      "intermediates). " + _harness.machine_line() +
-      f" Load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-      "(2 cores shared with other jobs).",
+      "intermediates). " + result.machine + " " + result.load_line(),
       "",
-      *[s + "\n" for s in sections],
-      *verdict,
+      *[text + "\n" for text, _ in texts],
+      *[verdict for _, verdict in texts],
       "",
       "What limits the gain here: `wrap` at O1 runs the autocast op lists, so only the "
       "matmuls and convolutions run in bfloat16 (with float32 accumulation). Ops that "
@@ -204,12 +206,3 @@ def main(argv=None) -> int:
       "No GPU was available for this run, so the ResNet-50 throughput comparison the "
       "issue asks for on GPU is not here.",
   ])
-  print(body)
-  if args.write:
-    _harness.write_section("mixed_precision", body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -17,8 +17,9 @@ tabulated by operand and result dtype (``bf16 x bf16 -> bf16``), custom calls
 by target.
 
 Usage:
-  python benchmarks/program_audit.py            # full sizes (ResNet-50 at 224), writes BENCHMARKS.md
-  python benchmarks/program_audit.py --small    # small models, every variant; writes BENCHMARKS.md
+  python benchmarks/run.py program_audit --write   # small models (--small), every variant; writes BENCHMARKS.md
+  python benchmarks/program_audit.py --write    # full sizes (ResNet-50 at 224); writes BENCHMARKS.md
+  python benchmarks/program_audit.py --small    # small models, every variant; prints (--write: writes)
   python benchmarks/program_audit.py --quick    # a smoke run: small models, CUDA; prints only
 
 The measuring code (`audit`, `count_ops`, the `*_program` builders) is kept
@@ -274,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="smoke run: small, CUDA; print only")
   parser.add_argument("--small", action="store_true", help="small models, every variant")
+  parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
   args = parser.parse_args(argv)
   sizes = QUICK if args.quick or args.small else FULL
   start = time.perf_counter()
@@ -292,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       "", table(rows)]
   text = "\n".join(body)
   print(text)
-  if not args.quick:
+  if args.write and not args.quick:
     write_section("program_audit", text)
 
 

@@ -14,21 +14,19 @@ Each variant traces a fresh function object, so jit's trace cache never
 returns the outer jaxpr for free. Target (issue #2): the rewrite adds under
 50% to tracing time.
 
-Run: `.venv/bin/python benchmarks/rewrite_overhead.py [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py rewrite_overhead [--quick] [--write]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import _harness
+import harness
 from tunedjax import rewrite
 
 
@@ -73,59 +71,45 @@ def _add_rule(ctx, eqn, invals):
   return ctx.bind(eqn, invals)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--depth", type=int, default=6)
-  parser.add_argument("--rounds", type=int, default=9)
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--quick", action="store_true", help="depth 2, 2 rounds (smoke run)")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.depth, args.rounds = 2, 2
-
-  step, inputs = make_train_step(args.depth)
-  closed = jax.make_jaxpr(step)(*inputs)
-  counts = rewrite.count_primitives(closed)
-  n_eqns, adds = sum(counts.values()), counts["add"]
+def measure(quick: bool = False, depth: int = 6, rounds: int = 9) -> harness.Result:
+  """Times tracing the step plain and through each pass, interleaved."""
+  depth, rounds = (2, 2) if quick else (depth, rounds)
+  step, inputs = make_train_step(depth)
+  counts = rewrite.count_primitives(jax.make_jaxpr(step)(*inputs))
   passes = {
       "identity": rewrite.Pass("identity"),
       "identity, rebuild all": rewrite.Pass("identity_rebuild", skip_untouched=False),
       "one rule on `add`": rewrite.Pass("add_rule", {"add": _add_rule}),
   }
 
-  def trace_plain():
-    jax.make_jaxpr(functools.partial(step))(*inputs)
-
   def trace_with(pass_):
     return lambda: jax.make_jaxpr(rewrite.transform(functools.partial(step), pass_))(*inputs)
 
-  variants = {"jax.make_jaxpr": trace_plain}
+  variants = {"jax.make_jaxpr": lambda: jax.make_jaxpr(functools.partial(step))(*inputs)}
   variants.update({f"make_jaxpr + rewrite ({name})": trace_with(p) for name, p in passes.items()})
-  t = _harness.interleaved(variants, baseline="jax.make_jaxpr", rounds=args.rounds, warmup=2)
-  table = _harness.ratio_table(t, notes={
-      "make_jaxpr + rewrite (one rule on `add`)": f"rule fires on {adds} `add` equations"})
-  worst = max(t.ratio(k) for k in variants if k != "jax.make_jaxpr")
-  verdict = "met" if worst < 1.5 else "NOT met"
-  body = "\n".join([
+  t = harness.interleaved(variants, baseline="jax.make_jaxpr", rounds=rounds, warmup=2)
+  return harness.Result("rewrite_overhead", timings={"trace": t}, params={
+      "depth": depth, "rounds": rounds, "equations": sum(counts.values()), "adds": counts["add"]})
+
+
+def render(result: harness.Result) -> str:
+  """The section: the ratio table and the verdict against the target."""
+  p, t = result.params, result.timings["trace"]
+  table = harness.ratio_table(t, notes={
+      "make_jaxpr + rewrite (one rule on `add`)": f"rule fires on {p['adds']} `add` equations"})
+  worst = max(t.ratio(k) for k in t.runs if k != "jax.make_jaxpr")
+  return "\n".join([
       "## Rewrite engine: tracing overhead",
       "",
-      f"`benchmarks/rewrite_overhead.py`: trace a Flax nnx train step (CNN, depth "
-      f"{args.depth}, BatchNorm, Dropout, optax Adam; {n_eqns} equations counting "
+      f"`benchmarks/run.py rewrite_overhead`: trace a Flax nnx train step (CNN, depth "
+      f"{p['depth']}, BatchNorm, Dropout, optax Adam; {p['equations']} equations counting "
       f"sub-jaxprs) with `jax.make_jaxpr`, against tracing it through "
-      f"`tunedjax.rewrite.transform`. {args.rounds} interleaved rounds after 2 warm-up "
-      "rounds; ratios are medians of per-round ratios. " + _harness.machine_line(),
+      f"`tunedjax.rewrite.transform`. {p['rounds']} interleaved rounds after 2 warm-up "
+      "rounds; ratios are medians of per-round ratios. " + result.machine + " "
+      + result.load_line(),
       "",
       table,
       "",
-      f"Target: the rewrite adds under 50% to tracing time (ratio < 1.5): {verdict} "
-      f"(worst variant {worst:.2f}).",
+      f"Target: the rewrite adds under 50% to tracing time (ratio < 1.5): "
+      f"{'met' if worst < 1.5 else 'NOT met'} (worst variant {worst:.2f}).",
   ])
-  print(body)
-  if args.write:
-    _harness.write_section("rewrite_overhead", body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

@@ -70,7 +70,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-import _harness
+import harness as _harness
 import _trainer_autotune as _autotune
 from tunedjax.callbacks import CSVLogger, TensorBoard
 from tunedjax.trainer import Trainer

@@ -113,7 +113,7 @@ def _torch_or_reexec() -> Any:
 
 torch = _torch_or_reexec()
 
-import _harness  # pylint: disable=wrong-import-position
+import harness as _harness  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import kernels as kernels_bench  # pylint: disable=wrong-import-position

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import _harness
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import kernels as kernels_bench

@@ -1,8 +1,8 @@
 """The documentation is checked like code: the Python examples of README.md and
 of every page of docs/ run as written, every relative link between the
 Markdown files resolves (to a file, and to a heading where it names one),
-BENCHMARKS.md keeps the markers the benchmark scripts rewrite, and every
-benchmark script still runs (a smoke run with ``--quick``, nothing written)."""
+BENCHMARKS.md keeps the markers the benchmarks rewrite, and every benchmark
+still runs (a smoke run of ``benchmarks/run.py NAME --quick``, nothing written)."""
 
 from __future__ import annotations
 
@@ -24,23 +24,12 @@ CHANGELOG = ROOT / "CHANGELOG.md"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 # The files whose relative links must resolve.
 LINKED = [*PAGES, BENCHMARKS_MD, CHANGELOG]
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("[!_]*.py"))
-# Smoke runs that take minutes (worker-process starts, kernel tuning) or 15-50 s
-# each (the others) run with `make bench-smoke`, not in `make test`, which must
-# stay under 15 minutes with the demo and the notebooks.
-LONG_SMOKE = {"after_idle", "attention", "bn_native", "depthwise_native", "direct_native",
-              "first_process", "flash_attention", "host_memory",
-              "import_dispatch", "input_pipeline", "jit_overhead", "kernel_priors", "kernels", "layout",
-              "malloc_settings", "mixed_precision", "program_audit", "rewrite_overhead", "trainer", "vs_pytorch",
-              "xla_options"}
-# Scripts whose smoke run has a test file of its own (which checks what it writes, too).
-OWN_SMOKE_TEST = {"gpu"}  # tests/test_gpu_bench.py
+# Which benchmarks exist, which sections of BENCHMARKS.md each writes and where
+# its --quick run is checked: benchmarks/harness/registry.py.
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import registry  # noqa: E402  pylint: disable=wrong-import-position
 # The README is the front page; the detail lives in docs/.
 README_MAX_LINES = 250
-# Sections of BENCHMARKS.md that a script rewrites but whose name is not a string
-# literal in its `write_section` call (layout.py adds the backend) or that are
-# written by hand between markers (the demo's runs).
-OTHER_SECTIONS = {"layout_cpu", "demo"}
 # Project files speak of dates, machines and commands, not of how the work was
 # organised: the words the shared before-stop hook greps for (spelled with
 # character classes, so that its grep does not find this line).
@@ -155,11 +144,16 @@ def test_benchmark_sections_keep_their_markers():
   assert len(names) == len(set(names)), f"a section appears twice: {names}"
   # Each start is followed by its own end, with no other marker in between.
   assert markers == [(n, k) for n in names for k in ("start", "end")], markers
-  scripts = "\n".join(p.read_text() for p in BENCHMARKS)
-  written = set(re.findall(r'write_section\(\s*"([a-z0-9_]+)"', scripts))
-  written |= set(re.findall(r'^SECTION = "([a-z0-9_]+)"', scripts, flags=re.MULTILINE))
-  missing = (written | OTHER_SECTIONS) - set(names)
+  missing = (registry.written_sections() | set(registry.HAND_WRITTEN)) - set(names)
   assert not missing, f"BENCHMARKS.md lost the markers of {sorted(missing)}"
+
+
+def test_every_benchmark_module_is_in_the_registry():
+  modules = {p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py")} - {"run"}
+  assert modules == set(registry.BY_NAME), (
+      "benchmarks/harness/registry.py must list every benchmark module: "
+      f"unlisted {sorted(modules - set(registry.BY_NAME))}, "
+      f"without a module {sorted(set(registry.BY_NAME) - modules)}")
 
 
 @pytest.mark.parametrize("page", LINKED, ids=_name)
@@ -169,11 +163,11 @@ def test_pages_speak_of_dates_machines_and_commands(page):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [
-    pytest.param(p, marks=pytest.mark.bench_smoke) if p.stem in LONG_SMOKE else p
-    for p in BENCHMARKS if p.stem not in OWN_SMOKE_TEST], ids=lambda p: p.stem)
-def test_benchmark_smoke_run(script, tmp_path):
-  result = subprocess.run([sys.executable, str(script), "--quick"], cwd=tmp_path,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=600,
-                          check=False)
+@pytest.mark.parametrize("bench", [
+    pytest.param(b, marks=pytest.mark.bench_smoke) if b.smoke == "bench-smoke" else b
+    for b in registry.BENCHMARKS if b.smoke != "own"], ids=lambda b: b.name)
+def test_benchmark_smoke_run(bench, tmp_path):
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), bench.name,
+                           "--quick"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=600, check=False)
   assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])

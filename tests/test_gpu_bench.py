@@ -32,6 +32,7 @@ def _env(tmp_path: pathlib.Path) -> dict[str, str]:
               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
 
 
+@pytest.mark.serial  # its workers' time limits
 @pytest.mark.slow
 def test_the_smoke_run_runs_every_part_and_writes_its_json(tmp_path):
   before = (ROOT / "BENCHMARKS.md").read_text()
@@ -66,6 +67,7 @@ def test_the_smoke_run_runs_every_part_and_writes_its_json(tmp_path):
   assert (ROOT / "BENCHMARKS.md").read_text() == before  # no --write: BENCHMARKS.md untouched
 
 
+@pytest.mark.serial  # a time limit's wall time
 def test_a_worker_past_its_time_limit_is_stopped_and_what_it_printed_is_kept(tmp_path):
   worker = tmp_path / "worker.py"
   worker.write_text(

@@ -26,6 +26,9 @@ from tests import processes
 from tunedjax import _host_memory
 from tunedjax._host_memory import _decisions, _xla
 
+# Page-fault counts and the first process's decision: not beside other tests
+# (the serial phase of `make test`).
+pytestmark = pytest.mark.serial
 TEMP_BYTES = 80 * 2**20
 PAGES = TEMP_BYTES // 4096
 

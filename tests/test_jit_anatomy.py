@@ -214,6 +214,7 @@ def _timed_call(f, *args):
   return out, time.perf_counter() - start
 
 
+@pytest.mark.serial  # within 5% of a wall time
 def test_every_stage_of_a_tuned_first_call_adds_up_to_its_wall_time(tmp_path, rng):
   step, params, x = _conv_net(rng)
   f = tj.jit(step, session=TuningSession())  # no step yet: tunes at once
@@ -242,6 +243,7 @@ def test_every_stage_of_a_tuned_first_call_adds_up_to_its_wall_time(tmp_path, rn
   np.testing.assert_allclose(np.asarray(again[0]), np.asarray(out[0]), rtol=1e-6)
 
 
+@pytest.mark.serial  # within 5% of a wall time
 def test_an_untuned_first_call_adds_up_too_and_a_new_shape_gets_its_own(rng):
   step, params, x = _conv_net(rng)
   f = tj.jit(step)

@@ -28,6 +28,7 @@ def _demo_quick(tmp_path, out: str) -> tuple[subprocess.CompletedProcess, float]
   return proc, time.perf_counter() - start
 
 
+@pytest.mark.serial  # its wall time is bounded
 @pytest.mark.slow
 def test_demo_quick_runs_end_to_end_and_a_second_run_reads_the_cache(tmp_path):
   proc, seconds = _demo_quick(tmp_path, "out")

@@ -17,6 +17,10 @@ from tunedjax.input_pipeline import _tuner
 from tests.input_pipeline.fakes import FakeClock
 from tests.input_pipeline.fakes import buffered_peak
 
+# The tuner's searches time real pipelines against their budgets: not beside
+# other tests (the serial phase of `make test`).
+pytestmark = pytest.mark.serial
+
 S = ip.LoaderSettings
 
 

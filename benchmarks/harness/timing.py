@@ -10,21 +10,28 @@ so the table shows how much the noise alone moves a ratio.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
-import os
-import pathlib
-import platform
-import re
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
-BENCHMARKS_MD = pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 CONTROL = "A/A control"
+
+
+def rotated(names: Sequence[Any], r: int) -> list[Any]:
+  """`names` in round `r`'s order: each round starts one later, so that no variant
+  always runs after the same one."""
+  names = list(names)
+  k = r % len(names) if names else 0
+  return names[k:] + names[:k]
+
+
+def first_call(fn: Callable[[], Any]) -> float:
+  """Seconds of one call (a program's first: tracing, compiling, running)."""
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +82,7 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
   fns = {**variants, CONTROL: variants[baseline]}
   runs: dict[str, list[float]] = {n: [] for n in names}
   for r in range(warmup + rounds):
-    order = names[r % len(names):] + names[:r % len(names)]
-    for name in order:
+    for name in rotated(names, r):
       gc.collect()  # a collection triggered by an earlier variant is not charged to this one
       for _ in range(int(prime)):
         fns[name]()
@@ -87,45 +93,3 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
       if r >= warmup:
         runs[name].append(elapsed)
   return Timings(runs, baseline)
-
-
-def ratio_table(t: Timings, *, unit: str = "ms", scale: float = 1e3,
-                notes: Mapping[str, str] | None = None) -> str:
-  """A markdown table: median time, ratio to baseline, per-round spread."""
-  notes = notes or {}
-  lines = [f"| variant | median ({unit}) | ratio to baseline | per-round range | note |",
-           "|---|---:|---:|---:|---|"]
-  for name in t.runs:
-    lo, hi = t.spread(name)
-    lines.append(f"| {name} | {t.median(name) * scale:.1f} | {t.ratio(name):.3f} | "
-                 f"{lo:.2f}-{hi:.2f} | {notes.get(name, '')} |")
-  return "\n".join(lines)
-
-
-def machine_line() -> str:
-  """Where and when a table was measured."""
-  cpu = platform.processor() or platform.machine()
-  try:
-    for line in open("/proc/cpuinfo", encoding="utf-8"):
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  today = datetime.date.today().isoformat()
-  return (f"Measured {today} on {os.cpu_count()} cores of {cpu}, "
-          f"{jax.default_backend()} backend, jax {jax.__version__}.")
-
-
-def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> None:
-  """Replaces the section between `<!-- name:start -->` and `<!-- name:end -->`
-  in BENCHMARKS.md with `body`, or appends it."""
-  start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-  block = f"{start}\n{body.strip()}\n{end}"
-  text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-  pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
-  if pattern.search(text):
-    text = pattern.sub(lambda _: block, text)
-  else:
-    text = text.rstrip() + "\n\n" + block + "\n"
-  path.write_text(text, encoding="utf-8")
