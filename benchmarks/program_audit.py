@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tunedjax as tj  # noqa: E402
 from _gpu_models import (MiniGPT, TransformerBlock, causal_mask, functional_resnet,  # noqa: E402
                          image_batch, lm_batches, lm_loss, resnet50, resnet_train_step)
-from _harness import machine_line, write_section  # noqa: E402
+from harness import machine_line, write_section  # noqa: E402
 
 PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> tunedjax platform
 _OFF = {"mixed_precision": {"enable": False}, "layout": {"enable": False},

@@ -14,8 +14,10 @@ read-only tuning cache; on a CPU the compilation cache stays opt-in (level O2):
 its compiles are seconds, and the CPU's measured behaviour is kept.
 
 Example:
-  >>> import tunedjax as tj
-  >>> persist_xla(tj.get_config(), backend="cpu") is None  # CPU: level O2 only
+  >>> import jax, tunedjax as tj
+  >>> before = jax.config.jax_compilation_cache_dir
+  >>> _ = persist_xla(tj.get_config(), backend="cpu")  # CPU: level O2 only
+  >>> jax.config.jax_compilation_cache_dir == before
   True
 """
 

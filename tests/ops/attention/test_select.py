@@ -11,14 +11,17 @@ import numpy as np
 import pytest
 
 import tunedjax as tj
-from tunedjax import autotune
+from tunedjax import _native, autotune
 from tunedjax.autotune import _tuner
+from tunedjax.ops.attention import _native_flash
 from tunedjax.ops.attention._spec import AttentionSpec
 
 from .helpers import rel
 
 T = 256  # two blocks of 128: xla, einsum and (causal) blocked_causal_128 apply
-CANDIDATES = {"xla", "einsum", "blocked_causal_128"}
+# ... and native_flash (float32, causal) where the native kernels are built here.
+CANDIDATES = {"xla", "einsum", "blocked_causal_128"} | (
+    {"native_flash"} if _native.available(_native_flash.SOURCE) else set())
 
 
 def _inputs(rng, t=T, heads=2, kv_heads=2, h=16):

@@ -174,7 +174,14 @@ def test_pinned_model_gradient_matches_jax_grad(tmp_path, rng):
     hlo = step.lower(*args).compile().as_text()
   # two forwards, two weight gradients, two input gradients
   assert hlo.count('custom_call_target="tunedjax_TjPointwise') == 6, hlo
-  assert h.max_rel_err(got, grad(*args)) < 1e-5
+  # Judged against float64 beside XLA's own float32 (the loss, a sum of sines, cancels:
+  # XLA's float32 value alone is 1e-5 from float64 on some CPUs).
+  with jax.enable_x64():
+    want = jax.tree.map(np.asarray, grad(*[jnp.asarray(a, jnp.float64) for a in args]))
+  def err(a):  # the largest over leaves of max|a - want| / max|want|, in float64
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - v)) / np.max(np.abs(v)))
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(want)))
+  assert err(got) <= 3 * err(grad(*args)) + 1e-6, (err(got), err(grad(*args)))
 
 
 def test_not_applicable_off_cpu_or_outside_its_forms():
