@@ -66,7 +66,8 @@ def test_native_batch_norm_pinned_keeps_updates_within_3x(step, tmp_path):
 
 
 @pytest.mark.bench_smoke
-@pytest.mark.parametrize("hints", sa.sweep_hints(), ids=lambda h: "-".join(h.values()))
+@pytest.mark.parametrize("hints", sa.sweep_hints(),
+                         ids=lambda h: ",".join(f"{k}={v}" for k, v in h.items()))
 def test_each_pinned_kernel_keeps_updates_within_3x(step, hints, tmp_path_factory):
   for run in range(RUNS):  # fresh caches
     _check(step, hints, tmp_path_factory.mktemp(f"fresh{run}"))
