@@ -226,14 +226,21 @@ class _LinenCases(nn.Module):
   cross-attention; attention dropout while training with its weights sown; bfloat16."""
 
   @nn.compact
-  def __call__(self, x, ctx, padding, causal):
+  def __call__(self, x, ctx, padding, causal, xb):
     attend = lambda **kw: nn.MultiHeadDotProductAttention(  # noqa: E731
         num_heads=2, qkv_features=16, **kw)
     cases = [attend(name="plain")(x), attend(name="padded")(x, mask=padding),
              attend(name="causal")(x, mask=causal), attend(name="cross")(x, ctx),
              attend(name="dropout", dropout_rate=0.5, deterministic=False)(x, sow_weights=True)]
     return {"cases": jnp.concatenate(cases, -1),
-            "bfloat16": attend(name="half", dtype=jnp.bfloat16)(x)}
+            "bfloat16": attend(name="half", dtype=jnp.bfloat16)(xb)}
+
+
+def _split_linen(result):
+  """``(float32 parts, bfloat16 parts)`` of a `_LinenCases` result (as `_split_half`)."""
+  y, grads, mutated = result
+  params = {k: v for k, v in grads[0].items() if k != "half"}
+  return (y["cases"], params, grads[1:-1], mutated), (y["bfloat16"], grads[0]["half"], grads[-1])
 
 
 def test_linen_cases():
@@ -243,14 +250,12 @@ def test_linen_cases():
   x, ctx, valid = _inputs()
   padding, causal = nn.make_attention_mask(valid, valid), nn.make_causal_mask(jnp.ones((2, 7)))
   module = _LinenCases()
-  inputs = (x, ctx, padding, causal)
+  inputs = (x, ctx, padding, causal, x.astype(jnp.bfloat16))
   variables = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, *inputs)
   plain_fn, swapped_fn, swap = _linen_pair(module, mutable=("intermediates",),
                                            rngs={"dropout": jax.random.key(1)})
   plain, swapped = plain_fn(variables, *inputs), swapped_fn(variables, *inputs)
-  split = lambda r: ((r[0]["cases"], {k: v for k, v in r[1][0].items() if k != "half"},  # noqa: E731
-                      r[2]), (r[0]["bfloat16"], r[1][0]["half"]))
-  (plain32, plain16), (swapped32, swapped16) = split(plain), split(swapped)
+  (plain32, plain16), (swapped32, swapped16) = _split_linen(plain), _split_linen(swapped)
   _agree(plain32, swapped32)
   _agree(plain16, swapped16, "bfloat16")
   assert swapped[0]["bfloat16"].dtype == jnp.bfloat16
