@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import threading
+import time
 import warnings
 
 import jax
@@ -323,3 +324,31 @@ def test_an_exported_program_calls_no_native_kernel(rng):
   got = exported.call(x, scale, bias)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=1e-5)
+
+
+def test_a_build_past_its_time_limit_leaves_no_compiler_running(tmp_path, monkeypatch):
+  # A compiler driver whose child outlives it, as cc1plus outlives `c++`: on the time-out
+  # the whole process group goes, not the driver alone.
+  child_pid = tmp_path / "child.pid"
+  fake = tmp_path / "fake-c++"
+  fake.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {child_pid}\nwait\n")
+  fake.chmod(0o755)
+  monkeypatch.setattr(_native, "BUILD_TIMEOUT_S", 1.0)
+  with pytest.raises(_native.NativeBuildError, match="took over 1 s"):
+    _native._compile("batch_norm", _native.Compiler(str(fake), "fake 1.0"),
+                     tmp_path / "batch_norm.so")
+  pid = int(child_pid.read_text())
+  deadline = time.monotonic() + 10.0
+  while time.monotonic() < deadline and _alive(pid):
+    time.sleep(0.01)
+  assert not _alive(pid), f"the compiler's child {pid} still runs after the time-out"
+  assert list(tmp_path.glob(".batch_norm-*")) == []  # the partial output removed
+
+
+def _alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie waiting for its parent to reap it does not)."""
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+  return state not in ("Z", "X")

@@ -52,6 +52,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -260,16 +261,35 @@ def _compile(source: str, compiler: Compiler, target: pathlib.Path) -> None:
   command = [compiler.path, *flags(), "-isystem", jax.ffi.include_dir(), f"-I{HEADER_DIR}",
              str(source_path(source)), "-o", tmp]
   try:
-    done = subprocess.run(command, capture_output=True, text=True, check=False,
-                          timeout=BUILD_TIMEOUT_S)
-    if done.returncode != 0:
-      raise NativeBuildError(f"{' '.join(command)} failed:\n{done.stderr.strip()[-2000:]}")
+    returncode, stderr = _run_in_own_group(command, BUILD_TIMEOUT_S)
+    if returncode != 0:
+      raise NativeBuildError(f"{' '.join(command)} failed:\n{stderr.strip()[-2000:]}")
     os.replace(tmp, target)
   except subprocess.TimeoutExpired as err:
     raise NativeBuildError(f"building {source}.cc took over {BUILD_TIMEOUT_S:.0f} s") from err
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
+
+
+def _run_in_own_group(command: list[str], timeout: float) -> tuple[int, str]:
+  """Runs `command` in a process group of its own; its return code and standard error.
+
+  A compiler driver (``c++``) starts the compiler proper (``cc1plus``) as a
+  child: killing the driver alone on a time-out would leave that child
+  compiling, an orphan. On a time-out the whole group is killed, then
+  `subprocess.TimeoutExpired` is raised.
+  """
+  with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+    try:
+      _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+      raise
+  return proc.returncode, stderr
 
 
 def _print_file_name(compiler: Compiler, name: str) -> str | None:
