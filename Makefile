@@ -83,10 +83,13 @@ notebooks: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py all --write
 
-# Every benchmark's --quick run (those not in `make test`; about 8 minutes),
+# Every benchmark's --quick run (those not in `make test`; about 8 minutes), then
+# the train step with each kernel of each family pinned (tests/ops/test_step_pinned_kernels.py,
+# about 5 minutes),
 # nothing written.
 bench-smoke: $(STAMP)
 	$(PY) -m pytest tests/test_docs.py -m "bench_smoke or not bench_smoke" -k benchmark
+	$(PY) -m pytest tests/ops/test_step_pinned_kernels.py -m "bench_smoke or not bench_smoke"
 
 # The Python 3.12 wheels the GPU image lacks (it has jax 0.11 with CUDA, flax,
 # optax, torch): grain and two of its dependencies and the tested orbax-checkpoint,
