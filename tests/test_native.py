@@ -160,11 +160,11 @@ def test_an_unknown_source_lists_the_known_ones(sources):
 def test_a_build_cut_short_leaves_nothing_under_the_final_name(sources, tmp_path, monkeypatch):
   needs_compiler()
 
-  def killed(command, **kwargs):
+  def killed(command, timeout):
     pathlib.Path(command[-1]).write_bytes(b"\x7fELF half a library")
-    raise subprocess.TimeoutExpired(command, kwargs.get("timeout", 0))
+    raise subprocess.TimeoutExpired(command, timeout)
 
-  monkeypatch.setattr(_native.subprocess, "run", killed)
+  monkeypatch.setattr(_native, "_run_in_own_group", killed)
   monkeypatch.setattr(_native, "find_compiler", lambda: _native.Compiler("/usr/bin/c++", "c++"))
   with pytest.warns(UserWarning, match="took over"):
     assert _native.library("tiny") is None
