@@ -514,3 +514,21 @@ def _traced_computation(x: Any, max_eqns: int
 def current_trace() -> Any:
   """The trace values bound now land in (JAX's innermost trace context)."""
   return _core.trace_ctx.trace
+
+
+def pallas_gpu_attention() -> Any | None:
+  """JAX's Pallas (Triton) flash-attention module, or None where this JAX has none.
+
+  jax 0.12 deprecates ``jax.experimental.pallas.ops.gpu.attention`` in favour
+  of tokamax (not a dependency here) and 0.12.1 removes it; where it is gone
+  the ``pallas_gpu`` attention kernel is not a candidate.
+  """
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning,
+                            message=r".*pallas\.ops\.gpu\.attention is deprecated")
+    try:
+      from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      return None
+  return attention

@@ -53,7 +53,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tunedjax._errors import AutotuneError
 from tunedjax.ops.attention._spec import AttentionSpec, split_operands
+from tunedjax.rewrite import _compat
 
 
 def xla(*operands: Any) -> jax.Array:
@@ -720,20 +721,20 @@ def pallas_gpu(*operands: Any, interpret: bool = False) -> jax.Array:
   """
   *ops, spec = operands
   q, k, v, _, _ = split_operands(tuple(ops), spec)
-  with warnings.catch_warnings():
-    # jax 0.12 deprecates this module in favour of tokamax, which is not a
-    # dependency here; the kernel itself is unchanged, so it stays a candidate.
-    warnings.filterwarnings("ignore", category=DeprecationWarning,
-                            message=r".*pallas\.ops\.gpu\.attention is deprecated")
-    from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
+  attention = _compat.pallas_gpu_attention()
+  if attention is None:
+    raise AutotuneError(f"attention: the pallas_gpu kernel needs JAX's Pallas GPU attention "
+                        f"(jax.experimental.pallas.ops.gpu.attention), which jax "
+                        f"{jax.__version__} does not ship (it is not a candidate there)")
   return attention.mha(q, k, v, None, sm_scale=spec.scale, causal=spec.causal,
                        interpret=interpret)
 
 
 def pallas_gpu_applicable(spec: AttentionSpec, platform: str) -> bool:
   """GPU, no bias or mask, as many key/value heads as query heads, float16/bfloat16/
-  float32, head dim 16..128 and a multiple of 16, lengths multiples of 128."""
-  return (platform == "gpu" and spec.mask_kind == "none" and spec.kv_heads == spec.heads
+  float32, head dim 16..128 and a multiple of 16, lengths multiples of 128; a JAX
+  that ships the kernel (0.12.1 removed it)."""
+  return (platform == "gpu" and _compat.pallas_gpu_attention() is not None and spec.mask_kind == "none" and spec.kv_heads == spec.heads
           and spec.dtype in ("float16", "bfloat16", "float32")
           and 16 <= spec.head_dim <= 128 and spec.head_dim % 16 == 0
           and spec.q_len % PALLAS_BLOCK == 0 and spec.kv_len % PALLAS_BLOCK == 0)
