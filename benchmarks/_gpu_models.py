@@ -184,11 +184,11 @@ class MiniGPT(nnx.Module):
   """Token ids ``[batch, tokens]`` to next-token logits ``[batch, tokens, vocab]``."""
 
   def __init__(self, *, vocab: int = 50257, tokens: int = 1024, width: int = 512,
-               heads: int = 8, layers: int = 6, seed: int = 0):
+               heads: int = 8, layers: int = 6, hidden: int | None = None, seed: int = 0):
     rngs = nnx.Rngs(seed)
     self.embed = nnx.Embed(vocab, width, rngs=rngs)
     self.position = nnx.Embed(tokens, width, rngs=rngs)
-    self.blocks = nnx.List([TransformerBlock(width, heads, 4 * width, rngs=rngs)
+    self.blocks = nnx.List([TransformerBlock(width, heads, hidden or 4 * width, rngs=rngs)
                             for _ in range(layers)])
     self.head = nnx.Linear(width, vocab, rngs=rngs)
 

@@ -42,12 +42,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import _harness
+import _gpu_models
+import harness as _harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from _gpu_lm import StopAfter
+from _gpu_models import MiniGPT, lm_loss
 
 import tunedjax as tj
 from tunedjax import _native
@@ -175,46 +178,6 @@ def accuracy(quick: bool) -> list[tuple[str, dict[str, float]]]:
 # -- part 3: the miniGPT step ------------------------------------------------------
 
 
-class Block(nnx.Module):
-  """Masked multi-head self-attention and a GELU MLP, each followed by add & LayerNorm."""
-
-  def __init__(self, width: int, heads: int, hidden: int, *, rngs: nnx.Rngs):
-    self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=width,
-                                            decode=False, rngs=rngs)
-    self.norm1 = nnx.LayerNorm(width, epsilon=1e-6, rngs=rngs)
-    self.up = nnx.Linear(width, hidden, rngs=rngs)
-    self.down = nnx.Linear(hidden, width, rngs=rngs)
-    self.norm2 = nnx.LayerNorm(width, epsilon=1e-6, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1])))
-    x = self.norm1(x + self.attention(x, mask=mask, decode=False))
-    return self.norm2(x + self.down(nnx.gelu(self.up(x))))
-
-
-class MiniGPT(nnx.Module):
-  """Token ids ``[batch, tokens]`` to next-token logits, as the JAX AI stack's tutorial."""
-
-  def __init__(self, vocab: int, tokens: int, width: int, heads: int, hidden: int,
-               layers: int):
-    rngs = nnx.Rngs(0)
-    self.embed = nnx.Embed(vocab, width, rngs=rngs)
-    self.position = nnx.Embed(tokens, width, rngs=rngs)
-    self.blocks = nnx.List([Block(width, heads, hidden, rngs=rngs) for _ in range(layers)])
-    self.head = nnx.Linear(width, vocab, rngs=rngs)
-
-  def __call__(self, ids: jax.Array) -> jax.Array:
-    x = self.embed(ids) + self.position(jnp.arange(ids.shape[1])[None, :])
-    for block in self.blocks:
-      x = block(x)
-    return self.head(x)
-
-
-def lm_loss(model: MiniGPT, batch: Mapping[str, jax.Array]) -> jax.Array:
-  ids = batch["ids"]
-  return optax.softmax_cross_entropy_with_integer_labels(model(ids[:, :-1]), ids[:, 1:]).mean()
-
-
 def lm_sizes(quick: bool) -> dict[str, int]:
   if quick:
     return {"vocab": 32, "tokens": 128, "width": 32, "heads": 2, "hidden": 32, "layers": 1,
@@ -224,21 +187,7 @@ def lm_sizes(quick: bool) -> dict[str, int]:
 
 
 def lm_batches(sizes: Mapping[str, int], count: int = 4) -> list[dict[str, np.ndarray]]:
-  rng = np.random.default_rng(0)
-  return [{"ids": rng.integers(0, sizes["vocab"], size=(sizes["batch"], sizes["tokens"] + 1)
-                               ).astype(np.int32)} for _ in range(count)]
-
-
-class StopAfter(tj.callbacks.Callback):
-  """Ends `fit` after `steps` steps."""
-
-  def __init__(self, steps: int):
-    self.steps, self.seen = steps, 0
-
-  def on_step_end(self, trainer: Any, step: int, logs: Any) -> None:
-    self.seen += 1
-    if self.seen >= self.steps:
-      trainer.stop_training = True
+  return _gpu_models.lm_batches(count, sizes["batch"], sizes["tokens"], sizes["vocab"])
 
 
 def trainer_steps(sizes: Mapping[str, int], steps: int) -> tuple[Callable[[], Any], dict]:
