@@ -204,13 +204,15 @@ def _exp_dtypes(closed):
 
 def test_every_kernel_keeps_its_softmax_in_float32_on_bfloat16():
   """Traced only: each kernel that applies on a CPU, forward and backward, causal or not
-  (cuDNN and Pallas keep their statistics in float32 inside their own kernels)."""
+  (cuDNN, Pallas and native_flash keep their statistics in float32 inside their own
+  kernels; native_flash's bfloat16 handlers are checked against its float32 ones in
+  test_native_flash.py)."""
   q, k, v, ct = (x.astype(jnp.bfloat16) for x in _operands(512))
   seen = set()
   for is_causal in (True, False):
     spec = AttentionSpec.from_arrays(q, k, is_causal=is_causal)
     for kern in autotune.kernels("attention"):
-      if kern.applicable(spec, "cpu"):
+      if kern.applicable(spec, "cpu") and kern.name != "native_flash":
         closed = jax.make_jaxpr(_vjp(kernel_call(kern.fn), is_causal))(q, k, v, ct)
         assert _exp_dtypes(closed) == {"float32"}, kern.name
         seen.add(kern.name)

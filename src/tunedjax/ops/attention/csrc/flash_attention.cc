@@ -1,10 +1,11 @@
 // Flash attention on the CPU: XLA FFI handlers for the attention family's
-// `native_flash` kernel (ops/attention/_native.py).
+// `native_flash` kernel (ops/attention/_native_flash.py).
 //
 // Layouts are jax.nn.dot_product_attention's: q [B, T, N, H], k and v
 // [B, S, K, H] (query head n reads key/value head n / (N / K)), out like q.
-// The logits are q . k with q scaled already (the Python side multiplies q by
-// the scale, so no float attribute is needed), then masked as JAX masks them:
+// The logits are q . k with q scaled (the F32 handlers are given q scaled by
+// the Python side; the BF16 ones take the scale as an attribute and multiply
+// q by it in float32 as they read it), then masked as JAX masks them:
 //
 //   keep [B, S] (1.0 attends, 0.0 does not; a 0-element buffer: no mask) and,
 //   with causal = 1, key j attended by query i only when j <= i;
@@ -13,18 +14,25 @@
 //   output is the mean of v, and its saved log-sum-exp is +inf, which the
 //   backward reads as "probabilities 1/S, no logit gradient".
 //
-// Forward (TjFlashAttnFwdF32): q, k, v, keep -> out, lse [B, N, T]. Queries
-// in blocks of kBlock rows, keys in blocks of kBlock: each (b, n, query
-// block) task runs the online softmax over the key blocks, skipping the key
+// Forward (TjFlashAttnFwd{F32,BF16}): q, k, v, keep -> out, lse [B, N, T].
+// Queries in blocks of kBlock rows, keys in blocks of kBlock: each (b, n,
+// query block) task runs the online softmax over the key blocks, skipping the key
 // blocks wholly above the causal diagonal, so no [T, S] matrix exists.
 //
-// Backward (TjFlashAttnBwdF32): q, k, v, keep, out, lse, dout -> dq, dk, dv.
-// The probabilities are recomputed from the saved lse. Each task owns one
+// Backward (TjFlashAttnBwd{F32,BF16}): q, k, v, keep, out, lse, dout -> dq,
+// dk, dv. The probabilities are recomputed from the saved lse. Each task owns one
 // (b, key/value head, chunk of key blocks): for each key block it walks the
 // query blocks that see it (all G query heads of the group), accumulating
 // dK and dV in place and dQ into the chunk's own partial buffer; a second
 // pass adds the chunks' partials in chunk order. The number of chunks
 // depends on the shape alone, so the bits never depend on the thread count.
+//
+// Two dtypes: the F32 handlers (everything float32) and the BF16 ones (q, k,
+// v, out, dout and the gradients bfloat16; keep and lse float32). The BF16
+// handlers convert each element to float32 as they pack it, compute exactly
+// as the F32 ones do (float32 products, sums and softmax), and round only the
+// results to bfloat16 (to nearest even); the backward's delta = sum(out *
+// dout) reads the rounded output, as it is all it has.
 //
 // The inner loops are GCC/clang vector extensions: 16 floats where
 // -march=native has AVX-512 (register tiles of 4 rows x 4 vectors), 8 floats
@@ -40,6 +48,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "tj_parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -95,6 +104,26 @@ inline vf Exp(vf x) {
   p = p * r * r + r + Splat(1.0f);
   vf out = (vf)((vi)p + (ni << 23));
   return under ? vf{} : out;
+}
+
+// bfloat16 (XLA FFI's BF16: the top 16 bits of a float32) to and from float32,
+// rounding to nearest even as XLA's convert does (NaN stays a quiet NaN).
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void FromF32(float x, float* dst) { *dst = x; }
+inline void FromF32(float x, uint16_t* dst) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *dst = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  *dst = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 inline float HMax(vf x) {
@@ -198,21 +227,33 @@ Dims MakeDims(int64_t B, int64_t T, int64_t N, int64_t S, int64_t K, int64_t H,
   return d;
 }
 
-// Copies rows [r0, r0 + rows) of head `head` of x [B, L, heads, H] (batch b) into
-// dst [rows][Hp] (rows past L zero), and, if dst_t, transposed by blocks of rows:
+// Copies rows [r0, r0 + rows) of head `head` of x [B, L, heads, H] (batch b), as
+// float32 times `scale`, into dst [rows][Hp] (rows past L zero), and, if dst_t,
+// transposed by blocks of rows:
 // dst_t [rows / 64][Hp][64], so that one block's [Hp][64] is contiguous (a row
 // stride of a power of two, 4 KiB at 1,024 tokens, would put every row of a
 // block in the same L1 cache set).
-void PackRows(const float* x, const Dims& d, int64_t L, int64_t heads, int64_t b,
-              int64_t head, int64_t r0, int64_t rows, float* dst, float* dst_t) {
+template <typename In>
+void PackRows(const In* x, const Dims& d, int64_t L, int64_t heads, int64_t b,
+              int64_t head, int64_t r0, int64_t rows, float* dst, float* dst_t,
+              float scale = 1.0f) {
   for (int64_t r = 0; r < rows; ++r) {
     int64_t t = r0 + r;
     if (t >= L) continue;
-    const float* src = x + ((b * L + t) * heads + head) * d.H;
-    if (dst) std::memcpy(dst + r * d.Hp, src, d.H * sizeof(float));
-    if (dst_t)
-      for (int64_t h = 0; h < d.H; ++h)
-        dst_t[(r / kBlock) * d.Hp * kBlock + h * kBlock + r % kBlock] = src[h];
+    const In* src = x + ((b * L + t) * heads + head) * d.H;
+    float* col = dst_t ? dst_t + (r / kBlock) * d.Hp * kBlock + r % kBlock : nullptr;
+    if constexpr (std::is_same<In, float>::value) {
+      if (scale == 1.0f) {  // a copy (one loop converting into both is slower)
+        if (dst) std::memcpy(dst + r * d.Hp, src, d.H * sizeof(float));
+        if (col)
+          for (int64_t h = 0; h < d.H; ++h) col[h * kBlock] = src[h];
+        continue;
+      }
+    }
+    if (dst)
+      for (int64_t h = 0; h < d.H; ++h) dst[r * d.Hp + h] = ToF32(src[h]) * scale;
+    if (col)
+      for (int64_t h = 0; h < d.H; ++h) col[h * kBlock] = ToF32(src[h]) * scale;
   }
 }
 
@@ -231,15 +272,21 @@ void MaskScores(const Dims& d, const float* keep_b, int64_t i0, int64_t j0, floa
   }
 }
 
+// In: float (F32 handlers) or uint16_t (BF16: read as float32, results rounded).
+template <typename In>
 struct Fwd {
   Dims d;
-  const float *q, *keep;
+  const In* q;
+  const float* keep;
   const float *kt, *vr, *vmean;  // packed: [B*K][Hp][Sp], [B*K][Sp][Hp], [B*K][Hp]
-  float *out, *lse;
+  In* out;
+  float* lse;
+  float scale;  // times q, as it is packed
 };
 
 // One online-softmax step over key block j0 for the query block in qs.
-void FwdKeyBlock(const Fwd& f, int64_t bk, int64_t b, int64_t i0, int64_t j0,
+template <typename In>
+void FwdKeyBlock(const Fwd<In>& f, int64_t bk, int64_t b, int64_t i0, int64_t j0,
                  const float* qs, float* s, float* m, float* l, float* o) {
   const Dims& d = f.d;
   ScoreBlock(qs, kBlock, d.Hp, f.kt + (bk * d.Sp + j0) * d.Hp, kBlock, s);
@@ -267,7 +314,8 @@ void FwdKeyBlock(const Fwd& f, int64_t bk, int64_t b, int64_t i0, int64_t j0,
 }
 
 // Task (b, n, query block qb): out and lse of its rows.
-void FwdTask(const Fwd& f, int64_t b, int64_t n, int64_t qb) {
+template <typename In>
+void FwdTask(const Fwd<In>& f, int64_t b, int64_t n, int64_t qb) {
   const Dims& d = f.d;
   const int64_t kh = n / d.G, bk = b * d.K + kh, i0 = qb * kBlock;
   const int64_t rows = std::min(kBlock, d.T - i0);
@@ -275,26 +323,27 @@ void FwdTask(const Fwd& f, int64_t b, int64_t n, int64_t qb) {
   float m[kBlock], l[kBlock];
   std::fill(m, m + kBlock, -kInf);
   std::fill(l, l + kBlock, 0.0f);
-  PackRows(f.q, d, d.T, d.N, b, n, i0, rows, qs.get(), nullptr);
+  PackRows(f.q, d, d.T, d.N, b, n, i0, rows, qs.get(), nullptr, f.scale);
   const int64_t kend = d.causal ? std::min(d.S, i0 + rows) : d.S;
   for (int64_t j0 = 0; j0 < kend; j0 += kBlock)
     FwdKeyBlock(f, bk, b, i0, j0, qs.get(), s.get(), m, l, o.get());
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = f.out + ((b * d.T + i0 + r) * d.N + n) * d.H;
+    In* dst = f.out + ((b * d.T + i0 + r) * d.N + n) * d.H;
     float* lse = f.lse + (b * d.N + n) * d.T + i0 + r;
     if (d.masked && m[r] <= kNeg) {  // every key it may see masked: all S evenly
-      std::memcpy(dst, f.vmean + bk * d.Hp, d.H * sizeof(float));
+      for (int64_t h = 0; h < d.H; ++h) FromF32(f.vmean[bk * d.Hp + h], dst + h);
       *lse = kInf;
       continue;
     }
     const float inv = 1.0f / l[r];
-    for (int64_t h = 0; h < d.H; ++h) dst[h] = o.get()[r * d.Hp + h] * inv;
+    for (int64_t h = 0; h < d.H; ++h) FromF32(o.get()[r * d.Hp + h] * inv, dst + h);
     *lse = m[r] + std::log(l[r]);
   }
 }
 
 // Packs k transposed and v per (b, kv head), and v's mean over the keys if masked.
-void PackKeys(ffi::ThreadPool& pool, const Dims& d, const float* k, const float* v,
+template <typename In>
+void PackKeys(ffi::ThreadPool& pool, const Dims& d, const In* k, const In* v,
               float* kt, float* vr, float* vmean) {
   parallel_for(pool, d.B * d.K, [&](int64_t bk) {
     const int64_t b = bk / d.K, kh = bk % d.K;
@@ -311,8 +360,9 @@ void PackKeys(ffi::ThreadPool& pool, const Dims& d, const float* k, const float*
 }
 
 // Checks the operands' shapes; fills dims.
-ffi::Error CheckShapes(const char* what, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
-                       ffi::Buffer<ffi::F32>& v, ffi::Buffer<ffi::F32>& keep,
+template <ffi::DataType DT>
+ffi::Error CheckShapes(const char* what, ffi::Buffer<DT>& q, ffi::Buffer<DT>& k,
+                       ffi::Buffer<DT>& v, ffi::Buffer<ffi::F32>& keep,
                        int64_t causal, Dims* d) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] ||
@@ -334,10 +384,15 @@ ffi::Error CheckShapes(const char* what, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-ffi::Error FlashFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> keep,
-                    ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                    int64_t causal) {
+// q, k, v and out of dtype DT (F32 or BF16); keep and lse float32. The BF16
+// handler takes the logits' scale (times q as it is read, in float32; dq times
+// it too); the F32 one is given q scaled.
+template <ffi::DataType DT>
+ffi::Error FlashFwd(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
+                    ffi::Buffer<DT> v, ffi::Buffer<ffi::F32> keep,
+                    ffi::ResultBuffer<DT> out, ffi::ResultBuffer<ffi::F32> lse,
+                    int64_t causal, float scale) {
+  using In = ffi::NativeType<DT>;
   Dims d;
   ffi::Error err = CheckShapes("flash_attention_fwd", q, k, v, keep, causal, &d);
   if (err.failure()) return err;
@@ -349,8 +404,8 @@ ffi::Error FlashFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   if (d.B == 0 || d.T == 0) return ffi::Error::Success();
   Buf kt(d.B * d.K * d.Hp * d.Sp), vr(d.B * d.K * d.Sp * d.Hp), vmean(d.B * d.K * d.Hp);
   PackKeys(pool, d, k.typed_data(), v.typed_data(), kt.get(), vr.get(), vmean.get());
-  Fwd f{d, q.typed_data(), keep.typed_data(), kt.get(), vr.get(), vmean.get(),
-        out->typed_data(), lse->typed_data()};
+  Fwd<In> f{d, q.typed_data(), keep.typed_data(), kt.get(), vr.get(), vmean.get(),
+            out->typed_data(), lse->typed_data(), scale};
   // The longest causal rows first: tasks are taken in order.
   parallel_for(pool, d.B * d.N * d.nqb, [&](int64_t i) {
     const int64_t qb = d.nqb - 1 - i / (d.B * d.N), bn = i % (d.B * d.N);
@@ -361,11 +416,18 @@ ffi::Error FlashFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
 
 // ------------------------------------------------------------------ backward --
 
+template <typename In>
 struct Bwd {
   Dims d;
-  const float *q, *k, *v, *keep, *out, *lse, *dout;
-  float *dq_part, *dk, *dv;  // dq_part: [chunks][B*K][G][Tp][Hp]
+  const In *q, *k, *v;
+  const float* keep;
+  const In* out;
+  const float* lse;
+  const In* dout;
+  float* dq_part;  // [chunks][B*K][G][Tp][Hp]
+  In *dk, *dv;
   int64_t chunks;
+  float scale;  // times q, as it is packed
 };
 
 // The packed queries of one (b, kv head): per query head of the group, rows and
@@ -377,12 +439,13 @@ struct GroupPack {
         dot(d.G * d.Hp * d.Tp), lse(d.G * d.Tp), delta(d.G * d.Tp), special(d.Hp) {}
 };
 
-void PackGroup(const Bwd& w, int64_t b, int64_t kh, GroupPack& g) {
+template <typename In>
+void PackGroup(const Bwd<In>& w, int64_t b, int64_t kh, GroupPack& g) {
   const Dims& d = w.d;
   for (int64_t gi = 0; gi < d.G; ++gi) {
     const int64_t n = kh * d.G + gi;
     PackRows(w.q, d, d.T, d.N, b, n, 0, d.T, g.qr.get() + gi * d.Tp * d.Hp,
-             g.qt.get() + gi * d.Hp * d.Tp);
+             g.qt.get() + gi * d.Hp * d.Tp, w.scale);
     PackRows(w.dout, d, d.T, d.N, b, n, 0, d.T, g.dor.get() + gi * d.Tp * d.Hp,
              g.dot.get() + gi * d.Hp * d.Tp);
     float* lse = g.lse.get() + gi * d.Tp;
@@ -393,10 +456,10 @@ void PackGroup(const Bwd& w, int64_t b, int64_t kh, GroupPack& g) {
         continue;
       }
       lse[t] = w.lse[(b * d.N + n) * d.T + t];
-      const float* o = w.out + ((b * d.T + t) * d.N + n) * d.H;
+      const In* o = w.out + ((b * d.T + t) * d.N + n) * d.H;
       const float* dor = g.dor.get() + (gi * d.Tp + t) * d.Hp;
       float sum = 0.0f;
-      for (int64_t h = 0; h < d.H; ++h) sum += o[h] * dor[h];
+      for (int64_t h = 0; h < d.H; ++h) sum += ToF32(o[h]) * dor[h];
       delta[t] = sum;
       if (lse[t] == kInf)
         for (int64_t h = 0; h < d.H; ++h) g.special.get()[h] += dor[h];
@@ -432,7 +495,8 @@ struct Scratch {
 };
 
 // One (key block, query block, query head) step: dV, dK and dQ's partial.
-void BwdPair(const Bwd& w, const GroupPack& g, Scratch& x, int64_t b, int64_t gi,
+template <typename In>
+void BwdPair(const Bwd<In>& w, const GroupPack& g, Scratch& x, int64_t b, int64_t gi,
              int64_t i0, int64_t j0, float* dq) {
   const Dims& d = w.d;
   const float* qt = g.qt.get() + (gi * d.Tp + i0) * d.Hp;  // block i0 / 64 of [Hp][64]
@@ -455,7 +519,8 @@ void BwdPair(const Bwd& w, const GroupPack& g, Scratch& x, int64_t b, int64_t gi
 }
 
 // Task (b, kv head, chunk of key blocks): dK and dV of its keys, its dQ partial.
-void BwdTask(const Bwd& w, int64_t b, int64_t kh, int64_t chunk) {
+template <typename In>
+void BwdTask(const Bwd<In>& w, int64_t b, int64_t kh, int64_t chunk) {
   const Dims& d = w.d;
   int64_t kb_lo, kb_hi;
   split_range(d.nkb, w.chunks, chunk, &kb_lo, &kb_hi);
@@ -477,19 +542,21 @@ void BwdTask(const Bwd& w, int64_t b, int64_t kh, int64_t chunk) {
     for (int64_t r = 0; r < keys; ++r) {
       const int64_t o = ((b * d.S + j0 + r) * d.K + kh) * d.H;
       for (int64_t h = 0; h < d.H; ++h) {
-        w.dk[o + h] = x.dk.get()[r * d.Hp + h];
-        w.dv[o + h] = x.dv.get()[r * d.Hp + h] + g.special.get()[h];
+        FromF32(x.dk.get()[r * d.Hp + h], w.dk + o + h);
+        FromF32(x.dv.get()[r * d.Hp + h] + g.special.get()[h], w.dv + o + h);
       }
     }
   }
 }
 
-ffi::Error FlashBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> keep,
-                    ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                    int64_t causal) {
+template <ffi::DataType DT>
+ffi::Error FlashBwd(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k,
+                    ffi::Buffer<DT> v, ffi::Buffer<ffi::F32> keep,
+                    ffi::Buffer<DT> out, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<DT> dout, ffi::ResultBuffer<DT> dq,
+                    ffi::ResultBuffer<DT> dk, ffi::ResultBuffer<DT> dv,
+                    int64_t causal, float scale) {
+  using In = ffi::NativeType<DT>;
   Dims d;
   ffi::Error err = CheckShapes("flash_attention_bwd", q, k, v, keep, causal, &d);
   if (err.failure()) return err;
@@ -506,33 +573,50 @@ ffi::Error FlashBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
       1, std::min(d.nkb, (kMinBackwardTasks + pairs - 1) / pairs));
   const int64_t part = pairs * d.G * d.Tp * d.Hp;
   Buf dq_part(chunks * part);
-  Bwd w{d, q.typed_data(), k.typed_data(), v.typed_data(), keep.typed_data(),
-        out.typed_data(), lse.typed_data(), dout.typed_data(), dq_part.get(),
-        dk->typed_data(), dv->typed_data(), chunks};
+  Bwd<In> w{d, q.typed_data(), k.typed_data(), v.typed_data(), keep.typed_data(),
+            out.typed_data(), lse.typed_data(), dout.typed_data(), dq_part.get(),
+            dk->typed_data(), dv->typed_data(), chunks, scale};
   parallel_for(pool, pairs * chunks, [&](int64_t i) {
     BwdTask(w, (i % pairs) / d.K, i % d.K, i / pairs);
   });
   // dQ: the chunks' partials added in chunk order, one (b, query head) a task.
-  float* dqp = dq->typed_data();
+  In* dqp = dq->typed_data();
   parallel_for(pool, d.B * d.N, [&](int64_t bn) {
     const int64_t b = bn / d.N, n = bn % d.N;
     const int64_t base = ((b * d.K + n / d.G) * d.G + n % d.G) * d.Tp * d.Hp;
     for (int64_t t = 0; t < d.T; ++t) {
-      float* dst = dqp + ((b * d.T + t) * d.N + n) * d.H;
+      In* dst = dqp + ((b * d.T + t) * d.N + n) * d.H;
       for (int64_t h = 0; h < d.H; ++h) {
         float sum = 0.0f;
         for (int64_t c = 0; c < chunks; ++c) sum += dq_part.get()[c * part + base + t * d.Hp + h];
-        dst[h] = sum;
+        FromF32(sum * scale, dst + h);  // scale: 1 for F32 (exact)
       }
     }
   });
   return ffi::Error::Success();
 }
 
+// The F32 handlers: q scaled already.
+ffi::Error FlashFwdF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> keep,
+                       ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                       int64_t causal) {
+  return FlashFwd<ffi::F32>(pool, q, k, v, keep, out, lse, causal, 1.0f);
+}
+
+ffi::Error FlashBwdF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> keep,
+                       ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
+                       ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+                       ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
+                       int64_t causal) {
+  return FlashBwd<ffi::F32>(pool, q, k, v, keep, out, lse, dout, dq, dk, dv, causal, 1.0f);
+}
+
 }  // namespace
 }  // namespace tunedjax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnFwdF32, tunedjax::FlashFwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnFwdF32, tunedjax::FlashFwdF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -543,7 +627,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnFwdF32, tunedjax::FlashFwd,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnBwdF32, tunedjax::FlashBwd,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnBwdF32, tunedjax::FlashBwdF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -557,3 +641,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnBwdF32, tunedjax::FlashBwd,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal"));
+
+// BF16: q, k, v, out, dout, dq, dk, dv bfloat16; keep and lse float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnFwdBF16, tunedjax::FlashFwd<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TjFlashAttnBwdBF16, tunedjax::FlashBwd<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("causal")
+                                  .Attr<float>("scale"));
