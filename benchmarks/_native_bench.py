@@ -11,7 +11,7 @@ whole train step tuned, then compiled from edited copies of its tuning cache
 - `cache_variants`: copies of the tuned cache with each bucket's winner reset.
 - `compile_steps`, `time_steps`: the step compiled under each configuration
   (each checked against `jax.jit`), then timed in interleaved rounds.
-- `step_table`, `tuner_table`, `checks_lines`: their Markdown.
+- `tuner_table`, `checks_lines`: their Markdown.
 """
 
 from __future__ import annotations
@@ -213,7 +213,3 @@ def tuner_table(rows: Sequence[Mapping[str, Any]], kernels: Sequence[str], new: 
                  f"{ratios} |")
   return "\n".join(lines)
 
-
-def step_table(t: harness.Timings, *, burst: int = 1) -> str:
-  """The whole step's ratio table (ms per step)."""
-  return harness.ratio_table(t, unit="ms per step" if burst > 1 else "ms")

@@ -131,7 +131,8 @@ def render(result: harness.Result) -> str:
                                    if p["reps"] > 1 else "")
            + f". {result.machine} {result.load_line()}", "",
            "| step | 1x1 conv | form | xla (ms) | old kernel | old (ms) | native (ms) "
-           "| native / old, median | range | A/A |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| native / old, median | range | A/A |",
+           "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
   for net, conv, form in result.figures["buckets"]:
     t, old = result.timings[f"{net} {conv} {form}"], _old(form)
     lo, hi = t.spread(NATIVE)

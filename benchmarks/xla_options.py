@@ -197,9 +197,10 @@ def render(result: harness.Result) -> str:
   lines = ["## XLA:CPU compiler options per program", "",
            f"`benchmarks/run.py xla_options{' --quick' * p['quick']}`: each candidate compiled "
            "with `lower(...).compile(compiler_options=...)`, checked against the default "
-           f"program (bound {BOUND:g}), timed in {p['rounds']} interleaved rounds of "
-           f"{p['reps']} steps (their mean); ratio = median of per-round ratios to the default. "
-           f"{result.machine} {result.load_line()}"]
+           f"program (bound {BOUND:g}), timed in {p['rounds']} interleaved rounds"
+           + (f" of {p['reps']} steps (their mean)" if p["reps"] > 1 else "")
+           + f"; ratio = median of per-round ratios to the default. {result.machine} "
+           + result.load_line()]
   for name in p["programs"]:
     fig = result.figures[name]
     lines += ["", f"**{name}**", "",
