@@ -1,4 +1,4 @@
-"""The ``direct_native`` conv kernel: per bucket (tuner times) and inside the whole train steps.
+"""The ``direct_native`` conv kernel: per bucket and inside the whole train steps.
 
 For each of the two steps of `benchmarks/vs_pytorch.py` (the MobileNet-style
 step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
@@ -8,89 +8,42 @@ step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
    timings of it and of ``xla``, ``im2col``, ``window_matmul`` (the table:
    each kernel's median over the tuner's rounds, and the chosen one).
 2. Copies of that cache have ``direct_native``'s winners set back to the
-   kernel the tuner would have chosen without it (the fastest other candidate
-   that beat ``xla`` by the tuner's margin, else ``xla``): in every bucket
-   ("current", the family's winners before this kernel), in the
-   weight-gradient buckets only ("window form only") or in the window buckets
-   only ("weight-gradient form only"); the tuned cache itself is "both forms".
-3. One process, the four compiled steps (each checked against `jax.jit` on
-   one step first): timed in interleaved rounds (`_harness.interleaved`,
-   rotated order, "current" timed twice as an A/A control); each ratio is the
-   median of per-round ratios to "current".
+   kernel the tuner would have chosen without it (its own rule on the other
+   kernels' ratios): in every bucket ("current", the family's winners before
+   this kernel), in the weight-gradient buckets only ("window form only") or
+   in the window buckets only ("weight-gradient form only"); the tuned cache
+   itself is "both forms".
+3. The four compiled steps (each checked against `jax.jit` on one step
+   first), timed in interleaved rounds ("current" timed twice as an A/A
+   control), by the wall clock and by this process's CPU time; each ratio is
+   the median of per-round ratios to "current".
 
-Run from the repository root:
+Then each dense-window bucket of the two steps alone (`BUCKETS`): the
+applicable kernels (``fft`` and ``pallas`` left out) in interleaved rounds,
+their times as ratios to ``xla``'s, ``xla`` timed twice as A/A.
 
-  PYTHONPATH=src:benchmarks python benchmarks/direct_native.py [--net demo|mobilenet|both]
-      [--rounds N] [--quick]
-  PYTHONPATH=src:benchmarks python benchmarks/direct_native.py --buckets [--rounds N]
-      (each dense-window bucket of the two steps alone: the kernels' times as
-      ratios to xla's, interleaved, xla timed twice as A/A)
+``--quick``: the smoke run's small steps, 2 rounds, one bucket alone. Prints
+its tables; writes no section.
+
+Run: `.venv/bin/python benchmarks/run.py direct_native [--quick]`.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import gc
-import os
-import shutil
-import statistics
-import sys
 import tempfile
-import time
 from typing import Any
 
-os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")  # the JAX side only: no torch
+import _native_bench as nb
+import harness
+import numpy as np
 
-import harness as _harness  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import vs_pytorch  # pylint: disable=wrong-import-position
-
-import tunedjax as tj  # pylint: disable=wrong-import-position
-from tunedjax import autotune  # pylint: disable=wrong-import-position
-from tunedjax.ops.conv import _native_direct as direct  # pylint: disable=wrong-import-position
-from tunedjax.autotune import _registry, _tuner  # pylint: disable=wrong-import-position
-from tunedjax.ops.conv._spec import ConvSpec  # pylint: disable=wrong-import-position
+from tunedjax.autotune import _registry
+from tunedjax.ops.conv import _native_direct as direct
+from tunedjax.ops.conv._family import describe_conv
+from tunedjax.ops.conv._spec import ConvSpec
 
 KERNELS = ("xla", "im2col", "window_matmul", "direct_native")
 NEW = "direct_native"
-
-
-def _without_native(value: dict[str, Any]) -> str:
-  """The winner the tuner would have chosen from `value`'s timings without ``direct_native``."""
-  med = {k: statistics.median(v) for k, v in value["timings"].items()
-         if k != NEW and k not in value.get("rejected", {}) and v}
-  best = min(med, key=med.get)
-  return best if med[best] < med["xla"] / (1 + _tuner.DEFAULT_MARGIN) else "xla"
-
-
-def _form(key: dict[str, Any]) -> str:
-  spec = ConvSpec.from_dict({k: key[k] for k in ConvSpec.__dataclass_fields__})
-  return "window" if direct.is_window_form(spec) else "wgrad"
-
-
-def bucket_rows(cache_dir: str) -> list[str]:
-  rows = []
-  for entry in autotune.Cache(cache_dir).entries("conv"):
-    value, key = entry.value, entry.key
-    if NEW not in value.get("timings", {}):
-      continue
-    med = {k: statistics.median(v) * 1e3 for k, v in value["timings"].items() if v}
-    cells = " | ".join(f"{med[k]:.2f}" if k in med else "-" for k in KERNELS)
-    before = _without_native(value)
-    ratio = med.get(NEW, float("nan")) / med[before]
-    rows.append(f"| {autotune_describe(key)} ({_form(key)}) | {cells} | "
-                f"{value['winner']} | {before} | {ratio:.2f} |")
-  return rows
-
-
-def autotune_describe(key: dict[str, Any]) -> str:
-  from tunedjax.ops.conv._family import describe_conv  # pylint: disable=import-outside-toplevel
-  return describe_conv(key)
-
-
 _NHWC = ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))      # forward
 _DGRAD = ((0, 3, 1, 2), (2, 3, 0, 1), (0, 3, 1, 2))     # input gradient
 _WGRAD = ((3, 0, 1, 2), (3, 0, 1, 2), (2, 3, 0, 1))     # weight gradient
@@ -118,128 +71,77 @@ BUCKETS = {
     "demo bottleneck 3x3, weight gradient":
         _bucket((128, 8, 8, 32), (128, 8, 8, 32), (1, 1), ((1, 1), (1, 1)), (1, 1), _WGRAD),
 }
+QUICK_BUCKETS = ("demo bottleneck 3x3, forward (128x8x8x32, 3x3x32x32)",)
+# Which buckets keep direct_native in each variant's cache (by form); the others are set back.
+VARIANTS = {"current": (), "window form only": ("window",),
+            "weight-gradient form only": ("wgrad",), "both forms": ("window", "wgrad")}
 
 
-def run_buckets(rounds: int) -> None:
-  """Each bucket's applicable kernels (fft and pallas left out) timed alone, interleaved."""
+def _form(key: dict[str, Any]) -> str:
+  return "window" if direct.is_window_form(nb.conv_spec(key)) else "wgrad"
+
+
+def _set_back(keep: tuple[str, ...]):
+  def winner(entry):
+    if entry.value["winner"] == NEW and _form(entry.key) not in keep:
+      return nb.without(entry.value, (NEW,))
+    return None
+  return winner
+
+
+def measure(quick: bool = False) -> harness.Result:
+  """Both steps (tuner buckets, the four steps timed), then the buckets alone."""
+  rounds = 2 if quick else 9
+  result = harness.Result("direct_native", params={"quick": quick, "rounds": rounds})
+  for net in nb.NETS:
+    step, args = nb.net_step(net, quick)
+    with tempfile.TemporaryDirectory(prefix="direct_native_") as tmp:
+      tuned = f"{tmp}/tuned"
+      _, tuning_s = nb.tune(step, args, {"kernel": {"enable": True}, "cache": {"dir": tuned}})
+      rows = nb.tuner_rows(tuned, "conv", (NEW,), keep=lambda e: NEW in e.value["timings"])
+      configs = nb.cache_variants(tuned, tmp, "conv",
+                                  {name: _set_back(keep) for name, keep in VARIANTS.items()})
+      steps = nb.compile_steps(step, args, configs, op="conv")
+      t = nb.time_steps(steps, args, baseline="current", rounds=rounds, cpu_time=True)
+    result.timings[net] = t
+    result.timings[f"{net}, CPU time"] = t.cpu_time()
+    result.figures[net] = {"tuning_s": tuning_s, "buckets": rows, "checks": nb.checks(steps)}
   rng = np.random.default_rng(0)
-  print("| bucket | xla (ms) | im2col | window_matmul | direct_native | A/A | load |\n"
-        "|---|---:|---:|---:|---:|---:|---:|")
-  for name, spec in BUCKETS.items():
-    x = jnp.asarray(rng.normal(size=spec.lhs_shape).astype(np.float32))
-    w = jnp.asarray(rng.normal(size=spec.rhs_shape).astype(np.float32))
-    variants = {}
-    for kernel in _registry.applicable_kernels(spec, "cpu", "conv"):
-      if kernel.name in KERNELS:
-        fn = jax.jit(lambda a, b, k=kernel, s=spec: k.fn(a, b, s))
-        variants[kernel.name] = lambda fn=fn, x=x, w=w: jax.block_until_ready(fn(x, w))
-    load = os.getloadavg()[0]
-    t = _harness.interleaved(variants, baseline="xla", rounds=rounds, warmup=1)
-    cells = [f"{t.ratio(k):.2f}" if k in variants else "-" for k in KERNELS[1:]]
-    print(f"| {name} | {t.median('xla') * 1e3:.2f} | {' | '.join(cells)} | "
-          f"{t.ratio(_harness.CONTROL):.2f} | {load:.1f} |")
+  alone = []
+  for name in QUICK_BUCKETS if quick else BUCKETS:
+    spec = BUCKETS[name]
+    kernels = [k.name for k in _registry.applicable_kernels(spec, "cpu", "conv")
+               if k.name in KERNELS]
+    result.timings[name], _ = nb.time_kernels(spec, kernels, baseline="xla", rounds=rounds,
+                                              rng=rng)
+    alone.append(name)
+  result.figures["alone"] = alone
+  return result.done()
 
 
-def interleaved_wall_and_cpu(variants, *, baseline: str, rounds: int, warmup: int = 1
-                             ) -> tuple[_harness.Timings, _harness.Timings]:
-  """`_harness.interleaved`'s rounds (rotated order, the baseline again as the A/A
-  control), timing each call by the wall clock and by this process's CPU time.
-
-  On a machine other jobs load, the wall clock also counts the time this
-  process waits for a core; its CPU time counts the work it did (spinning
-  pool threads included), a second view with less of that noise.
-  """
-  names = [*variants, _harness.CONTROL]
-  fns = {**variants, _harness.CONTROL: variants[baseline]}
-  wall: dict[str, list[float]] = {n: [] for n in names}
-  cpu: dict[str, list[float]] = {n: [] for n in names}
-  for r in range(warmup + rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      gc.collect()
-      start, start_cpu = time.perf_counter(), time.process_time()
-      fns[name]()
-      if r >= warmup:
-        wall[name].append(time.perf_counter() - start)
-        cpu[name].append(time.process_time() - start_cpu)
-  return _harness.Timings(wall, baseline), _harness.Timings(cpu, baseline)
-
-
-def run(net: str, rounds: int, quick: bool) -> None:
-  step, args = vs_pytorch.net_problem(net, quick)[:2]
-
-  tmp = tempfile.mkdtemp(prefix="direct_native_")
-  tuned = os.path.join(tmp, "tuned")
-  with tj.config_context({"kernel": {"enable": True}, "cache": {"dir": tuned}}):
-    start = time.perf_counter()
-    jax.block_until_ready(tj.jit(step, session=autotune.TuningSession())(*args))
-  print(f"{net}: tuned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-  print("| bucket (form) | xla (ms) | im2col (ms) | window_matmul (ms) | direct_native (ms) | "
-        "chosen | current winner | direct_native / current |\n"
-        "|---|---:|---:|---:|---:|---|---|---:|")
-  print("\n".join(bucket_rows(tuned)))
-
-  # The same tuned cache with direct_native's winners set back to the current
-  # winner: in every bucket ("current"), in the weight-gradient buckets only
-  # (the window form kept) and in the window buckets only.
-  variants = {"current": ("window", "wgrad"), "window form only": ("wgrad",),
-              "weight-gradient form only": ("window",), "both forms": ()}
-  configs = {}
-  for name, revert in variants.items():
-    folder = os.path.join(tmp, name.replace(" ", "_"))
-    shutil.copytree(tuned, folder, ignore=shutil.ignore_patterns("native"))
-    cache = autotune.Cache(folder)
-    for entry in cache.entries("conv"):
-      if entry.value["winner"] == NEW and _form(entry.key) in revert:
-        cache.put("conv", entry.key, {**entry.value, "winner": _without_native(entry.value)})
-    configs[name] = {"kernel": {"enable": True}, "cache": {"dir": folder}}
-
-  ref = jax.jit(step)(*args)
-  steps = {}
-  for name, conf in configs.items():
-    with tj.config_context(conf):
-      fn = steps[name] = tj.jit(step, session=autotune.TuningSession())
-      got = fn(*args)
-      chosen = collections.Counter(
-          str(c) for c in fn.report(memory=False).last.kernel_report.of("conv"))
-    err = vs_pytorch.agreement(float(got[0]), vs_pytorch.flat_names(got[1]), float(ref[0]),
-                               vs_pytorch.flat_names(ref[1]))
-    print(f"{net}: {name}: one step vs jax.jit {err:.1e}; conv sites: {dict(chosen)}",
-          file=sys.stderr)
-
-  def timed(fn, conf):
-    def call():
-      with tj.config_context(conf):
-        return jax.block_until_ready(fn(*args))
-    return call
-
-  load = os.getloadavg()[0]
-  wall, cpu = interleaved_wall_and_cpu(
-      {name: timed(steps[name], configs[name]) for name in variants}, baseline="current",
-      rounds=rounds)
-  print(f"\n{net} step, {rounds} rounds, load {load:.1f} before, "
-        f"{os.getloadavg()[0]:.1f} after; wall time:")
-  print(_harness.ratio_table(wall))
-  print("\nthis process's CPU time (user + system, every thread) per step:")
-  print(_harness.ratio_table(cpu))
-  shutil.rmtree(tmp, ignore_errors=True)
-
-
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--net", choices=("demo", "mobilenet", "both"), default="both")
-  parser.add_argument("--rounds", type=int, default=9)
-  parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke)")
-  parser.add_argument("--buckets", action="store_true",
-                      help="time the dense-window buckets alone instead of the steps")
-  args = parser.parse_args(argv)
-  print(_harness.machine_line())
-  if args.buckets:
-    run_buckets(args.rounds)
-    return 0
-  for net in ("mobilenet", "demo") if args.net == "both" else (args.net,):
-    run(net, args.rounds, args.quick)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+def render(result: harness.Result) -> str:
+  p = result.params
+  lines = ["## Native direct convolutions (`benchmarks/direct_native.py`)", "",
+           f"`benchmarks/run.py direct_native{' --quick' * p['quick']}`. "
+           f"{result.machine} {result.load_line()}"]
+  for net in nb.NETS:
+    fig = result.figures[net]
+    lines += ["", f"**{net}**: tuned in {fig['tuning_s']:.1f} s; the tuner's timings of the "
+              f"buckets where `{NEW}` is a candidate (median of its rounds):", "",
+              nb.tuner_table(fig["buckets"], KERNELS, (NEW,),
+                             lambda key: f"{describe_conv(key)} ({_form(key)})"),
+              "", f"{net} step, {p['rounds']} interleaved rounds; wall time:", "",
+              harness.ratio_table(result.timings[net]), "",
+              "this process's CPU time (user + system, every thread) per step:", "",
+              harness.ratio_table(result.timings[f"{net}, CPU time"]), "",
+              *nb.checks_lines(net, fig["checks"])]
+  lines += ["", f"Each dense-window bucket alone: time over `xla`'s, {p['rounds']} interleaved "
+            "rounds (`fft` and `pallas` left out; `-`: not applicable):", "",
+            "| bucket | xla (ms) | im2col | window_matmul | direct_native | A/A |",
+            "|---|---:|---:|---:|---:|---:|"]
+  for name in result.figures["alone"]:
+    t = result.timings[name]
+    cells = [f"{t.ratio(k):.2f}" if k in t.runs else "-" for k in KERNELS[1:]]
+    lines.append(f"| {name} | {t.median('xla') * 1e3:.2f} | {' | '.join(cells)} | "
+                 f"{t.ratio(harness.CONTROL):.2f} |")
+  return "\n".join(lines)

@@ -21,20 +21,20 @@ jaxlib was built without, or one that does not apply to the program); the
 others act below the HLO (code generation, scheduling, threads) and are
 always timed.
 
-Run: `.venv/bin/python benchmarks/xla_options.py [--quick] [--rounds N] [--reps N]`.
+``--quick``: the smoke run's small steps, one fusion-level and one code-generation
+candidate (`QUICK`), 2 rounds of 1 step. Prints its tables; writes no section.
+
+Run: `.venv/bin/python benchmarks/run.py xla_options [--quick]`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import harness as _harness
+import harness
 import jax
 import jax.numpy as jnp
 import kernels as kernels_bench
@@ -75,6 +75,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "no fusion emitters": {"xla_cpu_use_fusion_emitters": False},
     "Eigen single-threaded": {"xla_cpu_multi_thread_eigen": False},
 }
+QUICK = ("YNNPACK + elementwise fusions", "512-bit vectors")
 
 
 def _normal(rng, shape, scale=1.0):
@@ -140,8 +141,10 @@ def rel_error(got: Any, want: Any) -> float:
              for g, w in leaves)
 
 
-def measure(name: str, lowered: Any, args: tuple[Any, ...], candidates: Mapping[str, dict],
-            rounds: int, reps: int) -> list[str]:
+def _program(lowered: Any, args: tuple[Any, ...], candidates: Mapping[str, dict],
+             rounds: int, reps: int) -> tuple[harness.Timings, dict[str, str], list[str]]:
+  """The default program and each candidate's, checked, then timed: the timings, a note
+  per timed candidate and the candidates not timed (and why)."""
   default = lowered.compile()
   hlo = default.as_text()
   want = jax.block_until_ready(default(*args))
@@ -150,11 +153,7 @@ def measure(name: str, lowered: Any, args: tuple[Any, ...], candidates: Mapping[
   skipped: list[str] = []
 
   def runner(exe):
-    def run():
-      for _ in range(reps):
-        out = exe(*args)
-      return jax.block_until_ready(out)
-    return run
+    return lambda: jax.block_until_ready(exe(*args))
 
   variants["default"] = runner(default)
   for cand, options in candidates.items():
@@ -174,44 +173,38 @@ def measure(name: str, lowered: Any, args: tuple[Any, ...], candidates: Mapping[
       skipped.append(f"{cand} (rel. error {err:.1e} > {BOUND:g})")
       continue
     variants[cand] = runner(exe)
-  print(f"{name}: timing {len(variants)} variants", file=sys.stderr)
-  t = _harness.interleaved(variants, baseline="default", rounds=rounds, warmup=1)
-  lines = ["", f"**{name}** ({reps} steps per timing)", "",
-           _harness.ratio_table(t, unit=f"ms per {reps} steps", notes=notes)]
-  if skipped:
-    lines += ["", "Not timed: " + "; ".join(skipped) + "."]
-  return lines
+  t = harness.interleaved(variants, baseline="default", rounds=rounds, warmup=1, burst=reps)
+  return t, notes, skipped
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--reps", type=int, default=None)
-  parser.add_argument("--only", default=None, help="comma-separated candidate names")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 9)
-  reps = args.reps or (1 if args.quick else 3)
-  candidates = CANDIDATES
-  if args.quick:  # the smoke run: one fusion-level and one code-generation candidate
-    candidates = {k: CANDIDATES[k] for k in ("YNNPACK + elementwise fusions", "512-bit vectors")}
-  if args.only:
-    candidates = {k: v for k, v in CANDIDATES.items() if k in args.only.split(",")}
-  load = os.getloadavg()[0]
-  cache_dir = tempfile.mkdtemp(prefix="tunedjax-xla-options-")
-  progs = programs(args.quick, cache_dir)
+def measure(quick: bool = False) -> harness.Result:
+  """Every program with every candidate (`QUICK` with `quick`), against its default."""
+  rounds, reps = (2, 1) if quick else (9, 3)
+  candidates = {k: CANDIDATES[k] for k in QUICK} if quick else CANDIDATES
+  result = harness.Result("xla_options", params={"quick": quick, "rounds": rounds,
+                                                 "reps": reps, "programs": []})
+  with tempfile.TemporaryDirectory(prefix="tunedjax-xla-options-") as cache_dir:
+    for name, (lowered, args) in programs(quick, cache_dir).items():
+      t, notes, skipped = _program(lowered, args, candidates, rounds, reps)
+      result.timings[name] = t
+      result.figures[name] = {"notes": notes, "not_timed": skipped}
+      result.params["programs"].append(name)
+  return result.done()
+
+
+def render(result: harness.Result) -> str:
+  p = result.params
   lines = ["## XLA:CPU compiler options per program", "",
-           ("`benchmarks/xla_options.py`: each candidate compiled with "
-           "`lower(...).compile(compiler_options=...)`, checked against the default program "
-           f"(bound {BOUND:g}), timed in {rounds} interleaved rounds; ratio = median of "
-           "per-round ratios to the default.")]
-  for name, (lowered, a) in progs.items():
-    lines += measure(name, lowered, a, candidates, rounds, reps)
-  lines += ["", f"Load average {load:.1f} before, {os.getloadavg()[0]:.1f} after. "
-            + _harness.machine_line()]
-  print("\n".join(lines))
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+           f"`benchmarks/run.py xla_options{' --quick' * p['quick']}`: each candidate compiled "
+           "with `lower(...).compile(compiler_options=...)`, checked against the default "
+           f"program (bound {BOUND:g}), timed in {p['rounds']} interleaved rounds"
+           + (f" of {p['reps']} steps (their mean)" if p["reps"] > 1 else "")
+           + f"; ratio = median of per-round ratios to the default. {result.machine} "
+           + result.load_line()]
+  for name in p["programs"]:
+    fig = result.figures[name]
+    lines += ["", f"**{name}**", "",
+              harness.ratio_table(result.timings[name], unit="ms per step", notes=fig["notes"])]
+    if fig["not_timed"]:
+      lines += ["", "Not timed: " + "; ".join(fig["not_timed"]) + "."]
+  return "\n".join(lines)

@@ -40,6 +40,14 @@ class Timings:
 
   runs: Mapping[str, list[float]]
   baseline: str
+  cpu: Mapping[str, list[float]] | None = None  # with `interleaved(cpu_time=True)`
+
+  def cpu_time(self) -> "Timings":
+    """The same runs by this process's CPU time (user + system, every thread):
+    a second view, less moved by waiting for a core on a shared machine."""
+    if self.cpu is None:
+      raise ValueError("timed without cpu_time=True")
+    return Timings(self.cpu, self.baseline)
 
   def median(self, name: str) -> float:
     return statistics.median(self.runs[name])
@@ -58,7 +66,7 @@ class Timings:
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
                 rounds: int = 7, warmup: int = 1, prime: bool | int = False,
-                burst: int = 1) -> Timings:
+                burst: int = 1, cpu_time: bool = False) -> Timings:
   """Times each variant once per round, rotating the order each round.
 
   The baseline is also timed a second time under the name `CONTROL`, as an
@@ -77,19 +85,24 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
       spin for a few ms on the same cores; after 0.1 s without work, XLA:CPU's
       next few calls run up to 1.6x slower on these machines).
     burst: consecutive calls timed per round; the round's time is their mean.
+    cpu_time: also record each run's process CPU time (`Timings.cpu_time`).
   """
   names = [*variants, CONTROL]
   fns = {**variants, CONTROL: variants[baseline]}
   runs: dict[str, list[float]] = {n: [] for n in names}
+  cpu: dict[str, list[float]] = {n: [] for n in names}
   for r in range(warmup + rounds):
     for name in rotated(names, r):
       gc.collect()  # a collection triggered by an earlier variant is not charged to this one
       for _ in range(int(prime)):
         fns[name]()
+      start_cpu = time.process_time() if cpu_time else 0.0
       start = time.perf_counter()
       for _ in range(burst):
         fns[name]()
       elapsed = (time.perf_counter() - start) / burst
       if r >= warmup:
         runs[name].append(elapsed)
-  return Timings(runs, baseline)
+        if cpu_time:
+          cpu[name].append((time.process_time() - start_cpu) / burst)
+  return Timings(runs, baseline, cpu if cpu_time else None)
