@@ -212,11 +212,12 @@ def measure(quick: bool = False, *, work: str | None = None,
             networks: tuple[str, ...] = NETWORKS) -> harness.Result:
   """Collects every network into `work` (a fresh folder by default) and replays the
   measurements: the records and the evaluation's rows."""
+  result = harness.Result("kernel_priors", params={"quick": quick, "networks": list(networks)})
   folder = pathlib.Path(work or tempfile.mkdtemp(prefix="tunedjax-kernel-priors-"))
   collect(folder, networks, quick)
   recs = records(folder, networks)
-  return harness.Result("kernel_priors", params={"quick": quick, "networks": list(networks)},
-                        figures={"records": recs, "rows": evaluate(recs, networks)})
+  result.figures.update(records=recs, rows=evaluate(recs, networks))
+  return result
 
 
 def render(result: harness.Result) -> str:
