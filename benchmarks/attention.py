@@ -15,7 +15,7 @@ its attention swapped by `tunedjax.use_tuned_attention` and compiled by
 ``Trainer(autotune=True)``; its first call tunes the attention bucket), against
 the unswapped model under plain `jax.jit`, interleaved with an A/A control.
 
-Part 3 (``--hand-written``, on its own): causal attention written by hand
+Part 3, its own section: causal attention written by hand
 (``einsum``, a ``jnp.tril`` mask by ``where``, ``jax.nn.softmax``, ``einsum``),
 its forward and backward (`jax.grad` inside the step) compiled by plain
 `jax.jit` against `tunedjax.jit` with kernel selection on, which finds the
@@ -23,22 +23,20 @@ attention in the jaxpr, recognises the mask as causal and tunes the site (a
 fresh cache: the first call tunes), at 1,024 and 2,048 tokens, interleaved
 with an A/A control.
 
-Run: `.venv/bin/python benchmarks/attention.py [--quick|--smoke] [--write] [--rounds N]
-[--hand-written]`.
+Run: `.venv/bin/python benchmarks/run.py attention [--quick] [--write]` (every part;
+`measure(parts=("hand-written",))` for part 3 alone).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
-import sys
+import pathlib
 import tempfile
 import time
 import warnings
 from typing import Any
 
-import harness as _harness
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,19 +48,9 @@ from tunedjax.ops.attention._spec import AttentionSpec
 from tunedjax.demo import TransformerLM, lm_data, lm_loss
 
 HEADS, HEAD_DIM = 8, 64
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # out of reports
-
-
-@dataclasses.dataclass
-class Row:
-  tokens: int
-  causal: bool
-  kernel: str
-  forward: float
-  forward_ms: float
-  backward: float
-  backward_ms: float
-  temp_mib: float
+ROOT = str(pathlib.Path(__file__).resolve().parents[1]) + os.sep  # out of reports
+TUNED = "tunedjax (tuned attention)"
+PARTS = ("buckets", "hand-written")
 
 
 def _hinted(kernel: str):
@@ -108,7 +96,9 @@ def _compiled(fn, kernel: str, args) -> Any | None:
 
 
 def bucket_rows(tokens: int, rounds: int, causal: bool = False
-                ) -> tuple[list[Row], dict[str, _harness.Timings]]:
+                ) -> tuple[list[dict[str, Any]], dict[str, harness.Timings]]:
+  """Every applicable kernel pinned, forward and forward+backward against `xla`: a row
+  per kernel (speedups, medians, temporaries) and the two timings."""
   args = _operands(tokens)
   spec = AttentionSpec.from_arrays(args[0], args[1], is_causal=causal)
   kernels = [k.name for k in tj.autotune.kernels("attention")
@@ -125,14 +115,13 @@ def bucket_rows(tokens: int, rounds: int, causal: bool = False
           with _hinted(name):
             figures = call.jitted.memory_analysis(*args)
           temps[name] = figures.temp_bytes / 2**20 if figures else float("nan")
-    timings[what] = _harness.interleaved(calls, baseline="xla", rounds=rounds)
+    timings[what] = harness.interleaved(calls, baseline="xla", rounds=rounds)
   fwd, both = timings["forward"], timings["forward+backward"]
-  rows = [Row(tokens, causal, name, 1 / fwd.ratio(name), 1e3 * fwd.median(name),
-              1 / both.ratio(name), 1e3 * both.median(name), temps.get(name, float("nan")))
-          for name in fwd.runs if name in both.runs and name != _harness.CONTROL]
-  rows.append(Row(tokens, causal, _harness.CONTROL, 1 / fwd.ratio(_harness.CONTROL),
-                  1e3 * fwd.median(_harness.CONTROL), 1 / both.ratio(_harness.CONTROL),
-                  1e3 * both.median(_harness.CONTROL), float("nan")))
+  rows = [{"tokens": tokens, "causal": causal, "kernel": name,
+           "forward": 1 / fwd.ratio(name), "forward_ms": 1e3 * fwd.median(name),
+           "backward": 1 / both.ratio(name), "backward_ms": 1e3 * both.median(name),
+           "temp_mib": temps.get(name, float("nan"))}
+          for name in fwd.runs if name in both.runs]  # the A/A control last
   return rows, timings
 
 
@@ -144,7 +133,8 @@ def _train_step(graphdef, optimizer):
   return step
 
 
-def lm_step(tokens: int, width: int, layers: int, rounds: int, cache: str) -> dict[str, Any]:
+def lm_step(tokens: int, width: int, layers: int, rounds: int, cache: str
+            ) -> tuple[harness.Timings, dict[str, Any]]:
   """The LM train step: tunedjax.jit with the swap and every tuner on vs plain jax.jit."""
   optimizer = optax.adam(1e-3)
   batch = {k: jnp.asarray(v) for k, v in lm_data(1, 1, tokens, seed=1).items()}
@@ -173,70 +163,16 @@ def lm_step(tokens: int, width: int, layers: int, rounds: int, cache: str) -> di
     with everything_on(), tj.config_context(None):
       jax.block_until_ready(tuned(state, opt_state, batch))
 
-  timings = _harness.interleaved(
+  timings = harness.interleaved(
       {"jax.jit": lambda: jax.block_until_ready(plain(state, opt_state, batch)),
-       "tunedjax (tuned attention)": run_tuned}, baseline="jax.jit", rounds=rounds)
+       TUNED: run_tuned}, baseline="jax.jit", rounds=rounds)
   report = tuned.report(memory=False).last
-  return {"timings": timings, "buckets": buckets, "first_call_s": first_call_s,
-          "kernels": dict(report.kernels), "loss_rel": loss_rel,
-          "temp_mib": (plain_memory.temp_size_in_bytes / 2**20,
-                       tuned_memory.temp_bytes / 2**20 if tuned_memory else float("nan"))}
-
-
-def section(rows: list[Row], step: dict[str, Any], lm: dict[str, int], rounds: int,
-            lengths: tuple[int, ...], load: tuple[float, float]) -> str:
-  """The BENCHMARKS.md section."""
-  t = step["timings"]
-  speedup = 1 / t.ratio("tunedjax (tuned attention)")
-  control = 1 / t.ratio(_harness.CONTROL)
-  longest = max(lengths)
-  ref_temp = next(r.temp_mib for r in rows
-                  if r.tokens == longest and r.kernel == "xla" and not r.causal)
-  blocked = [r for r in rows if r.tokens == longest and not r.causal
-             and r.kernel.startswith("blocked")]
-  head = (f"{_harness.machine_line()} Load average {load[0]:.1f} before, {load[1]:.1f} "
-          "after (the machine is shared: ratios move by +-15%).")
-  how = (f"Per bucket: batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, not causal "
-         "and causal (the `blocked_causal_*` kernels apply to causal buckets only, and "
-         "there the kernels that compute every block, `blocked_*` and `query_chunked`, "
-         "do not); "
-         "each kernel pinned by `kernel.hints` through `tj.jit`, timed interleaved against "
-         f"the reference `xla` (`jax.nn.dot_product_attention`), {rounds} rounds, medians "
-         "of per-round ratios (speedup = xla time / kernel time); temporaries of the "
-         "compiled forward+backward from XLA's memory analysis.")
-  lines = ["## Attention kernels and a Transformer LM step (`benchmarks/attention.py`)", "",
-           head, "", how, "",
-           ("| tokens | causal | kernel | forward speedup | forward (ms) | fwd+bwd speedup "
-           "| fwd+bwd (ms) | temporaries fwd+bwd (MiB) |"),
-           "|---:|---|---|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    temp = "" if r.kernel == _harness.CONTROL else f"{r.temp_mib:.0f}"
-    lines.append(f"| {r.tokens} | {'yes' if r.causal else 'no'} | {r.kernel} | {r.forward:.2f}x | {r.forward_ms:.1f} | "
-                 f"{r.backward:.2f}x | {r.backward_ms:.1f} | {temp} |")
-  whole = (f"Whole train step: `tunedjax.demo.TransformerLM` ({lm['layers']} layers, width "
-           f"{lm['width']}, {HEADS} heads, causal, {lm['tokens']} tokens, batch 1, Adam), "
-           "attention swapped by `tj.use_tuned_attention` and compiled by `tj.jit` under "
-           "`set_config(None)` (as `Trainer(autotune=True)`), against the unswapped model "
-           f"under plain `jax.jit`; {rounds + 2} interleaved rounds.")
-  chosen = "; ".join(f"`{b.bucket}` -> **{b.kernel}**"
-                     + (f" ({b.speedup:.2f}x when tuned)" if b.speedup else "")
-                     for b in step["buckets"])
-  met = "met" if speedup >= 1.3 else "not met"
-  lines += ["", whole, "", _harness.ratio_table(t), "",
-            (f"- Train step speedup: **{speedup:.2f}x** (A/A control {control:.2f}x); "
-            f"target >= 1.3x: {met}."),
-            f"- Attention bucket(s) chosen: {chosen}.",
-            (f"- Tuning on the first call: {step['first_call_s']:.0f} s (compile included); "
-            f"the losses of the two steps differ by {step['loss_rel']:.1e} (relative)."),
-            (f"- Temporaries of the whole step: {step['temp_mib'][0]:.0f} MiB (jax.jit) -> "
-            f"{step['temp_mib'][1]:.0f} MiB (tuned).")]
-  if blocked:
-    best = max(blocked, key=lambda r: ref_temp / r.temp_mib)
-    ratio = ref_temp / best.temp_mib
-    lines.append(f"- Temporaries at {longest} tokens (forward+backward): xla {ref_temp:.0f} "
-                 f"MiB, {best.kernel} {best.temp_mib:.0f} MiB: **{ratio:.1f}x smaller**; "
-                 f"target >= 4x: {'met' if ratio >= 4 else 'not met'}.")
-  return "\n".join(lines)
+  return timings, {
+      "buckets": [{"bucket": str(b.bucket), "kernel": b.kernel, "speedup": b.speedup,
+                   "reason": b.reason} for b in buckets],
+      "first_call_s": first_call_s, "kernels": dict(report.kernels), "loss_rel": loss_rel,
+      "temp_mib": (plain_memory.temp_size_in_bytes / 2**20,
+                   tuned_memory.temp_bytes / 2**20 if tuned_memory else float("nan"))}
 
 
 def hand_written_attention(q, k, v):
@@ -247,7 +183,8 @@ def hand_written_attention(q, k, v):
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-def hand_written_rows(tokens: int, rounds: int, cache: str) -> dict[str, Any]:
+def hand_written_rows(tokens: int, rounds: int, cache: str
+                      ) -> tuple[harness.Timings, dict[str, Any]]:
   """jax.jit vs tunedjax.jit (kernel selection on) on the hand-written causal attention's
   forward + backward, interleaved; what tunedjax chose and how long its first call took."""
   def step(q, k, v, ct):
@@ -270,115 +207,133 @@ def hand_written_rows(tokens: int, rounds: int, cache: str) -> dict[str, Any]:
     with tj.config_context(config):
       jax.block_until_ready(tuned(*args))
 
-  timings = _harness.interleaved(
+  timings = harness.interleaved(
       {"jax.jit": lambda: jax.block_until_ready(plain(*args)), "tunedjax.jit": run_tuned},
       baseline="jax.jit", rounds=rounds)
-  return {"tokens": tokens, "timings": timings, "first_call_s": first_call_s, "rel": rel,
-          "matched": [str(m).replace(ROOT, "") for m in report.matched],
-          "kernels": dict(report.counts())}
+  return timings, {"tokens": tokens, "first_call_s": first_call_s, "rel": rel,
+                   "matched": [str(m).replace(ROOT, "") for m in report.matched],
+                   "kernels": dict(report.counts())}
 
 
-def hand_written_section(results: list[dict[str, Any]], rounds: int,
-                         load: tuple[float, float], command: str) -> str:
-  """The BENCHMARKS.md section of part 3."""
-  lines = ["## Hand-written causal attention found in the jaxpr (`benchmarks/attention.py "
-           "--hand-written`)", "",
-           f"{_harness.machine_line()} Load average {load[0]:.1f} before, {load[1]:.1f} "
-           f"after (a shared machine). Command: `{command}`.", "",
+def measure(quick: bool = False, *, rounds: int = 5, parts: tuple[str, ...] = PARTS
+            ) -> harness.Result:
+  """Parts 1 and 2 (``"buckets"``: the LM step first, then the buckets) and part 3
+  (``"hand-written"``), each in a fresh tuning cache."""
+  rounds = 2 if quick else rounds
+  lengths, lm = (((128, 256), {"tokens": 256, "width": 64, "layers": 2}) if quick else
+                 ((1024, 2048, 4096), {"tokens": 2048, "width": 256, "layers": 4}))
+  hand_lengths = (256,) if quick else (1024, 2048)
+  result = harness.Result("attention", params={"quick": quick, "rounds": rounds, "parts": parts,
+                                               "lengths": lengths, "lm": lm,
+                                               "hand_lengths": hand_lengths})
+  if "buckets" in parts:
+    with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-") as cache:
+      result.timings["lm step"], result.figures["lm step"] = lm_step(**lm, rounds=rounds + 2,
+                                                                     cache=cache)
+    result.figures["rows"] = []
+    for tokens in lengths:
+      for causal in (False, True):
+        rows, timings = bucket_rows(tokens, rounds, causal)
+        result.figures["rows"] += rows
+        for what, t in timings.items():
+          result.timings[f"{tokens} tokens{', causal' if causal else ''}, {what}"] = t
+  if "hand-written" in parts:
+    result.figures["hand-written"] = []
+    with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-hw-") as cache:
+      for tokens in hand_lengths:
+        t, figures = hand_written_rows(tokens, rounds, cache)
+        result.timings[f"hand-written, {tokens} tokens"] = t
+        result.figures["hand-written"].append(figures)
+  return result
+
+
+def _section(result: harness.Result) -> str:
+  """Parts 1 and 2's section."""
+  p, rows, step = result.params, result.figures["rows"], result.figures["lm step"]
+  t, lm = result.timings["lm step"], p["lm"]
+  speedup = 1 / t.ratio(TUNED)
+  control = 1 / t.ratio(harness.CONTROL)
+  longest = max(p["lengths"])
+  ref_temp = next(r["temp_mib"] for r in rows
+                  if r["tokens"] == longest and r["kernel"] == "xla" and not r["causal"])
+  blocked = [r for r in rows if r["tokens"] == longest and not r["causal"]
+             and r["kernel"].startswith("blocked")]
+  how = (f"Per bucket: batch 1, {HEADS} heads, head dim {HEAD_DIM}, float32, not causal "
+         "and causal (the `blocked_causal_*` kernels apply to causal buckets only, and "
+         "there the kernels that compute every block, `blocked_*` and `query_chunked`, "
+         "do not); "
+         "each kernel pinned by `kernel.hints` through `tj.jit`, timed interleaved against "
+         f"the reference `xla` (`jax.nn.dot_product_attention`), {p['rounds']} rounds, medians "
+         "of per-round ratios (speedup = xla time / kernel time); temporaries of the "
+         "compiled forward+backward from XLA's memory analysis.")
+  lines = ["## Attention kernels and a Transformer LM step (`benchmarks/attention.py`)", "",
+           f"{result.machine} {result.load_line()} Run: `benchmarks/run.py attention"
+           f"{' --quick' if p['quick'] else ''}` (the LM step first, then the buckets).", "",
+           how, "",
+           ("| tokens | causal | kernel | forward speedup | forward (ms) | fwd+bwd speedup "
+           "| fwd+bwd (ms) | temporaries fwd+bwd (MiB) |"),
+           "|---:|---|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    temp = "" if r["kernel"] == harness.CONTROL else f"{r['temp_mib']:.0f}"
+    lines.append(f"| {r['tokens']} | {'yes' if r['causal'] else 'no'} | {r['kernel']} | "
+                 f"{r['forward']:.2f}x | {r['forward_ms']:.1f} | {r['backward']:.2f}x | "
+                 f"{r['backward_ms']:.1f} | {temp} |")
+  whole = (f"Whole train step: `tunedjax.demo.TransformerLM` ({lm['layers']} layers, width "
+           f"{lm['width']}, {HEADS} heads, causal, {lm['tokens']} tokens, batch 1, Adam), "
+           "attention swapped by `tj.use_tuned_attention` and compiled by `tj.jit` under "
+           "`set_config(None)` (as `Trainer(autotune=True)`), against the unswapped model "
+           f"under plain `jax.jit`; {p['rounds'] + 2} interleaved rounds.")
+  chosen = "; ".join(f"`{b['bucket']}` -> **{b['kernel']}**"
+                     + (f" ({b['speedup']:.2f}x when tuned)" if b["speedup"] else "")
+                     for b in step["buckets"])
+  met = "met" if speedup >= 1.3 else "not met"
+  lines += ["", whole, "", harness.ratio_table(t), "",
+            (f"- Train step speedup: **{speedup:.2f}x** (A/A control {control:.2f}x); "
+            f"target >= 1.3x: {met}."),
+            f"- Attention bucket(s) chosen: {chosen}.",
+            (f"- Tuning on the first call: {step['first_call_s']:.0f} s (compile included); "
+            f"the losses of the two steps differ by {step['loss_rel']:.1e} (relative)."),
+            (f"- Temporaries of the whole step: {step['temp_mib'][0]:.0f} MiB (jax.jit) -> "
+            f"{step['temp_mib'][1]:.0f} MiB (tuned).")]
+  if blocked:
+    best = max(blocked, key=lambda r: ref_temp / r["temp_mib"])
+    ratio = ref_temp / best["temp_mib"]
+    lines.append(f"- Temporaries at {longest} tokens (forward+backward): xla {ref_temp:.0f} "
+                 f"MiB, {best['kernel']} {best['temp_mib']:.0f} MiB: **{ratio:.1f}x smaller**; "
+                 f"target >= 4x: {'met' if ratio >= 4 else 'not met'}.")
+  return "\n".join(lines)
+
+
+def _hand_written_section(result: harness.Result) -> str:
+  """Part 3's section."""
+  p = result.params
+  lines = ["## Hand-written causal attention found in the jaxpr (`benchmarks/attention.py`, "
+           "part 3)", "",
+           f"{result.machine} {result.load_line()} Command: `benchmarks/run.py attention"
+           f"{' --quick' if p['quick'] else ''}`.", "",
            ("`hand_written_attention` (einsum, `jnp.where(jnp.tril(ones), s, -1e9)`, "
             "`jax.nn.softmax`, einsum; batch 1, "
             f"{HEADS} heads, head dim {HEAD_DIM}, float32), `jax.grad` of it inside the "
             "step, compiled by plain `jax.jit` (XLA) and by `tunedjax.jit` with "
             "`kernel.enable` (the attention found as a pattern, its mask recognised as "
             "causal, the site tuned on the first call in a fresh cache); "
-            f"{rounds} interleaved rounds after one warm-up, medians of per-round ratios, "
+            f"{p['rounds']} interleaved rounds after one warm-up, medians of per-round ratios, "
             "the baseline timed twice (A/A control).")]
-  for r in results:
-    t = r["timings"]
+  for r in result.figures["hand-written"]:
+    t = result.timings[f"hand-written, {r['tokens']} tokens"]
     lines += ["", f"**{r['tokens']} tokens**: tunedjax.jit {1 / t.ratio('tunedjax.jit'):.2f}x "
-              f"the speed of jax.jit (A/A control {1 / t.ratio(_harness.CONTROL):.2f}x); "
+              f"the speed of jax.jit (A/A control {1 / t.ratio(harness.CONTROL):.2f}x); "
               f"site: {'; '.join(r['matched'])}; first call (tuning and compiling) "
               f"{r['first_call_s']:.0f} s; gradients differ by {r['rel']:.1e} (relative).",
-              "", _harness.ratio_table(t)]
+              "", harness.ratio_table(t)]
   return "\n".join(lines)
 
 
-def main_hand_written(args: argparse.Namespace) -> int:
-  lengths = (256,) if args.quick else (1024, 2048)
-  rounds = args.rounds or (2 if args.quick else 5)
-  load_before = os.getloadavg()[0]
-  results = []
-  with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-hw-") as cache:
-    for tokens in lengths:
-      r = hand_written_rows(tokens, rounds, cache)
-      results.append(r)
-      print(f"{tokens} tokens: {r['matched']}, first call {r['first_call_s']:.1f} s, "
-            f"rel {r['rel']:.1e}\n{_harness.ratio_table(r['timings'])}", flush=True)
-  load = (load_before, os.getloadavg()[0])
-  command = ("python benchmarks/attention.py --hand-written"
-             + (f" --rounds {args.rounds}" if args.rounds else "")
-             + (" --write" if args.write else ""))
-  body = hand_written_section(results, rounds, load, command)
-  print(f"load average {load[0]:.1f} before, {load[1]:.1f} after")
-  if args.write and not args.quick:
-    _harness.write_section("attention_hand_written", body)
-    print("BENCHMARKS.md updated (attention_hand_written section)")
-  return 0
-
-
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", "--smoke", dest="quick", action="store_true",
-                      help="short sequences, a small LM, 2 rounds (smoke run)")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--hand-written", action="store_true",
-                      help="only part 3: hand-written causal attention, jax.jit vs tj.jit")
-  args = parser.parse_args(argv)
-  if args.hand_written:
-    return main_hand_written(args)
-  if args.quick:
-    lengths, rounds = (128, 256), args.rounds or 2
-    lm = {"tokens": 256, "width": 64, "layers": 2}
-  else:
-    lengths, rounds = (1024, 2048, 4096), args.rounds or 5
-    lm = {"tokens": 2048, "width": 256, "layers": 4}
-  load_before = os.getloadavg()[0]
-  started = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix="tunedjax-bench-attn-") as cache:
-    step = lm_step(**lm, rounds=rounds + 2, cache=cache)
-  print(_harness.ratio_table(step["timings"]), f"\nkernels {step['kernels']}; first call "
-        f"{step['first_call_s']:.0f} s; load {os.getloadavg()[0]:.1f}", flush=True)
-  rows = []
-  for tokens in lengths:
-    for causal in (False, True):
-      got, _ = bucket_rows(tokens, rounds, causal)
-      rows += got
-      for r in got:
-        print(f"{tokens:5d} tokens{' causal' if causal else ''}  {r.kernel:18s} forward "
-              f"{r.forward:5.2f}x ({r.forward_ms:8.1f} ms)  fwd+bwd {r.backward:5.2f}x "
-              f"({r.backward_ms:8.1f} ms)  temporaries "
-              f"{r.temp_mib:8.1f} MiB", flush=True)
-  load_after = os.getloadavg()[0]
-  t = step["timings"]
-  speedup = 1 / t.ratio("tunedjax (tuned attention)")
-  control = 1 / t.ratio(_harness.CONTROL)
-  print(_harness.ratio_table(t))
-  print(f"LM step speedup {speedup:.2f}x (A/A {control:.2f}x); first call (tuning) "
-        f"{step['first_call_s']:.1f} s; kernels {step['kernels']}; loss rel. diff "
-        f"{step['loss_rel']:.1e}; temporaries {step['temp_mib'][0]:.0f} -> "
-        f"{step['temp_mib'][1]:.0f} MiB")
-  for b in step["buckets"]:
-    print(f"  bucket {b.bucket}: {b.kernel} ({b.speedup and f'{b.speedup:.2f}x'}, {b.reason})")
-  print(f"load average {load_before:.1f} before, {load_after:.1f} after; "
-        f"{time.perf_counter() - started:.0f} s")
-
-  body = section(rows, step, lm, rounds, lengths, (load_before, load_after))
-  if args.write and not args.quick:
-    _harness.write_section("attention", body)
-    print("BENCHMARKS.md updated (attention section)")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+def render(result: harness.Result) -> dict[str, str]:
+  """The sections of the parts measured: ``attention``, ``attention_hand_written``."""
+  out = {}
+  if "rows" in result.figures:
+    out["attention"] = _section(result)
+  if "hand-written" in result.figures:
+    out["attention_hand_written"] = _hand_written_section(result)
+  return out

@@ -6,7 +6,7 @@ Part 1, attention alone: causal self-attention, float32, forward and backward
 attention family's ``native_flash`` kernel (C++, `ops/attention/_native_flash.py`)
 and the best of the earlier CPU candidates, ``blocked_causal_128`` and
 ``blocked_causal_256`` (plain JAX), each kernel under `jax.jit`; interleaved in
-rounds with an A/A control (`_harness.interleaved`). Shapes [batch 2, tokens,
+rounds with an A/A control (`harness.interleaved`). Shapes [batch 2, tokens,
 8 heads, head_dim]: 1,024 tokens at head dims 32, 64 and 128, and 256 and
 4,096 tokens at 32.
 
@@ -27,15 +27,12 @@ steps of each.
 torch is optional (the ``bench-torch`` extra): without it the PyTorch rows are
 left out and the JAX kernels are compared with each other.
 
-Run: ``python benchmarks/flash_attention.py [--quick] [--write] [--rounds N]
-[--parts attention,accuracy,lm]``.
+Run: ``python benchmarks/run.py flash_attention [--quick] [--write]``
+(``measure(parts=..., shapes=..., rounds=...)`` for fewer parts or other shapes).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
 import sys
 import tempfile
 import time
@@ -43,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import _gpu_models
-import harness as _harness
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +58,9 @@ from tunedjax.ops.attention._spec import AttentionSpec
 TORCH = "PyTorch SDPA"
 NATIVE = "native_flash"
 PREVIOUS = ("blocked_causal_128", "blocked_causal_256")
+PARTS = ("attention", "accuracy", "lm")
+SHAPES = ((2, 1024, 8, 32), (2, 256, 8, 32), (2, 1024, 8, 64), (2, 1024, 8, 128),
+          (2, 4096, 8, 32))
 
 
 def _torch() -> Any:
@@ -105,8 +105,8 @@ def torch_attention_step(torch: Any, q, k, v, g) -> Callable[[], Any]:
 
 
 def time_attention(shape: tuple[int, int, int, int], rounds: int, torch: Any
-                   ) -> tuple[_harness.Timings, str]:
-  """Part 1 at one shape: the variants interleaved; the baseline's name."""
+                   ) -> harness.Timings:
+  """Part 1 at one shape: the variants interleaved (the first is the baseline)."""
   q, k, v, g = attention_problem(*shape)
   variants = {}
   if torch is not None:
@@ -117,8 +117,7 @@ def time_attention(shape: tuple[int, int, int, int], rounds: int, torch: Any
     if shape[1] >= 2 * block:
       variants[f"blocked_causal_{block}"] = jax_attention_step(K.blocked_causal(block), q, k,
                                                                v, g)
-  baseline = next(iter(variants))
-  return _harness.interleaved(variants, baseline=baseline, rounds=rounds, prime=1), baseline
+  return harness.interleaved(variants, baseline=next(iter(variants)), rounds=rounds, prime=1)
 
 
 # -- part 2: accuracy ----------------------------------------------------------
@@ -259,8 +258,7 @@ def torch_lm_steps(torch: Any, sizes: Mapping[str, int], steps: int) -> Callable
   return run
 
 
-def time_lm(quick: bool, rounds: int, torch: Any, steps: int
-            ) -> tuple[_harness.Timings, str, dict]:
+def time_lm(quick: bool, rounds: int, torch: Any, steps: int) -> tuple[harness.Timings, dict]:
   """Part 3: the Trainer's steady state (after it tuned) against PyTorch, interleaved."""
   sizes = lm_sizes(quick)
   run, info = trainer_steps(sizes, steps)
@@ -268,15 +266,45 @@ def time_lm(quick: bool, rounds: int, torch: Any, steps: int
   if torch is not None:
     variants[TORCH] = torch_lm_steps(torch, sizes, steps)
   variants["tj.Trainer(autotune=True)"] = run
-  baseline = next(iter(variants))
-  return _harness.interleaved(variants, baseline=baseline, rounds=rounds), baseline, info
+  return harness.interleaved(variants, baseline=next(iter(variants)), rounds=rounds), info
+
+
+def _shape_name(shape) -> str:
+  return "attention " + "x".join(map(str, shape))
+
+
+def measure(quick: bool = False, *, rounds: int = 5, parts: tuple[str, ...] = PARTS,
+            shapes: tuple[tuple[int, int, int, int], ...] = SHAPES, lm_steps: int = 3
+            ) -> harness.Result:
+  """The parts asked for, in a fresh tuning cache; without torch, no PyTorch rows."""
+  if quick:
+    rounds, shapes, lm_steps = 2, ((1, 128, 2, 32),), 2
+  torch = _torch()
+  if not _native.available(NF.SOURCE):
+    print(f"note: {NATIVE} is unavailable here (no C++ compiler?)", file=sys.stderr)
+  result = harness.Result("flash_attention", params={
+      "quick": quick, "rounds": rounds, "parts": list(parts), "shapes": [list(s) for s in shapes],
+      "lm_steps": lm_steps, "torch": torch.__version__ if torch else None})
+  with tj.config_context({"cache": {"dir": tempfile.mkdtemp(prefix="tj-flash-bench-")}}):
+    if "attention" in parts:
+      for shape in shapes:  # 4,096 tokens: half the rounds
+        result.timings[_shape_name(shape)] = time_attention(
+            shape, max(2, rounds // 2) if shape[1] >= 4096 else rounds, torch)
+    if "accuracy" in parts:
+      result.figures["accuracy"] = accuracy(quick)
+    if "lm" in parts:
+      result.timings["lm"], info = time_lm(quick, rounds, torch, lm_steps)
+      result.figures["lm"] = {"first_fit_s": info["first_fit_s"], "sizes": lm_sizes(quick),
+                              "attention": _buckets(info["attention"])}
+  return result
 
 
 # -- report --------------------------------------------------------------------
 
 
-def _speed_table(t: _harness.Timings, baseline: str, per: int = 1) -> list[str]:
-  lines = [f"| variant | median ms | time vs {baseline} | per-round range |", "|---|---:|---:|---:|"]
+def _speed_table(t: harness.Timings, per: int = 1) -> list[str]:
+  lines = [f"| variant | median ms | time vs {t.baseline} | per-round range |",
+           "|---|---:|---:|---:|"]
   for name in t.runs:
     lo, hi = t.spread(name)
     lines.append(f"| {name} | {t.median(name) * 1e3 / per:.1f} | {t.ratio(name):.2f}x | "
@@ -284,41 +312,39 @@ def _speed_table(t: _harness.Timings, baseline: str, per: int = 1) -> list[str]:
   return lines
 
 
-def report(results: Mapping[str, Any], args: argparse.Namespace, torch: Any) -> str:
-  when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-  versions = f"torch {torch.__version__}." if torch else "No torch here."
+def render(result: harness.Result) -> str:
+  p = result.params
+  versions = f"torch {p['torch']}." if p["torch"] else "No torch here."
   lines = ["## Native flash attention against PyTorch (`benchmarks/flash_attention.py`)", "",
-           f"{_harness.machine_line()} {versions} {when}; load average after the run "
-           f"{load} (a shared machine: other processes ran beside it). Command: "
-           f"`python benchmarks/flash_attention.py{' --quick' if args.quick else ''} "
-           f"--rounds {args.rounds} --parts {args.parts}"
-           f"{' --shapes ' + args.shapes if args.shapes else ''}`. Ratios: the median over rounds of "
-           "each variant's time over the baseline's in the same round (below 1: faster); "
-           f"`{_harness.CONTROL}` is the baseline timed twice.", ""]
-  for shape, (t, baseline) in results.get("attention", {}).items():
-    b, tokens, heads, dim = shape
+           f"{result.machine} {versions} {result.load_line()} Command: "
+           f"`benchmarks/run.py flash_attention{' --quick' if p['quick'] else ''}` "
+           f"({p['rounds']} rounds; parts {', '.join(p['parts'])}). Ratios: the median over "
+           "rounds of each variant's time over the baseline's in the same round (below 1: "
+           f"faster); `{harness.CONTROL}` is the baseline timed twice.", ""]
+  for b, tokens, heads, dim in p["shapes"] if "attention" in p["parts"] else ():
+    t = result.timings[_shape_name((b, tokens, heads, dim))]
     lines += [f"**Causal attention, forward + backward**, [batch {b}, {tokens} tokens, "
-              f"{heads} heads, head_dim {dim}], float32:", "", *_speed_table(t, baseline), ""]
-  if "accuracy" in results:
+              f"{heads} heads, head_dim {dim}], float32:", "", *_speed_table(t), ""]
+  if "accuracy" in result.figures:
     lines += ["**Accuracy against float64** (largest relative error over the output and the "
               "three gradients; the family's float32 bound is 1e-4):", "",
               "| operands | " + " | ".join(("xla", NATIVE, "blocked_causal_128")) + " |",
               "|---|---:|---:|---:|"]
-    for name, errors in results["accuracy"]:
+    for name, errors in result.figures["accuracy"]:
       cells = [f"{errors[k]:.1e}" if k in errors else "n/a"
                for k in ("xla", NATIVE, "blocked_causal_128")]
       lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
-  if "lm" in results:
-    t, baseline, info, sizes, steps = results["lm"]
+  if "lm" in result.figures:
+    info, steps = result.figures["lm"], p["lm_steps"]
+    sizes = info["sizes"]
     lines += [f"**miniGPT train step** ({sizes['layers']} post-LayerNorm blocks, width "
               f"{sizes['width']}, {sizes['heads']} heads, feed-forward {sizes['hidden']}, "
               f"vocabulary {sizes['vocab']}, {sizes['tokens']} tokens, batch {sizes['batch']}, "
               f"AdamW, float32), ms per step (rounds of {steps} steps); the Trainer's first "
               f"fit (3 steps, tuning included) took {info['first_fit_s']:.1f} s:", "",
-              *_speed_table(t, baseline, per=steps), "",
-              f"Attention buckets the Trainer tuned: `{_buckets(info['attention'])}`.", ""]
+              *_speed_table(result.timings["lm"], per=steps), "",
+              f"Attention buckets the Trainer tuned: `{info['attention']}`.", ""]
   return "\n".join(lines)
 
 
@@ -326,51 +352,3 @@ def _buckets(attention: Any) -> str:
   if not isinstance(attention, Mapping):
     return str(attention)[:300]
   return "; ".join(f"{b.get('bucket')}: {b.get('kernel')}" for b in attention.get("buckets", []))
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes, 2 rounds (smoke)")
-  parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--parts", default="attention,accuracy,lm")
-  parser.add_argument("--lm-steps", type=int, default=None)
-  parser.add_argument("--shapes", default=None,
-                      help="part 1's shapes, e.g. 2x1024x8x32,2x4096x8x32 (batch x tokens x "
-                           "heads x head_dim)")
-  args = parser.parse_args(argv)
-  args.rounds = args.rounds or (2 if args.quick else 5)
-  steps = args.lm_steps or (2 if args.quick else 3)
-  parts = set(args.parts.split(","))
-  torch = _torch()
-  if not _native.available(NF.SOURCE):
-    print(f"note: {NATIVE} is unavailable here (no C++ compiler?)", file=sys.stderr)
-  tj.set_config({"cache": {"dir": tempfile.mkdtemp(prefix="tj-flash-bench-")}})
-  results: dict[str, Any] = {}
-  if "attention" in parts:
-    shapes = ([(1, 128, 2, 32)] if args.quick else
-              [(2, 1024, 8, 32), (2, 256, 8, 32), (2, 1024, 8, 64), (2, 1024, 8, 128),
-               (2, 4096, 8, 32)])
-    if args.shapes:
-      shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    results["attention"] = {}
-    for shape in shapes:
-      rounds = max(2, args.rounds // 2) if shape[1] >= 4096 else args.rounds
-      results["attention"][shape] = time_attention(shape, rounds, torch)
-      print(f"{shape}: " + ", ".join(f"{n} {t:.3f}" for n, t in (
-          (n, results["attention"][shape][0].ratio(n)) for n in results["attention"][shape][0].runs)),
-            flush=True)
-  if "accuracy" in parts:
-    results["accuracy"] = accuracy(args.quick)
-  if "lm" in parts:
-    t, baseline, info = time_lm(args.quick, args.rounds, torch, steps)
-    results["lm"] = (t, baseline, info, lm_sizes(args.quick), steps)
-  text = report(results, args, torch)
-  print(text)
-  if args.write and not args.quick:
-    _harness.write_section("flash_attention", text)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

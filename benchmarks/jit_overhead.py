@@ -11,17 +11,16 @@ baseline timed twice):
 2. First call (trace + passes + compile) with a warm tuning cache, for the MLP
    and a ResNet-18 train step written in NCHW (a PyTorch port): a fresh
    function object each round, so both compile from scratch. Target: no more
-   than 20% slower than `jax.jit`'s first call.
+   than 20% slower than `jax.jit`'s first call. Then where the ResNet's first
+   call's time goes: trace (with the passes), lowering, compiling.
 3. End to end: the ResNet-18 NCHW train step and a MobileNet-style train step
    with each tuner alone and all together, against `jax.jit`.
 
-Run: `.venv/bin/python benchmarks/jit_overhead.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py jit_overhead [--quick] [--write]`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import harness as _harness
+import harness
 from harness.workers import mlp_problem
 import kernels as kernels_bench
 import layout as layout_bench
@@ -49,6 +48,8 @@ TUNERS = {
     "every tuner (+ mixed bf16)": {"layout": {"enable": True}, "kernel": {"enable": True},
                                    "mixed_precision": {"enable": True}},
 }
+O1 = "tj.jit O1 (every tuner on)"
+WARM = "tj.jit O1, warm tuning cache"
 
 
 def resnet_problem(image: int, batch: int = 8, *, quick: bool = False):
@@ -90,36 +91,24 @@ def _many(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> Callable
   return run
 
 
-def steady_state(rounds: int, calls: int) -> tuple[str, dict[str, float]]:
+def steady_state(rounds: int, calls: int) -> harness.Timings:
   step, args = mlp_problem()
   plain, o0, o1 = jax.jit(step), tj.jit(step, level="O0"), tj.jit(step, level="O1")
   variants = {"jax.jit": _many(plain, args, calls), "tj.jit O0": _many(o0, args, calls),
-              "tj.jit O1 (every tuner on)": _many(o1, args, calls)}
-  t = _harness.interleaved(variants, baseline="jax.jit", rounds=rounds, warmup=2)
-  per_call = {n: t.median(n) / calls * 1e6 for n in t.runs}
-  notes = {n: f"{per_call[n]:.1f} us per call; {per_call[n] - per_call['jax.jit']:+.1f} us"
-           for n in t.runs if n != "jax.jit"}
-  notes["jax.jit"] = f"{per_call['jax.jit']:.1f} us per call"
-  return _harness.ratio_table(t, notes=notes), {
-      "ratio": t.ratio("tj.jit O1 (every tuner on)"),
-      "extra_us": per_call["tj.jit O1 (every tuner on)"] - per_call["jax.jit"],
-      "control": t.ratio(_harness.CONTROL)}
+              O1: _many(o1, args, calls)}
+  return harness.interleaved(variants, baseline="jax.jit", rounds=rounds, warmup=2)
 
 
-def first_call(name: str, step: Callable[..., Any], args: tuple[Any, ...],
-               rounds: int) -> tuple[str, float]:
+def first_call(step: Callable[..., Any], args: tuple[Any, ...], rounds: int) -> harness.Timings:
   """First-call seconds of fresh functions; the tuning cache is warmed first."""
   jax.block_until_ready(tj.jit(_fresh(step))(*args))  # tunes every bucket once
   variants = {"jax.jit": lambda: jax.block_until_ready(jax.jit(_fresh(step))(*args)),
-              "tj.jit O1, warm tuning cache":
-                  lambda: jax.block_until_ready(tj.jit(_fresh(step))(*args))}
-  t = _harness.interleaved(variants, baseline="jax.jit", rounds=rounds, warmup=0)
-  return (f"**{name}**\n\n" + _harness.ratio_table(t, unit="s", scale=1.0),
-          t.ratio("tj.jit O1, warm tuning cache"))
+              WARM: lambda: jax.block_until_ready(tj.jit(_fresh(step))(*args))}
+  return harness.interleaved(variants, baseline="jax.jit", rounds=rounds, warmup=0)
 
 
 def first_call_parts(step: Callable[..., Any], args: tuple[Any, ...],
-                     rounds: int) -> tuple[str, dict[str, float]]:
+                     rounds: int) -> dict[str, float]:
   """Where the first call's time goes: trace (with the passes), lowering, compiling.
 
   Fresh functions each round, `jax.jit` and `tj.jit` interleaved; each is
@@ -152,133 +141,126 @@ def first_call_parts(step: Callable[..., Any], args: tuple[Any, ...],
       add(f"{name} lower", t2 - t1)
       add(f"{name} compile", t3 - t2)
       add(f"{name} eqns", len(traced.jaxpr.eqns))
-  m = {k: statistics.median(v) for k, v in parts.items()}
-  rows = ["| part | `jax.jit` (s) | `tj.jit` (s) | difference (s) |", "|---|---:|---:|---:|"]
-  for part in ("trace", "lower", "compile", "compile cpu"):
-    label = {"trace": "trace (tj: + passes)", "lower": "lower to StableHLO",
-             "compile": "XLA compile (wall)", "compile cpu": "XLA compile (process CPU)"}[part]
-    rows.append(f"| {label} | {m['jax ' + part]:.3f} | {m['tj ' + part]:.3f} | "
-                f"{m['tj ' + part] - m['jax ' + part]:+.3f} |")
-  rows.append(f"| top-level equations | {m['jax eqns']:.0f} | {m['tj eqns']:.0f} | "
-              f"{m['tj eqns'] - m['jax eqns']:+.0f} |")
-  return "\n".join(rows), m
+  return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def end_to_end(name: str, step: Callable[..., Any], args: tuple[Any, ...],
-               rounds: int) -> tuple[str, dict[str, float]]:
+               rounds: int) -> harness.Timings:
   fns: dict[str, Callable[[], Any]] = {"jax.jit": _ready(jax.jit(step), args)}
   for label, config in TUNERS.items():
     with tj.config_context(config):
       fn = tj.jit(step)
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))  # traces, tunes, compiles
-      print(f"  {name} / {label}: first call {time.perf_counter() - start:.1f} s",
-            file=sys.stderr)
+      seconds = harness.first_call(lambda fn=fn: jax.block_until_ready(fn(*args)))  # tunes
+      print(f"  {name} / {label}: first call {seconds:.1f} s", file=sys.stderr)
 
     def run(fn=fn, config=config):
       with tj.config_context(config):
         jax.block_until_ready(fn(*args))
 
     fns[label] = run
-  t = _harness.interleaved(fns, baseline="jax.jit", rounds=rounds, warmup=1)
-  ratios = {label: t.ratio(label) for label in t.runs}
-  return f"**{name}**\n\n" + _harness.ratio_table(t), ratios
+  return harness.interleaved(fns, baseline="jax.jit", rounds=rounds, warmup=1)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--image", type=int, default=64, help="ResNet/MobileNet image size")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--first-call", action="store_true",
-                      help="only the first-call tables (and where the time goes); no --write")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 7)
-  image = 16 if args.quick else args.image
-  calls = 20 if args.quick else CALLS_PER_RUN
-  load_before = os.getloadavg()[0]
-  tj.set_config({"cache": {"dir": tempfile.mkdtemp(prefix="tunedjax-bench-")}})
+def measure(quick: bool = False, *, rounds: int = 7, image: int = 64) -> harness.Result:
+  """The steady state and the first calls with the kernel and layout tuners on (a fresh
+  tuning cache), then each tuner alone and all together, end to end."""
+  if quick:
+    rounds, image = 2, 16
+  calls = 20 if quick else CALLS_PER_RUN
+  first_rounds = max(3, rounds // 2)
+  resnet = f"ResNet-18 NCHW train step, batch 8, {image}x{image}"
+  result = harness.Result("jit_overhead", params={
+      "quick": quick, "rounds": rounds, "image": image, "calls": calls,
+      "first_rounds": first_rounds, "resnet": resnet})
+  with tj.config_context({"cache": {"dir": tempfile.mkdtemp(prefix="tunedjax-bench-")}}):
+    with tj.config_context({"kernel": {"enable": True}, "layout": {"enable": True}}):
+      result.timings["steady state"] = steady_state(rounds, calls)
+      resnet_step, resnet_args = resnet_problem(image, quick=quick)
+      result.timings["first call: MLP train step"] = first_call(*mlp_problem(), rounds)
+      result.timings[f"first call: {resnet}"] = first_call(resnet_step, resnet_args,
+                                                           first_rounds)
+      result.figures["first call parts"] = first_call_parts(resnet_step, resnet_args,
+                                                            first_rounds)
+    # The tuners off: each variant sets its own.
+    for name, (step, args) in {
+        resnet: resnet_problem(image, quick=quick),
+        f"MobileNet-style train step, batch 32, {image}x{image}": mobilenet_problem(image),
+    }.items():
+      result.timings[f"end to end: {name}"] = end_to_end(name, step, args, rounds)
+  return result
 
-  tj.set_config({**tj.get_config().to_dict(), "kernel": {"enable": True},
-                 "layout": {"enable": True}})
-  if args.first_call:
-    resnet_step, resnet_args = resnet_problem(image, quick=args.quick)
-    first_resnet, r_resnet = first_call(
-        f"ResNet-18 NCHW train step, batch 8, {image}x{image}", resnet_step, resnet_args,
-        max(3, rounds // 2))
-    parts, _ = first_call_parts(resnet_step, resnet_args, max(3, rounds // 2))
-    print(f"Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.\n\n"
-          f"{first_resnet}\n\nWhere the time goes (medians):\n\n{parts}\n\n"
-          f"ResNet-18 first call: {r_resnet:.3f}x `jax.jit`'s")
-    return 0
-  steady, s = steady_state(rounds, calls)
-  print(steady, file=sys.stderr)
-  mlp_step, mlp_args = mlp_problem()
-  resnet_step, resnet_args = resnet_problem(image, quick=args.quick)
-  first_mlp, r_mlp = first_call("MLP train step", mlp_step, mlp_args, rounds)
-  first_resnet, r_resnet = first_call(f"ResNet-18 NCHW train step, batch 8, {image}x{image}",
-                                      resnet_step, resnet_args, max(3, rounds // 2))
-  print(first_mlp, first_resnet, sep="\n", file=sys.stderr)
 
-  tj.set_config({"cache": tj.get_config().cache.to_dict()})  # tuners off: each variant sets its own
-  e2e = []
-  e2e_ratios = {}
-  for name, (step, step_args) in {
-      f"ResNet-18 NCHW train step, batch 8, {image}x{image}": resnet_problem(image,
-                                                                            quick=args.quick),
-      f"MobileNet-style train step, batch 32, {image}x{image}": mobilenet_problem(image),
-  }.items():
-    table, ratios = end_to_end(name, step, step_args, rounds)
-    print(table, file=sys.stderr)
-    e2e.append(table)
-    e2e_ratios[name] = ratios
+def _steady_table(t: harness.Timings, calls: int) -> str:
+  per_call = {n: t.median(n) / calls * 1e6 for n in t.runs}
+  notes = {n: f"{per_call[n]:.1f} us per call; {per_call[n] - per_call['jax.jit']:+.1f} us"
+           for n in t.runs if n != "jax.jit"}
+  notes["jax.jit"] = f"{per_call['jax.jit']:.1f} us per call"
+  return harness.ratio_table(t, notes=notes)
 
-  met_steady = s["ratio"] <= 1.02 or s["extra_us"] <= 10.0
-  met_first = max(r_mlp, r_resnet) <= 1.20
-  lines = [
+
+def _parts_table(m: dict[str, float]) -> str:
+  rows = ["| part | `jax.jit` (s) | `tj.jit` (s) | difference (s) |", "|---|---:|---:|---:|"]
+  for part, label in (("trace", "trace (tj: + passes)"), ("lower", "lower to StableHLO"),
+                      ("compile", "XLA compile (wall)"),
+                      ("compile cpu", "XLA compile (process CPU)")):
+    rows.append(f"| {label} | {m['jax ' + part]:.3f} | {m['tj ' + part]:.3f} | "
+                f"{m['tj ' + part] - m['jax ' + part]:+.3f} |")
+  rows.append(f"| top-level equations | {m['jax eqns']:.0f} | {m['tj eqns']:.0f} | "
+              f"{m['tj eqns'] - m['jax eqns']:+.0f} |")
+  return "\n".join(rows)
+
+
+def _e2e_line(name: str, t: harness.Timings) -> str:
+  speed = {label: 1 / t.ratio(label) for label in t.runs}
+  best = min((t.ratio(label), label) for label in t.runs
+             if label not in ("jax.jit", harness.CONTROL))[1]
+  return (f"- {name}: every tuner {speed['every tuner (+ mixed bf16)']:.2f}x `jax.jit`'s "
+          f"speed, layout + kernels {speed['layout + kernels (set_config(None))']:.2f}x; "
+          f"shares: layout {speed['layout only']:.2f}x, kernels "
+          f"{speed['kernel selection only']:.2f}x, mixed bf16 {speed['mixed bf16 only']:.2f}x; "
+          f"best: {best} (A/A {t.ratio(harness.CONTROL):.2f}).")
+
+
+def render(result: harness.Result) -> str:
+  p, t = result.params, result.timings
+  steady = t["steady state"]
+  ratio = steady.ratio(O1)
+  extra_us = (steady.median(O1) - steady.median("jax.jit")) / p["calls"] * 1e6
+  firsts = {k.removeprefix("first call: "): v for k, v in t.items()
+            if k.startswith("first call: ")}
+  r_mlp, r_resnet = (firsts[k].ratio(WARM) for k in ("MLP train step", p["resnet"]))
+  e2e = {k.removeprefix("end to end: "): v for k, v in t.items() if k.startswith("end to end: ")}
+  return "\n".join([
       "## `tunedjax.jit`: overhead and end-to-end speed",
       "",
-      f"`benchmarks/jit_overhead.py`: {rounds} interleaved rounds; ratios are medians of "
-      f"per-round ratios to `jax.jit` (below 1 is faster). {_harness.machine_line()} "
-      f"Load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after.",
+      f"`benchmarks/run.py jit_overhead{' --quick' if p['quick'] else ''}`: {p['rounds']} "
+      "interleaved rounds; ratios are medians of per-round ratios to `jax.jit` (below 1 is "
+      f"faster). {result.machine} {result.load_line()}",
       "",
-      f"### Steady state: per call, MLP train step ({calls} calls per timed run)",
+      f"### Steady state: per call, MLP train step ({p['calls']} calls per timed run)",
       "",
-      steady,
+      _steady_table(steady, p["calls"]),
       "",
-      f"Target: within 2% or 10 us of `jax.jit`: {'met' if met_steady else 'NOT met'} "
-      f"(ratio {s['ratio']:.3f}, {s['extra_us']:+.1f} us per call; A/A {s['control']:.3f}).",
+      f"Target: within 2% or 10 us of `jax.jit`: "
+      f"{'met' if ratio <= 1.02 or extra_us <= 10.0 else 'NOT met'} "
+      f"(ratio {ratio:.3f}, {extra_us:+.1f} us per call; A/A {steady.ratio(harness.CONTROL):.3f}).",
       "",
       "### First call: trace + passes + compile, warm tuning cache, fresh functions",
       "",
-      first_mlp,
-      "",
-      first_resnet,
-      "",
-      f"Target: at most 1.20x `jax.jit`'s first call: {'met' if met_first else 'NOT met'} "
+      *[f"**{name}**\n\n{harness.ratio_table(ft, unit='s', scale=1.0)}\n"
+        for name, ft in firsts.items()],
+      f"Target: at most 1.20x `jax.jit`'s first call: "
+      f"{'met' if max(r_mlp, r_resnet) <= 1.20 else 'NOT met'} "
       f"(MLP {r_mlp:.2f}x, ResNet-18 {r_resnet:.2f}x).",
+      "",
+      f"Where the ResNet-18 first call's time goes ({p['first_rounds']} more interleaved "
+      "rounds of fresh functions traced, lowered and compiled by hand, medians; compiling "
+      "also in CPU seconds of the process, which move less with the load):",
+      "",
+      _parts_table(result.figures["first call parts"]),
       "",
       "### End to end: each tuner alone and all together (steady-state step time)",
       "",
-      *[part for table in e2e for part in (table, "")],
-  ]
-  for name, ratios in e2e_ratios.items():
-    best = min((r, label) for label, r in ratios.items()
-               if label not in ("jax.jit", _harness.CONTROL))
-    lines.append(f"- {name}: every tuner {1 / ratios['every tuner (+ mixed bf16)']:.2f}x "
-                 f"`jax.jit`'s speed, layout + kernels {1 / ratios['layout + kernels (set_config(None))']:.2f}x; "
-                 f"shares: layout {1 / ratios['layout only']:.2f}x, kernels "
-                 f"{1 / ratios['kernel selection only']:.2f}x, mixed bf16 "
-                 f"{1 / ratios['mixed bf16 only']:.2f}x; best: {best[1]} "
-                 f"(A/A {ratios[_harness.CONTROL]:.2f}).")
-  body = "\n".join(lines)
-  print(body)
-  if args.write:
-    _harness.write_section("jit_overhead", body)
-    print(f"wrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+      *[f"**{name}**\n\n{harness.ratio_table(et)}\n" for name, et in e2e.items()],
+      *[_e2e_line(name, et) for name, et in e2e.items()],
+  ])

@@ -1,22 +1,22 @@
 """Kernel priors: measure them, ship them, and measure how well they predict.
 
-Three steps, each a subcommand (no subcommand: all three, in order):
+Three steps:
 
-``collect``
+``collect`` (`measure`)
     Tunes every kernel bucket of three networks exhaustively (``kernel.predict``
     and ``kernel.payback`` off: every applicable candidate compiled and timed),
-    each into a cache folder of its own under ``--work``: the demo's network
+    each into a cache folder of its own under ``work``: the demo's network
     (`tunedjax.demo.DemoNet`, batch 128, 32x32, through the `Trainer`, so its
     batch norms are sites too), the MobileNet-style train step of
     ``kernels.py`` (batch 32, 64x64) and the ResNet-18 train step of
     ``jit_overhead.py`` (batch 8, 64x64, written NCHW; the layout pass
     re-lays it), the last two through `tunedjax.jit` with kernel selection
     and layout on.
-``write``
+``write_priors`` (``python benchmarks/kernel_priors.py``: all three steps)
     Writes those measurements as each family's priors for this machine's class
     (``src/tunedjax/ops/<family>/priors/<class>.json``, with the date, the
     machine, the JAX version and this command as provenance).
-``evaluate``
+``evaluate`` (`measure`; `render`: the table)
     How good the predictions are, from the exhaustive measurements: for each
     bucket, the candidates a prediction would compile (`Prediction.could_win`,
     the tuner's 10% margin, no horizon), the kernel the tuner would then
@@ -27,16 +27,15 @@ Three steps, each a subcommand (no subcommand: all three, in order):
     network), the same plus the network's buckets measured earlier in the
     run (as a first run sees them), and priors from all three networks
     (in-sample: the shipped priors were measured on these very buckets, so
-    this figure flatters). Writes the table to BENCHMARKS.md.
+    this figure flatters).
 
-Usage::
-
-    python benchmarks/kernel_priors.py [collect|write|evaluate] [--work DIR] [--quick]
+Run: ``python benchmarks/run.py kernel_priors [--quick] [--write]`` measures and
+evaluates (the table; nothing under src/ changes); ``python
+benchmarks/kernel_priors.py`` does all three and writes the table to BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -47,15 +46,16 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import harness as _harness
+import harness
 
 NETWORKS = ("demo", "mobilenet", "resnet18")
 FAMILIES = ("conv", "batch_norm")
 MARGIN = 0.10
 COMMAND = "python benchmarks/kernel_priors.py"
+SETTINGS = ("other networks' priors", "+ this run's earlier buckets",
+            "in-sample priors (all networks)")
 
 
 def _config(cache_dir: str) -> dict[str, Any]:
@@ -90,9 +90,7 @@ def _collect_step(name: str, cache_dir: str, quick: bool) -> None:
 
 
 def collect(work: pathlib.Path, networks: tuple[str, ...], quick: bool) -> None:
-  work.mkdir(parents=True, exist_ok=True)
-  loads = {"before": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                               time.gmtime())}
+  """Tunes each network exhaustively into ``work/<network>``."""
   for net in networks:
     folder = work / net
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,8 +100,6 @@ def collect(work: pathlib.Path, networks: tuple[str, ...], quick: bool) -> None:
     else:
       _collect_step(net, str(folder), quick)
     print(f"collected {net}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-  loads["after"] = os.getloadavg()[0]
-  (work / "load.json").write_text(json.dumps(loads), encoding="utf-8")
 
 
 def records(work: pathlib.Path, networks: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -129,12 +125,12 @@ def records(work: pathlib.Path, networks: tuple[str, ...]) -> list[dict[str, Any
   return out
 
 
-def write(work: pathlib.Path, networks: tuple[str, ...]) -> None:
+def write_priors(recs: list[dict[str, Any]], networks: tuple[str, ...]) -> None:
+  """Writes `recs` as each family's priors for this machine's class (under src/)."""
   from tunedjax import _tuning, autotune  # pylint: disable=import-outside-toplevel
   from tunedjax.autotune import _predict  # pylint: disable=import-outside-toplevel
   fp = _tuning.device_fingerprint()
   machine_class = _predict.machine_class(fp)[0]
-  recs = records(work, networks)
   for op in FAMILIES:
     family = autotune.op_family(op)
     mine = [{k: v for k, v in r.items() if k != "family"} for r in recs if r["family"] == op]
@@ -177,9 +173,9 @@ def _evaluate_bucket(rec: dict[str, Any], points: list[Any]) -> dict[str, Any]:
           "two": len(kept) <= 2}
 
 
-def evaluate(work: pathlib.Path, networks: tuple[str, ...]) -> str:
+def evaluate(recs: list[dict[str, Any]], networks: tuple[str, ...]) -> list[dict[str, Any]]:
+  """Per network and setting: the regrets and how many candidates were compiled."""
   from tunedjax.autotune import _predict  # pylint: disable=import-outside-toplevel
-  recs = records(work, networks)
 
   def points(rs: list[dict[str, Any]], source: str) -> list[Any]:
     return [_predict.Point(r["features"], {"xla": 1.0, **r["ratios"]}, r["compile_s"], source)
@@ -187,8 +183,7 @@ def evaluate(work: pathlib.Path, networks: tuple[str, ...]) -> str:
 
   rows = []
   for net in networks:
-    for setting in ("other networks' priors", "+ this run's earlier buckets",
-                    "in-sample priors (all networks)"):
+    for setting in SETTINGS:
       results = []
       for op in FAMILIES:
         mine = [r for r in recs if r["network"] == net and r["family"] == op]
@@ -201,73 +196,61 @@ def evaluate(work: pathlib.Path, networks: tuple[str, ...]) -> str:
           else:
             pts = points(others, "prior")
           results.append(_evaluate_bucket(rec, pts))
-      if not results:
-        continue
-      regrets = [r["regret"] for r in results]
-      tops = [r["top_regret"] for r in results if r["top_regret"] is not None]
-      rows.append(
-          f"| {net} | {setting} | {len(results)} | {statistics.median(regrets):.3f} | "
-          f"{max(regrets):.3f} | {statistics.median(tops):.3f} / {max(tops):.3f} | "
-          f"{sum(r['compiled'] for r in results)} of {sum(r['candidates'] for r in results)} | "
-          f"{sum(r['two'] for r in results)} |")
-  return "\n".join(rows)
+      if results:
+        regrets = [r["regret"] for r in results]
+        tops = [r["top_regret"] for r in results if r["top_regret"] is not None]
+        rows.append({"network": net, "setting": setting, "buckets": len(results),
+                     "regret": (statistics.median(regrets), max(regrets)),
+                     "top_regret": (statistics.median(tops), max(tops)),
+                     "compiled": sum(r["compiled"] for r in results),
+                     "candidates": sum(r["candidates"] for r in results),
+                     "two": sum(r["two"] for r in results)})
+  return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("what", nargs="?", default="all",
-                      choices=("all", "collect", "write", "evaluate"))
-  parser.add_argument("--work", default="/tmp/tunedjax-kernel-priors",
-                      help="folder of the exhaustive tuning caches, one per network")
-  parser.add_argument("--networks", default=",".join(NETWORKS))
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--no-write", action="store_true",
-                      help="print the table instead of writing BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  work, networks = pathlib.Path(args.work), tuple(args.networks.split(","))
-  if args.quick:  # a smoke run never mixes its small shapes into a real run's caches
-    work = pathlib.Path(tempfile.mkdtemp(prefix="kernel-priors-quick-"))
-  if args.what in ("all", "collect"):
-    collect(work, networks, args.quick)
-  if args.what in ("all", "write") and not args.quick:
-    write(work, networks)
-  if args.what in ("all", "evaluate"):
-    table = evaluate(work, networks)
-    load_file = work / "load.json"
-    loads = json.loads(load_file.read_text()) if load_file.exists() else {}
-    load = (f"Collected {loads['date']}, load average {loads['before']:.1f} before and "
-            f"{loads['after']:.1f} after (the machine is shared)." if loads else
-            "Load average not recorded.")
-    body = (
-        "## Kernel predictions: quality against exhaustive tuning\n\n"
-        f"`{COMMAND}` (collect, write, evaluate). {_harness.machine_line()} {load} "
-        "Each bucket of each "
-        "network was tuned exhaustively (every applicable candidate, 5 rounds); the table "
-        "replays those measurements: which candidates a prediction would compile, and the "
-        "time of the kernel the tuner then chooses over the exhaustive winner's (regret; "
-        "1.000 = the same kernel or one as fast). The shipped priors are these very "
-        "measurements, so the *in-sample* rows flatter; the *other networks' priors* rows "
-        "leave the network's own buckets out, as on a machine that has measured nothing "
-        "of it, and the *+ earlier buckets* rows add what a first run has measured of the "
-        "network by the time it reaches each bucket. The predictor's constants "
-        "(`autotune/_predict.py`: 1.5 spreads, a 20% tolerance, bandwidth 2) were "
-        "chosen by a sweep over these same leave-one-out rows, so they are fitted to "
-        "these three networks too. *Predicted best alone* is the top-ranked "
-        "candidate's time over the winner's: what trusting the ranking without timing "
-        "would cost (the tuner never does). The replay has no tuning horizon (as "
-        "`tj.jit` alone); under the Trainer's horizon, candidates that cannot save "
-        "their own compile are ruled out too, so a real first run compiles fewer "
-        "(see the demo's section).\n\n"
-        "| network | prediction from | buckets | regret, median | regret, worst | "
-        "predicted best alone: median / worst | candidates compiled (of exhaustive) | "
-        "buckets compiling only 2 |\n|---|---|---:|---:|---:|---:|---:|---:|\n" + table)
-    if args.no_write or args.quick:
-      print(body)
-    else:
-      _harness.write_section("kernel_priors", body)
-      print(body)
-  return 0
+def measure(quick: bool = False, *, work: str | None = None,
+            networks: tuple[str, ...] = NETWORKS) -> harness.Result:
+  """Collects every network into `work` (a fresh folder by default) and replays the
+  measurements: the records and the evaluation's rows."""
+  result = harness.Result("kernel_priors", params={"quick": quick, "networks": list(networks)})
+  folder = pathlib.Path(work or tempfile.mkdtemp(prefix="tunedjax-kernel-priors-"))
+  collect(folder, networks, quick)
+  recs = records(folder, networks)
+  result.figures.update(records=recs, rows=evaluate(recs, networks))
+  return result
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def render(result: harness.Result) -> str:
+  rows = [f"| {r['network']} | {r['setting']} | {r['buckets']} | {r['regret'][0]:.3f} | "
+          f"{r['regret'][1]:.3f} | {r['top_regret'][0]:.3f} / {r['top_regret'][1]:.3f} | "
+          f"{r['compiled']} of {r['candidates']} | {r['two']} |" for r in result.figures["rows"]]
+  return (
+      "## Kernel predictions: quality against exhaustive tuning\n\n"
+      f"`benchmarks/run.py kernel_priors{' --quick' if result.params['quick'] else ''}` "
+      f"(collect, evaluate; `{COMMAND}` also writes the shipped priors). {result.machine} "
+      f"{result.load_line()} Each bucket of each network was tuned exhaustively (every "
+      "applicable candidate, 5 rounds); the table replays those measurements: which "
+      "candidates a prediction would compile, and the time of the kernel the tuner then "
+      "chooses over the exhaustive winner's (regret; 1.000 = the same kernel or one as "
+      "fast). The shipped priors are these very "
+      "measurements, so the *in-sample* rows flatter; the *other networks' priors* rows "
+      "leave the network's own buckets out, as on a machine that has measured nothing "
+      "of it, and the *+ earlier buckets* rows add what a first run has measured of the "
+      "network by the time it reaches each bucket. The predictor's constants "
+      "(`autotune/_predict.py`: 1.5 spreads, a 20% tolerance, bandwidth 2) were "
+      "chosen by a sweep over these same leave-one-out rows, so they are fitted to "
+      "these three networks too. *Predicted best alone* is the top-ranked "
+      "candidate's time over the winner's: what trusting the ranking without timing "
+      "would cost (the tuner never does). The replay has no tuning horizon (as "
+      "`tj.jit` alone); under the Trainer's horizon, candidates that cannot save "
+      "their own compile are ruled out too, so a real first run compiles fewer "
+      "(see the demo's section).\n\n"
+      "| network | prediction from | buckets | regret, median | regret, worst | "
+      "predicted best alone: median / worst | candidates compiled (of exhaustive) | "
+      "buckets compiling only 2 |\n|---|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":  # regenerates the shipped priors and their section of BENCHMARKS.md
+  measured = measure()
+  write_priors(measured.figures["records"], NETWORKS)
+  harness.write_section("kernel_priors", render(measured.done()))

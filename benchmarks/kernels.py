@@ -14,17 +14,13 @@ Then the figure users feel: a whole MobileNet-style train step (depthwise 3x3
 `select_kernels` against plain `jax.jit`, and a ResNet-style step (3x3 convs
 with BatchNorm) as the control.
 
-Run: `.venv/bin/python benchmarks/kernels.py [--quick] [--write] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py kernels [--quick] [--write]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import harness as _harness
+import harness
 from tunedjax import _tuning
 from tunedjax.autotune import _select
 
@@ -189,23 +185,18 @@ def _chosen(counts: dict[str, int]) -> str:
 
 def tune_and_time(fn: Callable[..., Any], args: tuple[Any, ...], *, cache_dir: str,
                   rounds: int, tune_rounds: int, budget_s: float
-                  ) -> dict[str, Any]:
-  """Tunes `fn`'s buckets, then times it selected against jax.jit."""
+                  ) -> tuple[harness.Timings, dict[str, Any]]:
+  """Tunes `fn`'s buckets, then times it selected against jax.jit: the timings, the
+  kernels chosen and the seconds spent tuning."""
   reports: list[Any] = []
   selected = jax.jit(_select.select_kernels(
       fn, cache=cache_dir, rounds=tune_rounds, budget_s=budget_s, on_report=reports.append))
-  start = time.perf_counter()
-  jax.block_until_ready(selected(*args))  # traces: tunes every new bucket
-  first_call_s = time.perf_counter() - start
+  first_call_s = harness.first_call(lambda: jax.block_until_ready(selected(*args)))  # tunes
   counts = {k: n for r in reports for k, n in r.counts().items()}
-  tuning_s = sum(r.tuning_s for r in reports)
-  t = _harness.interleaved({"xla": _block(jax.jit(fn), args),
-                            "selected": _block(selected, args)},
-                           baseline="xla", rounds=rounds, warmup=1)
-  return {"chosen": _chosen(counts), "speedup": 1.0 / t.ratio("selected"),
-          "aa": t.ratio(_harness.CONTROL), "tuning_s": tuning_s,
-          "first_call_s": first_call_s, "xla_ms": 1e3 * t.median("xla"),
-          "selected_ms": 1e3 * t.median("selected"), "fn": fn, "args": args}
+  t = harness.interleaved({"xla": _block(jax.jit(fn), args), "selected": _block(selected, args)},
+                          baseline="xla", rounds=rounds, warmup=1)
+  return t, {"chosen": _chosen(counts), "tuning_s": sum(r.tuning_s for r in reports),
+             "first_call_s": first_call_s}
 
 
 def warm_rerun(problems: list[tuple[Callable[..., Any], tuple[Any, ...]]],
@@ -219,103 +210,94 @@ def warm_rerun(problems: list[tuple[Callable[..., Any], tuple[Any, ...]]],
   return s.tuning_s, s.hits, s.misses
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds (smoke)")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--batch", type=int, default=None, help="batch of the bucket convs")
-  parser.add_argument("--budget", type=float, default=20.0, help="tuning seconds per bucket")
-  parser.add_argument("--skip-steps", action="store_true", help="buckets only")
-  args = parser.parse_args(argv)
-  rounds = args.rounds or (2 if args.quick else 9)
-  batch = args.batch or (2 if args.quick else 8)
-  tune_rounds = 2 if args.quick else 5
-  budget = 3.0 if args.quick else args.budget
-  rng = np.random.default_rng(0)
-  cache_dir = tempfile.mkdtemp(prefix="tunedjax-bench-kernels-")
-  load_before = os.getloadavg()
-  print(f"load average before: {load_before[0]:.2f}", file=sys.stderr)
+STEPS = (("MobileNet-style train step", mobilenet, ">= 3x"),
+         ("control: ResNet-style train step", resnet, ">= 0.95x"))
 
-  rows = []
+
+def measure(quick: bool = False, *, rounds: int = 9, batch: int = 8, budget: float = 20.0,
+            steps: bool = True) -> harness.Result:
+  """Every bucket forward and forward+backward, then the whole train steps (`steps`),
+  then a warm-cache re-run of all of them."""
+  if quick:
+    rounds, batch, budget = 2, 2, 3.0
+  tune = {"rounds": rounds, "tune_rounds": 2 if quick else 5, "budget_s": budget,
+          "cache_dir": tempfile.mkdtemp(prefix="tunedjax-bench-kernels-")}
+  rng = np.random.default_rng(0)
+  result = harness.Result("kernels", params={
+      "quick": quick, "rounds": rounds, "batch": batch, "budget": budget,
+      "tune_rounds": tune["tune_rounds"]}, figures={"buckets": [], "steps": []})
   problems = []
   for b in BUCKETS:
-    b = _quick(b) if args.quick else b
+    b = _quick(b) if quick else b
     fwd, fwd_bwd, fargs, bargs = bucket_problem(b, batch, rng)
-    f = tune_and_time(fwd, fargs, cache_dir=cache_dir, rounds=rounds,
-                      tune_rounds=tune_rounds, budget_s=budget)
-    fb = tune_and_time(fwd_bwd, bargs, cache_dir=cache_dir, rounds=rounds,
-                       tune_rounds=tune_rounds, budget_s=budget)
-    problems += [(fwd, fargs), (fwd_bwd, bargs)]
-    rows.append((b, f, fb))
-    print(f"{b.name}: fwd {f['speedup']:.2f}x ({f['chosen']}), fwd+bwd {fb['speedup']:.2f}x "
-          f"({fb['chosen']}), tuning {f['tuning_s'] + fb['tuning_s']:.1f}s, "
-          f"A/A {f['aa']:.2f}/{fb['aa']:.2f}", file=sys.stderr)
-
-  steps = []
-  if not args.skip_steps:
-    step_batch, size = (4, 32) if args.quick else (32, 64)
+    row = {"bucket": b.name, "target": b.target}
+    for what, fn, args in (("fwd", fwd, fargs), ("fwd+bwd", fwd_bwd, bargs)):
+      result.timings[f"{b.name}, {what}"], row[what] = tune_and_time(fn, args, **tune)
+      problems.append((fn, args))
+    result.figures["buckets"].append(row)
+  if steps:
+    step_batch, size = (4, 32) if quick else (32, 64)
+    result.params.update(step_batch=step_batch, size=size)
     x = _normal(rng, (step_batch, size, size, 3))
     y = jnp.asarray(rng.integers(0, 10, size=step_batch), jnp.int32)
-    for name, (params, loss), target in (
-        ("MobileNet-style train step", mobilenet(rng), ">= 3x"),
-        ("control: ResNet-style train step", resnet(rng), ">= 0.95x")):
-      r = tune_and_time(sgd_step(loss), (params, x, y), cache_dir=cache_dir, rounds=rounds,
-                        tune_rounds=tune_rounds, budget_s=budget)
+    for name, network, target in STEPS:
+      params, loss = network(rng)
+      result.timings[name], info = tune_and_time(sgd_step(loss), (params, x, y), **tune)
       problems.append((sgd_step(loss), (params, x, y)))
-      steps.append((name, r, target))
-      print(f"{name}: {r['speedup']:.2f}x ({r['chosen']}), tuning {r['tuning_s']:.1f}s, "
-            f"A/A {r['aa']:.2f}", file=sys.stderr)
+      result.figures["steps"].append({"step": name, "target": target, **info})
+  warm_s, hits, misses = warm_rerun(problems, tune["cache_dir"])
+  result.figures["warm rerun"] = {"tuning_s": warm_s, "hits": hits, "misses": misses}
+  return result
 
-  warm_s, warm_hits, warm_misses = warm_rerun(problems, cache_dir)
-  load_after = os.getloadavg()
 
+def _speedup(t: harness.Timings) -> float:
+  return 1.0 / t.ratio("selected")
+
+
+def render(result: harness.Result) -> str:
+  p, t = result.params, result.timings
   lines = [
       "## Kernel selection: speedup over XLA per bucket",
       "",
-      f"`benchmarks/kernels.py{' --quick' if args.quick else ''}`: NHWC float32, batch "
-      f"{batch}; each bucket tuned by `autotune.select_kernels` (tuner: {tune_rounds} "
-      f"rounds, {budget:.0f} s budget per bucket, 10% margin), then timed against "
-      f"`jax.jit` in {rounds} interleaved rounds after 1 warm-up; speedup = xla time / "
-      "selected time (median of per-round ratios), A/A = the xla baseline timed twice "
-      f"(1.00 is noise-free). Load average {load_before[0]:.1f} before, "
-      f"{load_after[0]:.1f} after. " + _harness.machine_line(),
+      f"`benchmarks/run.py kernels{' --quick' if p['quick'] else ''}`: NHWC float32, batch "
+      f"{p['batch']}; each bucket tuned by `autotune.select_kernels` (tuner: "
+      f"{p['tune_rounds']} rounds, {p['budget']:.0f} s budget per bucket, 10% margin), then "
+      f"timed against `jax.jit` in {p['rounds']} interleaved rounds after 1 warm-up; speedup = "
+      "xla time / selected time (median of per-round ratios), A/A = the xla baseline timed "
+      f"twice (1.00 is noise-free). {result.load_line()} {result.machine}",
       "",
       "| bucket | fwd: kernel | fwd speedup | fwd+bwd: kernels (fwd, dx, dw convs) | "
       "fwd+bwd speedup | xla fwd+bwd (ms) | tuning, 3 buckets (s) | A/A fwd / fwd+bwd | target |",
       "|---|---|---:|---|---:|---:|---:|---:|---|",
   ]
-  for b, f, fb in rows:
+  for row in result.figures["buckets"]:
+    f, fb = row["fwd"], row["fwd+bwd"]
+    tf, tb = t[f"{row['bucket']}, fwd"], t[f"{row['bucket']}, fwd+bwd"]
     lines.append(
-        f"| {b.name} | {f['chosen']} | {f['speedup']:.2f}x | {fb['chosen']} | "
-        f"{fb['speedup']:.2f}x | {fb['xla_ms']:.1f} | {f['tuning_s'] + fb['tuning_s']:.1f} | "
-        f"{f['aa']:.2f} / {fb['aa']:.2f} | {b.target} |")
-  if steps:
+        f"| {row['bucket']} | {f['chosen']} | {_speedup(tf):.2f}x | {fb['chosen']} | "
+        f"{_speedup(tb):.2f}x | {1e3 * tb.median('xla'):.1f} | "
+        f"{f['tuning_s'] + fb['tuning_s']:.1f} | {tf.ratio(harness.CONTROL):.2f} / "
+        f"{tb.ratio(harness.CONTROL):.2f} | {row['target']} |")
+  if result.figures["steps"]:
     lines += [
         "",
-        f"Whole train steps (batch {step_batch}, {size}x{size} images, value_and_grad + "
-        "SGD) through `select_kernels` against plain `jax.jit`:",
+        f"Whole train steps (batch {p['step_batch']}, {p['size']}x{p['size']} images, "
+        "value_and_grad + SGD) through `select_kernels` against plain `jax.jit`:",
         "",
         "| train step | kernels chosen (all convs, forward and backward) | speedup | "
         "jax.jit (ms) | selected (ms) | tuning (s) | A/A | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name, r, target in steps:
-      lines.append(f"| {name} | {r['chosen']} | {r['speedup']:.2f}x | {r['xla_ms']:.1f} | "
-                   f"{r['selected_ms']:.1f} | {r['tuning_s']:.1f} | {r['aa']:.2f} | {target} |")
+    for r in result.figures["steps"]:
+      ts = t[r["step"]]
+      lines.append(f"| {r['step']} | {r['chosen']} | {_speedup(ts):.2f}x | "
+                   f"{1e3 * ts.median('xla'):.1f} | {1e3 * ts.median('selected'):.1f} | "
+                   f"{r['tuning_s']:.1f} | {ts.ratio(harness.CONTROL):.2f} | {r['target']} |")
+  w = result.figures["warm rerun"]
   lines += [
       "",
       f"Warm-cache re-run (same cache folder, a fresh `Cache` object, nothing tuned in "
-      f"memory): {warm_s:.1f} s tuning, {warm_hits} hits, {warm_misses} misses "
-      f"(hit rate {warm_hits / max(warm_hits + warm_misses, 1):.0%}).",
+      f"memory): {w['tuning_s']:.1f} s tuning, {w['hits']} hits, {w['misses']} misses "
+      f"(hit rate {w['hits'] / max(w['hits'] + w['misses'], 1):.0%}).",
   ]
-  body = "\n".join(lines)
-  print(body)
-  if args.write:
-    _harness.write_section("kernels", body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+  return "\n".join(lines)

@@ -32,15 +32,11 @@ Then the same two networks as Flax nnx modules trained by `tunedjax.Trainer`
 Target (issue #18): the NCHW model within 5% of the NHWC model, train step
 and forward.
 
-Run: `.venv/bin/python benchmarks/layout.py [--quick] [--write] [--image N] [--rounds N]`.
+Run: `.venv/bin/python benchmarks/run.py layout [--quick] [--write]` (112x112 images,
+9 rounds; `measure(image=224, dtype="bfloat16", ...)` for other sizes).
 """
 
 from __future__ import annotations
-
-import argparse
-import os
-import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +45,7 @@ import optax
 from flax import nnx
 from jax import lax
 
-import harness as _harness
+import harness
 from tunedjax import layout
 from tunedjax.trainer import Trainer
 from tunedjax.trainer import _relayout
@@ -144,9 +140,13 @@ def make_train_step(channels_last: bool):
   return step
 
 
+BASE, OPT, HAND = "NCHW, jax.jit", "NCHW, layout.optimize", "NHWC, hand-written"
+OPT_NHWC = "NHWC, layout.optimize"
+
+
 def _check_same(outs: dict, what: str, tol: float) -> None:
   """Every variant's outputs match the baseline's, relative to the largest of them."""
-  base = [a.astype(jnp.float32) for a in jax.tree_util.tree_leaves(outs["NCHW, jax.jit"])]
+  base = [a.astype(jnp.float32) for a in jax.tree_util.tree_leaves(outs[BASE])]
   scale = max(float(jnp.abs(a).max()) for a in base)
   for name, out in outs.items():
     if name.startswith("NHWC") and name != OIHW:  # HWIO kernels back to OIHW before comparing
@@ -157,23 +157,14 @@ def _check_same(outs: dict, what: str, tol: float) -> None:
         raise SystemExit(f"{what}: {name} differs from the baseline (rel err {err:.2e})")
 
 
-def bench(title: str, fns: dict, args_for: dict, rounds: int) -> tuple[str, _harness.Timings]:
+def bench(title: str, fns: dict, args_for: dict, rounds: int) -> harness.Timings:
+  """Checks that the variants agree, then times them interleaved."""
   outs = {name: fn(*args_for[name]) for name, fn in fns.items()}  # compile + check
-  dtype = jax.tree_util.tree_leaves(outs["NCHW, jax.jit"])[0].dtype
+  dtype = jax.tree_util.tree_leaves(outs[BASE])[0].dtype
   _check_same(outs, title, 1e-3 if dtype == jnp.float32 else 5e-2)
   variants = {name: (lambda fn=fn, a=args_for[name]: jax.block_until_ready(fn(*a)))
               for name, fn in fns.items()}
-  t = _harness.interleaved(variants, baseline="NCHW, jax.jit", rounds=rounds, warmup=1)
-  def vs(a, b):
-    return statistics.median(x / y for x, y in zip(t.runs[a], t.runs[b]))
-
-  notes = {"NCHW, layout.optimize":
-               f"{vs('NCHW, layout.optimize', 'NHWC, hand-written'):.3f}x hand-written NHWC, "
-               f"{vs('NCHW, layout.optimize', OIHW):.3f}x NHWC with OIHW params",
-           OIHW: f"{vs(OIHW, 'NHWC, hand-written'):.3f}x hand-written NHWC",
-           "NHWC, layout.optimize":
-               f"{vs('NHWC, layout.optimize', 'NHWC, hand-written'):.3f}x hand-written NHWC"}
-  return _harness.ratio_table(t, notes=notes), t
+  return harness.interleaved(variants, baseline=BASE, rounds=rounds, warmup=1)
 
 
 class Ported(nnx.Module):
@@ -198,9 +189,10 @@ TR_NHWC, TR_NCHW, TR_PLAIN = ("NHWC model, Trainer", "NCHW model, Trainer",
                               "NCHW model, Trainer, kernels not re-laid")
 
 
-def trainer_tables(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: int,
-                   steps: int) -> tuple[str, _harness.Timings, str, _harness.Timings, dict]:
-  """Per-step and per-predict times of the Trainer on the NCHW and NHWC models."""
+def trainer_timings(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: int,
+                    steps: int) -> tuple[harness.Timings, harness.Timings, dict]:
+  """Per-step and per-predict times of the Trainer on the NCHW and NHWC models, and the
+  Trainer's record of the re-laid storage."""
   batch_nchw = {"x": np.asarray(x_nchw), "y": np.asarray(y)}
   batch_nhwc = {"x": np.asarray(x_nchw.transpose(0, 2, 3, 1)), "y": np.asarray(y)}
   made = {}
@@ -231,51 +223,31 @@ def trainer_tables(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: int
     trainer, batch = made[name]
     trainer.predict(batch["x"])
 
-  train_t = _harness.interleaved({n: (lambda n=n: fit(n)) for n in made}, baseline=TR_NHWC,
-                                 rounds=rounds, warmup=1)
-  fwd_t = _harness.interleaved({n: (lambda n=n: predict(n)) for n in made}, baseline=TR_NHWC,
-                               rounds=rounds, warmup=1)
-  per_step = _harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()},
-                              TR_NHWC)
-  tuning = made[TR_NCHW][0].history.tuning.get(_relayout.KEY, {})
-  return (_harness.ratio_table(per_step), per_step, _harness.ratio_table(fwd_t), fwd_t,
-          tuning)
+  train_t = harness.interleaved({n: (lambda n=n: fit(n)) for n in made}, baseline=TR_NHWC,
+                                rounds=rounds, warmup=1)
+  fwd_t = harness.interleaved({n: (lambda n=n: predict(n)) for n in made}, baseline=TR_NHWC,
+                              rounds=rounds, warmup=1)
+  per_step = harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()},
+                             TR_NHWC)
+  return per_step, fwd_t, dict(made[TR_NCHW][0].history.tuning.get(_relayout.KEY, {}))
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="32x32 images, 3 rounds (smoke test)")
-  parser.add_argument("--image", type=int, default=None, help="image size (default 224)")
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  parser.add_argument("--rounds", type=int, default=None, help="default 5 (3 with --quick)")
-  parser.add_argument("--trainer-steps", type=int, default=None,
-                      help="Trainer steps per timed run (default 3, 1 with --quick)")
-  parser.add_argument("--no-trainer", action="store_true", help="skip the Trainer tables")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  image = args.image or (32 if args.quick else 224)
-  rounds = args.rounds or (3 if args.quick else 5)
-
+def measure(quick: bool = False, *, image: int = 112, rounds: int = 9, batch: int = 8,
+            dtype: str = "float32", trainer_steps: int = 3, trainer: bool = True
+            ) -> harness.Result:
+  """The forward and the train step of every variant, then the Trainer's tables."""
+  if quick:
+    image, rounds, trainer_steps = 32, 2, 1
   rng = np.random.default_rng(0)
-  dtype = jnp.dtype(args.dtype)
-  p_nchw = jax.tree_util.tree_map(lambda a: a.astype(dtype), init_params(rng))
+  p_nchw = jax.tree_util.tree_map(lambda a: a.astype(jnp.dtype(dtype)), init_params(rng))
   p_nhwc = to_nhwc_params(p_nchw)
-  x_nchw = jnp.asarray(rng.normal(size=(args.batch, 3, image, image)), dtype)
+  x_nchw = jnp.asarray(rng.normal(size=(batch, 3, image, image)), jnp.dtype(dtype))
   x_nhwc = x_nchw.transpose(0, 2, 3, 1)
-  y = jnp.asarray(rng.integers(0, 1000, size=args.batch), jnp.int32)
+  y = jnp.asarray(rng.integers(0, 1000, size=batch), jnp.int32)
 
-  fwd_nchw = lambda p, x: resnet18(p, x, channels_last=False)
-  fwd_nhwc = lambda p, x: resnet18(p, x, channels_last=True)
-  fwd_oihw = lambda p, x: fwd_nhwc(to_nhwc_params(p), x.transpose(0, 2, 3, 1))
-  fwd = {"NCHW, jax.jit": jax.jit(fwd_nchw),
-         "NCHW, layout.optimize": jax.jit(layout.optimize(fwd_nchw)),
-         "NHWC, hand-written": jax.jit(fwd_nhwc),
-         OIHW: jax.jit(fwd_oihw),
-         "NHWC, layout.optimize": jax.jit(layout.optimize(fwd_nhwc))}
-  fwd_args = {k: ((p_nhwc, x_nhwc) if k.startswith("NHWC") and k != OIHW else (p_nchw, x_nchw))
-              for k in fwd}
-
+  fwd_nchw = lambda p, x: resnet18(p, x, channels_last=False)  # noqa: E731
+  fwd_nhwc = lambda p, x: resnet18(p, x, channels_last=True)  # noqa: E731
+  fwd_oihw = lambda p, x: fwd_nhwc(to_nhwc_params(p), x.transpose(0, 2, 3, 1))  # noqa: E731
   step_nchw, step_nhwc = make_train_step(False), make_train_step(True)
 
   def step_oihw(p, x, y):
@@ -283,108 +255,125 @@ def main(argv=None) -> int:
     return jax.tree_util.tree_map(lambda q: q.transpose(3, 2, 0, 1) if q.ndim == 4 else q,
                                   new), loss
 
-  train = {"NCHW, jax.jit": jax.jit(step_nchw),
-           "NCHW, layout.optimize": jax.jit(layout.optimize(step_nchw)),
-           "NHWC, hand-written": jax.jit(step_nhwc),
-           OIHW: jax.jit(step_oihw),
-           "NHWC, layout.optimize": jax.jit(layout.optimize(step_nhwc))}
-  train_args = {k: (*a, y) for k, a in fwd_args.items()}
+  def variants(nchw, nhwc, oihw):
+    return {BASE: jax.jit(nchw), OPT: jax.jit(layout.optimize(nchw)), HAND: jax.jit(nhwc),
+            OIHW: jax.jit(oihw), OPT_NHWC: jax.jit(layout.optimize(nhwc))}
 
-  fwd_table, fwd_t = bench("forward", fwd, fwd_args, rounds)
-  train_table, train_t = bench("train step", train, train_args, rounds)
+  fwd_args = {k: ((p_nhwc, x_nhwc) if k.startswith("NHWC") and k != OIHW else (p_nchw, x_nchw))
+              for k in (BASE, OPT, HAND, OIHW, OPT_NHWC)}
+  result = harness.Result("layout", params={
+      "quick": quick, "image": image, "rounds": rounds, "batch": batch, "dtype": dtype,
+      "trainer_steps": trainer_steps, "backend": jax.default_backend()})
+  result.timings["forward"] = bench("forward", variants(fwd_nchw, fwd_nhwc, fwd_oihw),
+                                    fwd_args, rounds)
+  result.timings["train step"] = bench("train step", variants(step_nchw, step_nhwc, step_oihw),
+                                       {k: (*a, y) for k, a in fwd_args.items()}, rounds)
+  if trainer:
+    (result.timings["trainer step"], result.timings["trainer forward"],
+     result.figures["trainer storage"]) = trainer_timings(p_nchw, x_nchw, y, rounds=rounds,
+                                                          steps=trainer_steps)
+  explained = {"forward NCHW": layout.explain(fwd_nchw, p_nchw, x_nchw),
+               "forward NHWC": layout.explain(fwd_nhwc, p_nhwc, x_nhwc),
+               "train step NCHW": layout.explain(step_nchw, p_nchw, x_nchw, y)}
+  result.figures["explain"] = {
+      k: {"summary": r.summary(), "before": r.transposes_before, "after": r.transposes_after,
+          "re-laid": r.counts.get("convolutions re-laid", 0), "convolutions": r.convolutions}
+      for k, r in explained.items()}
+  result.figures["kernel weights"] = sum(a.size for a in jax.tree_util.tree_leaves(p_nchw)
+                                         if a.ndim == 4)
+  return result
 
-  if not args.no_trainer:
-    tr_step, tr_step_t, tr_fwd, tr_fwd_t, tr_tuning = trainer_tables(
-        p_nchw, x_nchw, y, rounds=rounds, steps=args.trainer_steps or (1 if args.quick else 3))
 
-  n_params = sum(a.size for a in jax.tree_util.tree_leaves(p_nchw) if a.ndim == 4)
-  r_nchw = layout.explain(fwd_nchw, p_nchw, x_nchw)
-  r_nhwc = layout.explain(fwd_nhwc, p_nhwc, x_nhwc)
-  r_train = layout.explain(step_nchw, p_nchw, x_nchw, y)
-  load = os.getloadavg()
+def _vs(t: harness.Timings, a: str, b: str) -> float:
+  """Median over rounds of `a`'s time over `b`'s."""
+  return harness.Timings(t.runs, b).ratio(a)
 
-  def verdict(t):
-    def vs(b):
-      return statistics.median(x / y for x, y in zip(t.runs["NCHW, layout.optimize"], t.runs[b]))
 
-    opt, fair = vs("NHWC, hand-written"), vs(OIHW)
-    within = "met" if opt <= 1.05 else "NOT met"
-    faster = "met" if t.ratio("NCHW, layout.optimize") < 1.0 else "NOT met"
-    return (f"Target: optimized NCHW / hand-written NHWC = {opt:.3f} (within 5%: {within}; "
-            f"{fair:.3f} against NHWC fed the same OIHW params); optimized NCHW / plain NCHW "
-            f"= {t.ratio('NCHW, layout.optimize'):.3f} (faster: {faster}).")
+def _table(t: harness.Timings) -> str:
+  return harness.ratio_table(t, notes={
+      OPT: f"{_vs(t, OPT, HAND):.3f}x hand-written NHWC, {_vs(t, OPT, OIHW):.3f}x NHWC with "
+           "OIHW params",
+      OIHW: f"{_vs(t, OIHW, HAND):.3f}x hand-written NHWC",
+      OPT_NHWC: f"{_vs(t, OPT_NHWC, HAND):.3f}x hand-written NHWC"})
 
-  body = "\n".join([
+
+def _verdict(t: harness.Timings) -> str:
+  opt, fair = _vs(t, OPT, HAND), _vs(t, OPT, OIHW)
+  within = "met" if opt <= 1.05 else "NOT met"
+  faster = "met" if t.ratio(OPT) < 1.0 else "NOT met"
+  return (f"Target: optimized NCHW / hand-written NHWC = {opt:.3f} (within 5%: {within}; "
+          f"{fair:.3f} against NHWC fed the same OIHW params); optimized NCHW / plain NCHW "
+          f"= {t.ratio(OPT):.3f} (faster: {faster}).")
+
+
+def _trainer_verdict(t: harness.Timings, what: str) -> str:
+  r = t.ratio(TR_NCHW)
+  return (f"Target ({what}): NCHW model / NHWC model = {r:.3f} (within 5%: "
+          f"{'met' if r <= 1.05 else 'NOT met'}); without the re-laid storage "
+          f"{t.ratio(TR_PLAIN):.3f}.")
+
+
+def render(result: harness.Result) -> dict[str, str]:
+  """The section `layout_<backend>` (`_<dtype>` beside it for other than float32)."""
+  p, t, e = result.params, result.timings, result.figures["explain"]
+  nchw, step, nhwc = e["forward NCHW"], e["train step NCHW"], e["forward NHWC"]
+  lines = [
       "## Layout pass: ResNet-18 NCHW vs NHWC",
       "",
-      f"`benchmarks/layout.py{' --quick' if args.quick else ''}`: ResNet-18 written in NCHW "
-      f"with lax ops (as a PyTorch port), batch {args.batch}, {image}x{image} images, {args.dtype}. "
-      f"{rounds} interleaved rounds after a warm-up; ratios are medians of per-round ratios "
-      f"to plain `jax.jit` on the NCHW model. " + _harness.machine_line()
-      + f" Load average while measuring: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.",
+      f"`benchmarks/run.py layout{' --quick' if p['quick'] else ''}`: ResNet-18 written in NCHW "
+      f"with lax ops (as a PyTorch port), batch {p['batch']}, {p['image']}x{p['image']} images, "
+      f"{p['dtype']}. {p['rounds']} interleaved rounds after a warm-up; ratios are medians of "
+      "per-round ratios to plain `jax.jit` on the NCHW model. "
+      f"{result.machine} {result.load_line()}",
       "",
       "Forward:",
       "",
-      fwd_table,
+      _table(t["forward"]),
       "",
-      verdict(fwd_t),
+      _verdict(t["forward"]),
       "",
       "Train step (loss, gradients and SGD update inside `layout.optimize`):",
       "",
-      train_table,
+      _table(t["train step"]),
       "",
-      verdict(train_t),
+      _verdict(t["train step"]),
       "",
-      f"What the pass did (`layout.explain`): forward NCHW: {r_nchw.summary()}, transposes "
-      f"{r_nchw.transposes_before} -> {r_nchw.transposes_after} (activations: 1 in; the rest "
-      f"are kernels); train step NCHW: {r_train.counts.get('convolutions re-laid', 0)} of "
-      f"{r_train.convolutions} convolutions re-laid, transposes {r_train.transposes_before} -> "
-      f"{r_train.transposes_after}; forward NHWC: {r_nhwc.summary()}, transposes "
-      f"{r_nhwc.transposes_before} -> {r_nhwc.transposes_after}.",
+      f"What the pass did (`layout.explain`): forward NCHW: {nchw['summary']}, transposes "
+      f"{nchw['before']} -> {nchw['after']} (activations: 1 in; the rest are kernels); train "
+      f"step NCHW: {step['re-laid']} of {step['convolutions']} convolutions re-laid, "
+      f"transposes {step['before']} -> {step['after']}; forward NHWC: {nhwc['summary']}, "
+      f"transposes {nhwc['before']} -> {nhwc['after']}.",
       "",
-      f"Reading: the port's OIHW kernels ({n_params / 1e6:.1f}M weights) are inputs of the "
-      "function, and the pass keeps inputs in their layout, so every call transposes them "
-      "to HWIO (as XLA:CPU does itself for plain NCHW). 'NHWC, hand-written, OIHW params' "
-      "is the NHWC network paying that same cost: the bound for a pass that keeps the "
-      "function's signature. Hand-written NHWC with HWIO-stored kernels avoids it.",
-  ])
-  if not args.no_trainer:
-    def trainer_verdict(t, what):
-      r = t.ratio(TR_NCHW)
-      return (f"Target ({what}): NCHW model / NHWC model = {r:.3f} (within 5%: "
-              f"{'met' if r <= 1.05 else 'NOT met'}); without the re-laid storage "
-              f"{t.ratio(TR_PLAIN):.3f}.")
-
-    body += "\n".join([
-        "", "",
+      f"Reading: the port's OIHW kernels ({result.figures['kernel weights'] / 1e6:.1f}M weights) "
+      "are inputs of the function, and the pass keeps inputs in their layout, so every call "
+      "transposes them to HWIO (as XLA:CPU does itself for plain NCHW). 'NHWC, hand-written, "
+      "OIHW params' is the NHWC network paying that same cost: the bound for a pass that "
+      "keeps the function's signature. Hand-written NHWC with HWIO-stored kernels avoids it.",
+  ]
+  if "trainer step" in t:
+    storage = result.figures["trainer storage"]
+    lines += [
+        "",
         "### The Trainer: NCHW model against the same model written NHWC",
         "",
-        (f"Both as Flax nnx modules trained by `tunedjax.Trainer` (layout pass on, kernel "
-        f"selection off, SGD with momentum, the same batch); ratios to the NHWC model. "
-        f"Train step: `fit` over {args.trainer_steps or (1 if args.quick else 3)} steps per "
-        "timed run, divided per step. The Trainer's record of the storage: "
-        f"{tr_tuning.get('weights', 0)} kernels and {tr_tuning.get('optimizer_leaves', 0)} "
-        f"momentum leaves kept for {tr_tuning.get('target', '-')}."),
+        "Both as Flax nnx modules trained by `tunedjax.Trainer` (layout pass on, kernel "
+        "selection off, SGD with momentum, the same batch); ratios to the NHWC model. "
+        f"Train step: `fit` over {p['trainer_steps']} steps per timed run, divided per step. "
+        f"The Trainer's record of the storage: {storage.get('weights', 0)} kernels and "
+        f"{storage.get('optimizer_leaves', 0)} momentum leaves kept for "
+        f"{storage.get('target', '-')}.",
         "",
         "Train step:",
         "",
-        tr_step,
+        harness.ratio_table(t["trainer step"]),
         "",
-        trainer_verdict(tr_step_t, "train step"),
+        _trainer_verdict(t["trainer step"], "train step"),
         "",
         "Forward (`Trainer.predict` on one batch):",
         "",
-        tr_fwd,
+        harness.ratio_table(t["trainer forward"]),
         "",
-        trainer_verdict(tr_fwd_t, "forward"),
-    ])
-  print(body)
-  if args.write:
-    suffix = ("_quick" if args.quick else "") + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    _harness.write_section(f"layout_{jax.default_backend()}{suffix}", body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())
+        _trainer_verdict(t["trainer forward"], "forward"),
+    ]
+  suffix = "" if p["dtype"] == "float32" else f"_{p['dtype']}"
+  return {f"layout_{p['backend']}{suffix}": "\n".join(lines)}

@@ -21,27 +21,25 @@ Every variant runs in processes of its own:
 
 The two measurements run in separate processes (a step's heap must not shape
 the dispatch loop's). Each round asks every worker of a kind for one timed
-run, in a rotated order; medians over rounds, and ratios (median of
-per-round ratios) against the unset baseline, which is run twice (A/A).
+run, in a rotated order (`harness.workers`); medians over rounds, and ratios
+(median of per-round ratios) against the unset baseline, which is run twice
+(A/A). Two sections, one set of workers each: ``malloc_settings`` (`VARIANTS`)
+and ``malloc_in_process`` (tunedjax's settings and `IN_PROCESS`).
 
-Run: ``PYTHONPATH=src:benchmarks python benchmarks/malloc_settings.py [--rounds N]``.
+Run: ``.venv/bin/python benchmarks/run.py malloc_settings [--quick] [--write]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from harness import workers as _workers
+import harness
+from harness import workers
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 _KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 VARIANTS = {
     "unset (glibc's defaults)": {},
@@ -77,7 +75,7 @@ IN_PROCESS = {
 }
 TUNEDJAX = "arena 1 + no mmap + trim (tunedjax's)"
 BASE, CONTROL = "unset (glibc's defaults)", "A/A: unset again"
-SECTION = "malloc_settings"
+SECTIONS = ("malloc_settings", "malloc_in_process")
 
 
 def _act(actions: tuple[str, ...], when: str) -> None:
@@ -102,11 +100,12 @@ def _rss_mib() -> float:
     return float(f.read().split("VmRSS:")[1].split()[0]) / 1024
 
 
-def worker(kind: str, cache_dir: str, quick: bool, actions: tuple[str, ...] = ()) -> None:
+def worker(kind: str, cache_dir: str, quick: bool, actions: list[str]) -> None:
   """Builds the step (or the MLP), then answers each "run" line with one timing."""
   import resource  # pylint: disable=import-outside-toplevel
   os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   sys.modules["torch"] = None  # vs_pytorch's JAX side only
+  actions = tuple(actions)
   _act(actions, "start")
   import jax  # pylint: disable=import-outside-toplevel
   if kind == "step":
@@ -124,7 +123,7 @@ def worker(kind: str, cache_dir: str, quick: bool, actions: tuple[str, ...] = ()
       return out
   else:
     import jit_overhead  # pylint: disable=import-outside-toplevel
-    step, args = _workers.mlp_problem()
+    step, args = workers.mlp_problem()
     fn, calls, batches = jax.jit(step), jit_overhead.CALLS_PER_RUN, 5
 
     def run():
@@ -137,10 +136,8 @@ def worker(kind: str, cache_dir: str, quick: bool, actions: tuple[str, ...] = ()
   _act(actions, "mid")
   for _ in range(3):
     run()
-  print(json.dumps({"ready": True}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "run":
-      break
+
+  def timed():
     before = resource.getrusage(resource.RUSAGE_SELF)
     walls = []
     for _ in range(batches):  # the median batch: one load spike does not move a run
@@ -149,51 +146,63 @@ def worker(kind: str, cache_dir: str, quick: bool, actions: tuple[str, ...] = ()
       walls.append(time.perf_counter() - start)
     after = resource.getrusage(resource.RUSAGE_SELF)
     n = calls * batches
-    print(json.dumps({"s": statistics.median(walls) / calls,
-                      "faults": (after.ru_minflt - before.ru_minflt) / n,
-                      "sys_s": (after.ru_stime - before.ru_stime) / n,
-                      "rss_mib": _rss_mib()}), flush=True)
+    return {"s": statistics.median(walls) / calls,
+            "faults": (after.ru_minflt - before.ru_minflt) / n,
+            "sys_s": (after.ru_stime - before.ru_stime) / n, "rss_mib": _rss_mib()}
+
+  workers.serve(timed)
 
 
 def _spawn(kind: str, cache_dir: str, extra: dict[str, str], quick: bool = False,
-           actions: tuple[str, ...] = ()) -> subprocess.Popen:
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD",
-                                                      "XLA_FLAGS")}
-  env.update(extra, TUNEDJAX_HOST_MEMORY="default", TUNEDJAX_CACHE_DIR=cache_dir)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")])
-  cmd = [sys.executable, __file__, "--worker", kind, "--cache", cache_dir,
-         "--do", ",".join(actions)]
-  return subprocess.Popen(cmd + (["--quick"] if quick else []),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+           actions: tuple[str, ...] = ()):
+  env = workers.user_env(**extra, TUNEDJAX_HOST_MEMORY="default", TUNEDJAX_CACHE_DIR=cache_dir)
+  if "XLA_FLAGS" not in extra:
+    env.pop("XLA_FLAGS", None)
+  return workers.spawn(workers.command(__file__, kind=kind, cache_dir=cache_dir, quick=quick,
+                                       actions=list(actions)), env)
 
 
-def measure(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str,
-            quick: bool = False) -> dict[str, list[dict]]:
+def _runs(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir: str,
+          quick: bool) -> dict[str, list[dict]]:
   """One worker per variant (started one at a time), timed in rotated rounds."""
   procs = {}
   for name, env in variants.items():
     procs[name] = _spawn(kind, cache_dir, env, quick, IN_PROCESS.get(name, ({}, ()))[1])
-    _workers.reply(procs[name])
-  names = list(procs)
-  runs: dict[str, list[dict]] = {n: [] for n in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      procs[name].stdin.write("run\n")
-      procs[name].stdin.flush()
-      runs[name].append(_workers.reply(procs[name]))
-  for p in procs.values():
-    p.communicate("")
-  return runs
+    workers.reply(procs[name])
+  return workers.run_rounds(procs, rounds)
+
+
+def measure(quick: bool = False, *, rounds: int = 7, sections: tuple[str, ...] = SECTIONS,
+            only: tuple[str, ...] | None = None) -> harness.Result:
+  """Each section's variants (`only`: some of `VARIANTS`, beside the baseline), the
+  dispatch loop's workers, then the step's; `quick`: one small set of both kinds."""
+  rounds = 2 if quick else rounds
+  base = {n: VARIANTS[n] for n in (BASE, CONTROL, TUNEDJAX)}
+  sets = {"malloc_settings": {n: e for n, e in VARIANTS.items()
+                              if not only or n in (BASE, CONTROL) or n in only},
+          "malloc_in_process": {**base, **{n: e for n, (e, _) in IN_PROCESS.items()}}}
+  if quick:
+    sets = {"malloc_in_process": {**base, **{n: IN_PROCESS[n][0] for n in list(IN_PROCESS)[2:4]}}}
+  cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
+  tuner = _spawn("step", cache_dir, {}, quick)  # tunes once; the workers read the cache
+  workers.reply(tuner)
+  tuner.communicate("")
+  runs = {}
+  for section, variants in sets.items():
+    if quick or section in sections:
+      runs[section] = {kind: _runs(kind, variants, rounds, cache_dir, quick)
+                       for kind in ("dispatch", "step")}
+  return harness.Result("malloc_settings", params={"quick": quick, "rounds": rounds},
+                        figures={"runs": runs})
 
 
 def _ratio(runs, name):
   return statistics.median(a["s"] / b["s"] for a, b in zip(runs[name], runs[BASE]))
 
 
-def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
-           in_process: bool = False) -> str:
-  import harness as _harness  # pylint: disable=import-outside-toplevel
+def _section(result: harness.Result, section: str) -> str:
+  step, dispatch = (result.figures["runs"][section][k] for k in ("step", "dispatch"))
+  in_process, rounds = section == "malloc_in_process", result.params["rounds"]
   how = ("each variant set through glibc's environment variables before Python starts"
          if not in_process else
          "the in-process variants act in a process that has started JAX (`IN_PROCESS`: "
@@ -204,12 +213,12 @@ def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
        if not in_process else
        "### Acting in a process that already runs: what removes the faults, at what cost"),
       "",
-      f"`benchmarks/malloc_settings.py {'--in-process ' if in_process else ''}--rounds "
-      f"{rounds}`: {how}; the MobileNet-style `tj.jit` step (kernel "
+      f"`benchmarks/run.py malloc_settings{' --quick' if result.params['quick'] else ''}`: "
+      f"{how}; the MobileNet-style `tj.jit` step (kernel "
       "selection, 5 steps a run) and the dispatch loop (`jax.jit` MLP, 200 calls not waiting, "
-      f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated rounds; ratio = median of "
-      "per-round ratios to the unset baseline. "
-      f"Load average {load[0]:.1f} before, {load[1]:.1f} after. {_harness.machine_line()}",
+      f"the median of 5 such batches a run) each in processes of their own; {rounds} rotated "
+      "rounds; ratio = median of per-round ratios to the unset baseline. "
+      f"{result.load_line()} {result.machine}",
       "",
       "| malloc settings | step ms | step ratio | page faults per step | system ms per step "
       "| resident MiB (step) | dispatch us per call | dispatch ratio |",
@@ -225,47 +234,10 @@ def report(step: dict, dispatch: dict, rounds: int, load: tuple[float, float],
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="small shapes, 2 rounds, three variants (smoke)")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--only", nargs="*", help="variant names to run (besides the baseline)")
-  parser.add_argument("--in-process", action="store_true",
-                      help="the in-process variants (IN_PROCESS), beside tunedjax's settings")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--worker", choices=("step", "dispatch"), help=argparse.SUPPRESS)
-  parser.add_argument("--cache", help=argparse.SUPPRESS)
-  parser.add_argument("--do", default="", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.worker:
-    worker(args.worker, args.cache, args.quick, tuple(filter(None, args.do.split(","))))
-    return 0
-  args.rounds = args.rounds or (2 if args.quick else 7)
-  if args.in_process or args.quick:
-    variants = {n: VARIANTS[n] for n in (BASE, CONTROL, TUNEDJAX)}
-    picked = list(IN_PROCESS)[2:4] if args.quick else list(IN_PROCESS)
-    variants.update({n: IN_PROCESS[n][0] for n in picked})
-  else:
-    variants = {n: e for n, e in VARIANTS.items()
-                if not args.only or n in (BASE, CONTROL) or n in args.only}
-  load0 = os.getloadavg()[0]
-  cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
-  tuner = _spawn("step", cache_dir, {}, args.quick)  # tunes once; the workers read the cache
-  _workers.reply(tuner)
-  tuner.communicate("")
-  dispatch = measure("dispatch", variants, args.rounds, cache_dir, args.quick)
-  step = measure("step", variants, args.rounds, cache_dir, args.quick)
-  text = report(step, dispatch, args.rounds, (load0, os.getloadavg()[0]), args.in_process)
-  print(text)
-  if args.write and not args.quick:
-    import harness as _harness  # pylint: disable=import-outside-toplevel
-    if args.in_process:
-      _harness.write_section("malloc_in_process", text)
-    else:
-      _harness.write_section(SECTION, text)
-  return 0
+def render(result: harness.Result) -> dict[str, str]:
+  """A section per set of workers measured."""
+  return {section: _section(result, section) for section in result.figures["runs"]}
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  workers.run_worker(worker)

@@ -16,24 +16,17 @@ precision, layout, kernel selection) and all of them on. Convolutions are
 tabulated by operand and result dtype (``bf16 x bf16 -> bf16``), custom calls
 by target.
 
-Usage:
-  python benchmarks/run.py program_audit --write   # small models (--small), every variant; writes BENCHMARKS.md
-  python benchmarks/program_audit.py --write    # full sizes (ResNet-50 at 224); writes BENCHMARKS.md
-  python benchmarks/program_audit.py --small    # small models, every variant; prints (--write: writes)
-  python benchmarks/program_audit.py --quick    # a smoke run: small models, CUDA; prints only
-
-The measuring code (`audit`, `count_ops`, the `*_program` builders) is kept
-apart from the command line (`main`), so another harness can call it.
+Run: ``python benchmarks/run.py program_audit [--quick] [--write]``: small models,
+every variant (``--quick``: CUDA only, mixed precision alone and everything on);
+``measure(full_size=True)`` for the full sizes (ResNet-50 at 224). The tests call
+`audit` and `count_ops` directly.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
-import os
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -44,11 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tunedjax as tj  # noqa: E402
-from _gpu_models import (MiniGPT, TransformerBlock, causal_mask, functional_resnet,  # noqa: E402
-                         image_batch, lm_batches, lm_loss, resnet50, resnet_train_step)
-from harness import machine_line, write_section  # noqa: E402
+import harness
+import tunedjax as tj
+from _gpu_models import (MiniGPT, functional_resnet, image_batch, lm_batches, lm_loss,
+                         resnet50, resnet_train_step)
 
 PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> tunedjax platform
 _OFF = {"mixed_precision": {"enable": False}, "layout": {"enable": False},
@@ -271,32 +263,30 @@ def table(rows: Sequence[Row]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="smoke run: small, CUDA; print only")
-  parser.add_argument("--small", action="store_true", help="small models, every variant")
-  parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
-  args = parser.parse_args(argv)
-  sizes = QUICK if args.quick or args.small else FULL
+def measure(quick: bool = False, *, full_size: bool = False) -> harness.Result:
+  """Small models (`QUICK`; `FULL` with `full_size`), every variant on CUDA and TPU; with
+  `quick` CUDA only, mixed precision alone and everything on."""
+  sizes = FULL if full_size and not quick else QUICK
   start = time.perf_counter()
-  # --quick: a smoke run (CUDA, mixed precision alone and everything on).
   rows = (audit(sizes, platforms=("cuda",), variants=("tj mixed precision", "tj all on"))
-          if args.quick else audit(sizes))
-  body = [
+          if quick else audit(sizes))
+  return harness.Result("program_audit", params={
+      "quick": quick, "full_size": sizes is FULL, "resnet": sizes.resnet, "lm": sizes.lm},
+      figures={"rows": [dataclasses.asdict(r) for r in rows],
+               "seconds": time.perf_counter() - start})
+
+
+def render(result: harness.Result) -> str:
+  p = result.params
+  rows = [Row(**{**r, "counts": Counts(**r["counts"])}) for r in result.figures["rows"]]
+  return "\n".join([
       "## What tunedjax hands XLA (program audit, by export)", "",
-      f"`python benchmarks/program_audit.py{' --small' if args.small else ''}`: each step "
+      f"`benchmarks/run.py program_audit{' --quick' if p['quick'] else ''}`"
+      f"{' (full sizes)' if p['full_size'] else ''}: each step "
       "exported with `jax.export` on CPU for CUDA and TPU, its StableHLO ops counted. "
       "`tj` rows: `tj.jit(platform=...)` with the named tuners on and the others off "
       "(mixed precision's policy `mixed_bfloat16`). No GPU or TPU ran: this is the program, "
       "not its speed.", "",
-      f"{machine_line()} Load average {os.getloadavg()[0]:.1f} (a shared machine); "
-      f"{time.perf_counter() - start:.0f} s. Sizes: ResNet {sizes.resnet}, miniGPT {sizes.lm}.",
-      "", table(rows)]
-  text = "\n".join(body)
-  print(text)
-  if args.write and not args.quick:
-    write_section("program_audit", text)
-
-
-if __name__ == "__main__":
-  main()
+      f"{result.machine} {result.load_line()} {result.figures['seconds']:.0f} s. Sizes: "
+      f"ResNet {p['resnet']}, miniGPT {p['lm']}.",
+      "", table(rows)])

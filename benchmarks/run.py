@@ -39,12 +39,10 @@ def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool,
     print(result.to_json())
     return 0
   rendered = module.render(result)  # one section's text, or {section: text}
-  if not isinstance(rendered, dict):
-    rendered = {bench.sections[0] if bench.sections else bench.name: rendered}
-  bodies = rendered
+  bodies = rendered if isinstance(rendered, dict) else {(*bench.sections, bench.name)[0]: rendered}
   for section, body in bodies.items():
     print(body)
-    if write and bench.writes:  # one that writes none prints its tables only
+    if write and bench.writes:  # a benchmark that prints only (writes=False) writes nothing
       harness.write_section(section, body)
       print(f"\nwrote {section} in {harness.BENCHMARKS_MD}", file=sys.stderr)
   return 0

@@ -13,22 +13,15 @@ is the same figure against the float64 step taking the run's own ReLU branches
 update jumps there: a flip is not a kernel's error), ``flips`` how many ReLU
 inputs took the other branch than in float64. Each run tunes
 with a fresh cache (`tunedjax.jit`, ``kernel.enable``), with the hints given
-(``--hints '{"batch_norm": "native"}'``) and the other families tuned.
+(``measure(hints={"batch_norm": "native"})``) and the other families tuned;
+``measure(sweep=True)``: every kernel of every family pinned in turn.
 
-Run from the repository root:
-
-  PYTHONPATH=src python benchmarks/step_accuracy.py [--quick] [--runs 3] [--hints JSON]
-      [--sweep]
-
-``--sweep``: every kernel of every family pinned in turn (the others tuned).
+Run: ``python benchmarks/run.py step_accuracy [--quick]`` (a JSON line per run, printed).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import harness
 import tunedjax as tj
 from tunedjax import autotune
 
@@ -184,35 +178,31 @@ def sweep_hints() -> list[dict[str, str]]:
           for k in autotune.kernels(family)]
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a small step (smoke test)")
-  parser.add_argument("--runs", type=int, default=3, help="fresh caches per hint set")
-  parser.add_argument("--hints", default="{}", help="kernel hints, JSON")
-  parser.add_argument("--sweep", action="store_true", help="each kernel of each family pinned")
-  args = parser.parse_args(argv)
-  shape = QUICK if args.quick else FULL
-  runs = 1 if args.quick else args.runs
+def measure(quick: bool = False, *, runs: int = 3, hints: dict[str, str] | None = None,
+            sweep: bool = False) -> harness.Result:
+  """`runs` fresh-cache runs (1 with `quick`) per hint set: a row per run."""
+  shape = QUICK if quick else FULL
+  runs = 1 if quick else runs
   step = Problem(**shape)
-  hint_sets = sweep_hints() if args.sweep else [json.loads(args.hints)]
-  print(f"# step {shape}; load {os.getloadavg()[0]:.1f}; jax {jax.__version__}; "
-        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
-  for hints in hint_sets:
+  rows = []
+  for pinned in sweep_hints() if sweep else [hints or {}]:
     for run in range(runs):
       with tempfile.TemporaryDirectory() as cache_dir:
         start = time.perf_counter()
-        got, masks, kernels = tuned(step.update, step.args, hints, cache_dir)
+        got, masks, kernels = tuned(step.update, step.args, pinned, cache_dir)
         seconds = time.perf_counter() - start
       ratio, name = worst(got, step.want, step.floor)
       same, same_name = worst(got, step.reference(masks)[0], step.same_floor)
-      print(json.dumps({"hints": hints, "run": run, "worst": round(ratio, 2), "param": name,
-                        "error": f"{rel(got[name], step.want[name]):.2e}",
-                        "floor": f"{step.floor[name]:.2e}", "same_branches": round(same, 2),
-                        "same_param": same_name, "flips": step.flips(masks),
-                        "first_call_s": round(seconds, 1), "kernels": kernels}), flush=True)
-  print(f"# load after {os.getloadavg()[0]:.1f}")
-  return 0
+      rows.append({"hints": pinned, "run": run, "worst": round(ratio, 2), "param": name,
+                   "error": f"{rel(got[name], step.want[name]):.2e}",
+                   "floor": f"{step.floor[name]:.2e}", "same_branches": round(same, 2),
+                   "same_param": same_name, "flips": step.flips(masks),
+                   "first_call_s": round(seconds, 1), "kernels": kernels})
+  return harness.Result("step_accuracy", params={"quick": quick, "shape": shape, "runs": runs},
+                        figures={"rows": rows})
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def render(result: harness.Result) -> str:
+  """A JSON line per run, after the step's shape, the machine and the load."""
+  return "\n".join([f"# step {result.params['shape']}; {result.machine} {result.load_line()}",
+                    *(json.dumps(row) for row in result.figures["rows"])])

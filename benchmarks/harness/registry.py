@@ -42,7 +42,7 @@ class Benchmark:
 BENCHMARKS = (
     Benchmark("rewrite_overhead"),
     Benchmark("kernels"),
-    Benchmark("layout", sections=("layout_cpu",), args=("--image", "112", "--rounds", "9")),
+    Benchmark("layout", sections=("layout_cpu",)),
     Benchmark("mixed_precision"),
     Benchmark("input_pipeline"),
     Benchmark("jit_overhead"),
@@ -57,7 +57,7 @@ BENCHMARKS = (
     Benchmark("bn_accuracy", smoke="test"),
     Benchmark("kernel_priors"),
     # What tunedjax hands XLA for CUDA and TPU, counted by export (no device needed).
-    Benchmark("program_audit", args=("--small",)),
+    Benchmark("program_audit"),
     Benchmark("flash_attention"),
     # A training step's update error against float64, each family pinned to each kernel.
     Benchmark("step_accuracy", writes=False),
