@@ -1,76 +1,51 @@
 """tunedjax against PyTorch on CPU: the same CNN train steps, weights and batch.
 
-Two networks, each as one SGD train step (forward, backward, update):
+Each as one SGD train step (forward, backward, update): the MobileNet-style
+step of `benchmarks/kernels.py` (batch 32, 64x64; its batch norms call the
+batch-norm family's call site: the reference under `jax.jit`, the tuned kernel
+under `tj.jit`) and the demo network (`tunedjax.demo.DemoNet`, width 32, batch
+128, 32x32; Flax's `nnx.BatchNorm`, routed to the family under `tj.jit` by
+`ops.batch_norm.route_batch_norm`, as the Trainer does), in idiomatic PyTorch
+(`nn.Conv2d` with `groups`, `nn.BatchNorm2d`, `torch.optim.SGD`; eager NCHW and
+channels_last, `torch.compile` of both, eager with batch norm in primitive ops
+as JAX computes it) against `jax.jit` and `tj.jit` with kernel selection. The
+strided convolutions pad one pixel on every side on both sides, so one set of
+weights gives the same step. Section ``vs_pytorch_plain_auto``: the
+MobileNet-style step in plain JAX (batch norm in primitive ops; under `tj.jit`
+the family finds each one as a pattern), host memory ``auto``.
 
-- the MobileNet-style step of `benchmarks/kernels.py` (3x3 stem, four
-  depthwise 3x3 + BatchNorm + pointwise 1x1 + BatchNorm blocks, batch 32 at
-  64x64), and
-- the demo network (`tunedjax.demo.DemoNet`, width 32, batch 128 at 32x32),
+Each section runs in a worker process (`harness.workers`). One step is checked
+first: the loss and every gradient against `jax.jit` (`agreement`; bound 2e-2).
+The variants are then timed interleaved (`harness.interleaved`; baseline
+PyTorch eager channels_last, timed twice as an A/A control; each round a
+variant runs `prime` untimed steps, then `steps` timed ones whose mean is its
+time: a training loop's steady state, not the first calls after idle that
+`after_idle.py` measures). Then where the time goes: `torch.profiler` (self
+CPU time per aten op) and `jax.profiler`'s thunk time per HLO instruction,
+grouped by what the instruction is, the top ones traced back to forward or
+backward, kernel and model line through the module's stack-frame tables; and
+tunedjax's kernel buckets (`autotune.explain`).
 
-in idiomatic PyTorch (`nn.Conv2d` with `groups` for the depthwise
-convolutions, `nn.BatchNorm2d` on batch statistics, `torch.optim.SGD`; eager
-NCHW, eager channels_last, `torch.compile` of both; and, for the diagnosis,
-the same step with batch norm written out in primitive ops as JAX computes
-it) against `jax.jit` and `tunedjax.jit` with kernel selection on. The
-MobileNet-style step's batch norms call `tunedjax.ops.batch_norm._family.batch_norm`
-(the batch-norm op family's call site: the reference under `jax.jit`, the
-tuned kernel under `tj.jit`); DemoNet's are Flax's `nnx.BatchNorm`, routed to
-the same family under `tj.jit` by `ops.batch_norm.route_batch_norm` (as the Trainer
-does). `--bf16` also times tunedjax on the opt-in mixed-precision policy. The
-strided 3x3 convolutions pad one pixel on every side on both sides (PyTorch's
-``padding=1``; "SAME" would pad 0 before and 1 after), so one set of weights
-gives the same step.
-
-`--net mobilenet-plain` (or `all`) adds the same MobileNet-style step written
-in plain JAX: batch norm in primitive ops (two-pass mean and variance,
-`rsqrt`), no tunedjax call in the model; under `tj.jit` with kernel
-selection on, the batch-norm family finds each one as a pattern (forward and
-backward together: the step differentiates inside `tj.jit`).
-
-The script first checks that one step agrees: the loss and every gradient
-of each PyTorch variant and of tunedjax against `jax.jit` (relative error =
-max |a - b| / max |b| per tensor, with 1e-3 of the largest gradient as the
-least scale: see `agreement`; the largest reported, bound 2e-2). Then it
-times the variants interleaved in rounds (`_harness.interleaved`: rotated
-order, the baseline timed twice as an A/A control; in each round a variant
-runs `--prime` untimed steps, 3, then `--steps` timed ones, 5, whose mean is
-its time: a training loop's steady state, not the slow first calls of an
-XLA program whose threads sat idle while the other variants ran, which
-`after_idle.py` measures), quoting medians and the
-median of per-round ratios against PyTorch eager channels_last. Then the
-per-op breakdown: `torch.profiler` for PyTorch (self CPU time per aten op),
-and for JAX the thunk times of the compiled program from `jax.profiler`
-(each HLO instruction's time, grouped by what the instruction is:
-convolutions, reductions, elementwise fusions, copies; the top ones traced
-back to forward or backward, tunedjax kernel and model line through the
-module's stack-frame tables) plus tunedjax's per-bucket kernel times from
-`autotune.explain`.
-
-torch is an optional extra, never a runtime dependency. Setup, once (the CPU
-build; plain ``pip install torch`` gives a CUDA build that is 5x slower on
-CPU):
+torch is an optional extra: the workers run on this interpreter when it has
+torch, else on ``.venv-torch/bin/python`` where that exists, else JAX only.
+The CPU build (plain ``pip install torch`` gives a CUDA build, 5x slower here):
 
   python3.11 -m venv .venv-torch
   .venv-torch/bin/pip install -e '.[bench-torch]' \\
       --extra-index-url https://download.pytorch.org/whl/cpu
-  # or, offline, the wheel file: .venv-torch/bin/pip install -e . torch-2.13.0+cpu-*.whl
 
-Run (`--quick`: tiny shapes, the smoke run; `--write`: rewrite this
-benchmark's section of BENCHMARKS.md):
-
-  .venv-torch/bin/python benchmarks/vs_pytorch.py [--quick] [--write] [--rounds N]
-
-Run from any other interpreter without torch, the script re-runs itself with
-``.venv-torch/bin/python`` when that exists, and otherwise times the JAX side
-only and says so.
+Run: ``.venv/bin/python benchmarks/run.py vs_pytorch [--quick] [--write]``; from
+Python, `measure`'s options: ``bf16=True`` (tunedjax on the mixed-precision
+policy too), ``compile=False``, ``prime=0, steps=1`` (the timing before
+2026-11-24), ``rounds``, ``threads`` (PyTorch's), ``profile_steps``.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import dataclasses
+import contextlib
 import glob
+import importlib.util
 import os
 import pathlib
 import re
@@ -81,59 +56,43 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 # First, before torch or JAX start threads: tunedjax's host-memory settings (glibc
-# malloc) apply at import to the whole process, so both sides run with them when they
-# do. The environment decides, as for a user: by default (`auto`) they apply from the
-# run after one that measured them paying; `TUNEDJAX_HOST_MEMORY=retain` forces them.
-import tunedjax as tj  # pylint: disable=wrong-import-position
-from tunedjax import _host_memory  # pylint: disable=wrong-import-position
+# malloc) apply at import to the whole process, as the environment decides for a user.
+import tunedjax as tj
+from tunedjax import _host_memory
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TORCH_VENV = ROOT / ".venv-torch"
-_REEXEC = "TUNEDJAX_VS_PYTORCH_REEXEC"
-
-
-def _torch_or_reexec() -> Any:
-  """torch, or None; without torch re-runs this script in .venv-torch if it exists."""
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-    return torch
-  except ImportError:
-    pass
-  python = TORCH_VENV / "bin" / "python"
-  if python.exists() and not os.environ.get(_REEXEC):
-    env = dict(os.environ, **{_REEXEC: "1"})
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    print(f"torch is not installed here; re-running with {python}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(str(python), [str(python), *sys.argv], env)
-  return None
-
-
-torch = _torch_or_reexec()
-
-import harness as _harness  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import kernels as kernels_bench  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
-from flax import nnx  # pylint: disable=wrong-import-position
-from jax import lax  # pylint: disable=wrong-import-position
-
-from tunedjax import autotune, ops  # pylint: disable=wrong-import-position
-from tunedjax.ops.batch_norm import _family as _bn_family  # pylint: disable=wrong-import-position
-from tunedjax.demo import DemoNet  # pylint: disable=wrong-import-position
-
-if torch is not None:
-  from torch import nn  # pylint: disable=ungrouped-imports
+try:
+  import torch
+  from torch import nn
   from torch.nn import functional as F
+except ImportError:  # the JAX side only
+  torch = None
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+
+import harness
+import kernels as kernels_bench
+from harness import workers
+from tunedjax import autotune, ops
+from tunedjax.demo import DemoNet
+from tunedjax.ops.batch_norm import _family as _bn_family
+
+TORCH_PYTHON = pathlib.Path(__file__).resolve().parent.parent / ".venv-torch" / "bin" / "python"
 BASELINE = "PyTorch eager, channels_last"
+TUNED = "tunedjax (tj.jit, kernel selection)"
+BF16 = "tunedjax, mixed precision (bf16 compute)"
 AGREEMENT_BOUND = 2e-2
 LR = 0.01
 DN = ("NHWC", "HWIO", "NHWC")
+# section: (its networks, the worker's TUNEDJAX_HOST_MEMORY; None: this process's)
+SECTIONS = {"vs_pytorch": (("mobilenet", "demo"), None),
+            "vs_pytorch_plain_auto": (("mobilenet-plain",), "auto")}
+OPTIONS = {"rounds": 9, "prime": 3, "steps": 5, "profile_steps": 3, "bf16": False,
+           "compile": True, "threads": os.cpu_count() or 1}
 
 
 # -- the JAX side -------------------------------------------------------------------------
@@ -159,25 +118,6 @@ def _bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
   return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
 
 
-def mobilenet_jax(rng: np.random.Generator, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2),
-                  bn: Callable[..., Any] = _bn):
-  """`benchmarks/kernels.py`'s MobileNet-style network: (params, loss(params, x, y), strides).
-
-  The same parameters, initialisation and computation as `kernels.mobilenet`,
-  with PyTorch's symmetric padding and batch norm through the family's call site
-  (or `bn`: `_bn_plain` for the step written in plain JAX).
-  """
-  params, loss = kernels_bench.mobilenet(rng, widths, strides, conv=_conv, bn=bn)
-  return params, loss, strides
-
-
-def mobilenet_step(loss):
-  def step(params, x, y):
-    value, grads = jax.value_and_grad(loss)(params, x, y)
-    return value, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads)
-  return step
-
-
 def demo_jax(width: int, classes: int = 10):
   """DemoNet split into (graphdef, params, batch stats) and its SGD step."""
   model = DemoNet(classes, width=width, seed=0)
@@ -192,8 +132,7 @@ def demo_jax(width: int, classes: int = 10):
   @ops.batch_norm.route_batch_norm()
   def loss(params, stats, x, y):
     m = nnx.merge(graphdef, params, stats, copy=True)
-    logits = m(x)
-    value = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
     return value, nnx.state(m, nnx.BatchStat)
 
   def step(params, stats, x, y):
@@ -207,15 +146,48 @@ def flat_names(tree: Any) -> dict[str, np.ndarray]:
   """A pytree's leaves by dotted path ("blocks.0.dw", "stem.conv.kernel")."""
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    parts = []
-    for k in path:
-      for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-          parts.append(str(getattr(k, attr)))
-          break
-    name = ".".join(p for p in parts if p not in ("value", "raw_value"))
-    out[name] = np.asarray(leaf)
+    parts = [str(getattr(k, next(a for a in ("key", "idx", "name") if hasattr(k, a))))
+             for k in path if any(hasattr(k, a) for a in ("key", "idx", "name"))]
+    out[".".join(p for p in parts if p not in ("value", "raw_value"))] = np.asarray(leaf)
   return out
+
+
+class NetProblem(NamedTuple):
+  """One network's SGD train step with its arguments, as the benchmarks here time it."""
+
+  step: Callable[..., Any]
+  args: tuple[Any, ...]  # (params, [batch stats,] x, y)
+  width: int | None  # DemoNet's width; None for the MobileNet-style network
+  label: str
+
+
+def net_problem(net: str, quick: bool = False) -> NetProblem:
+  """The MobileNet-style (batch 32, 64x64; ``mobilenet-plain``: batch norm in plain JAX)
+  or demo (width 32, batch 128, 32x32) step on seeded random data; `quick`: small sizes."""
+  rng = np.random.default_rng(0)
+  width = None
+  if net.startswith("mobilenet"):
+    batch, size = (4, 32) if quick else (32, 64)
+    plain = net == "mobilenet-plain"
+    # kernels.py's network with PyTorch's padding and batch norm through the family's call
+    # site, or in plain JAX
+    params, loss = kernels_bench.mobilenet(rng, conv=_conv, bn=_bn_plain if plain else _bn)
+    state = (params,)
+
+    def step(params, x, y):
+      value, grads = jax.value_and_grad(loss)(params, x, y)
+      return value, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+    label = ("MobileNet-style step in plain JAX (batch norm in primitive ops: two-pass mean "
+             "and variance, `rsqrt`)" if plain
+             else "MobileNet-style step (`benchmarks/kernels.py`)")
+  else:
+    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
+    params, stats, step = demo_jax(width)
+    state = (params, stats)
+    label = f"demo network (`DemoNet`, width {width})"
+  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
+  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
+  return NetProblem(step, (*state, x, y), width, label)
 
 
 # -- the PyTorch side -------------------------------------------------------------------------
@@ -323,27 +295,21 @@ def torch_name(net: str, name: str) -> str:
   """The PyTorch parameter a JAX parameter's dotted name stands for."""
   if net.startswith("mobilenet"):
     head, _, last = name.rpartition(".")
-    if name in ("stem", "head"):
-      return f"{name}.weight"
-    return f"{head}.{_MOBILE_NAMES[last]}"
-  return (name.replace(".kernel", ".weight").replace(".scale", ".weight"))
+    return f"{name}.weight" if name in ("stem", "head") else f"{head}.{_MOBILE_NAMES[last]}"
+  return name.replace(".kernel", ".weight").replace(".scale", ".weight")
 
 
 def to_torch_layout(a: np.ndarray) -> np.ndarray:
   """HWIO -> OIHW for conv kernels, (in, out) -> (out, in) for dense ones."""
-  if a.ndim == 4:
-    return np.ascontiguousarray(a.transpose(3, 2, 0, 1))
-  if a.ndim == 2:
-    return np.ascontiguousarray(a.T)
-  return a
+  axes = {4: (3, 2, 0, 1), 2: (1, 0)}.get(a.ndim)
+  return a if axes is None else np.ascontiguousarray(a.transpose(axes))
 
 
 def load_torch(model, net: str, params: Mapping[str, np.ndarray]) -> None:
   state = dict(model.named_parameters())
   with torch.no_grad():
     for name, value in params.items():
-      target = state[torch_name(net, name)]
-      target.copy_(torch.from_numpy(np.array(to_torch_layout(value))))
+      state[torch_name(net, name)].copy_(torch.from_numpy(np.array(to_torch_layout(value))))
 
 
 def torch_step(model, opt, x, y) -> Callable[[], Any]:
@@ -359,11 +325,6 @@ def torch_step(model, opt, x, y) -> Callable[[], Any]:
 # -- agreement ---------------------------------------------------------------------------------
 
 
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 def torch_grads(model, run, net: str, x, y, names) -> tuple[float, dict[str, np.ndarray]]:
   """One forward and backward of `run` (`model`, or it compiled): (loss, JAX-layout
   gradients by JAX name)."""
@@ -374,11 +335,7 @@ def torch_grads(model, run, net: str, x, y, names) -> tuple[float, dict[str, np.
   grads = {}
   for name in names:
     g = state[torch_name(net, name)].grad.detach().cpu().numpy()
-    if g.ndim == 4:
-      g = g.transpose(2, 3, 1, 0)
-    elif g.ndim == 2:
-      g = g.T
-    grads[name] = g
+    grads[name] = g.transpose(2, 3, 1, 0) if g.ndim == 4 else g.T if g.ndim == 2 else g
   return float(loss.detach()), grads
 
 
@@ -415,31 +372,22 @@ def hlo_kinds(hlo_text: str) -> dict[str, str]:
     if m and not line.startswith(" "):
       current = m.group(1)
       comps[current] = []
-      continue
-    if current is not None and line.startswith(" "):
+    elif current is not None and line.startswith(" "):
       comps[current].append(line)
   kinds = {}
-  for lines in comps.values():
-    for line in lines:
-      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([\w\-]+)\(", line)
-      if not m:
-        continue
-      name, opcode = m.group(1), m.group(2)
-      if opcode == "fusion" or "calls=" in line:
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        body = " ".join(comps.get(called.group(1), [])) if called else ""
-        if " convolution(" in body:
-          opcode = "convolution"
-        elif " dot(" in body:
-          opcode = "dot"
-        elif " reduce(" in body or " reduce-window(" in body:
-          opcode = "reduce"
-        elif " transpose(" in body or " copy(" in body:
-          opcode = "transpose" if " multiply(" not in body and " add(" not in body \
-              else "elementwise"
-        else:
-          opcode = "elementwise"
-      kinds[name] = opcode
+  for line in (line for lines in comps.values() for line in lines):
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([\w\-]+)\(", line)
+    if not m:
+      continue
+    name, opcode = m.group(1), m.group(2)
+    if opcode == "fusion" or "calls=" in line:
+      called = re.search(r"calls=%?([\w.\-]+)", line)
+      body = " ".join(comps.get(called.group(1), [])) if called else ""
+      opcode = ("convolution" if " convolution(" in body else "dot" if " dot(" in body
+                else "reduce" if " reduce(" in body or " reduce-window(" in body
+                else "elementwise" if " multiply(" in body or " add(" in body
+                or (" transpose(" not in body and " copy(" not in body) else "transpose")
+    kinds[name] = opcode
   return kinds
 
 
@@ -484,12 +432,9 @@ def hlo_call_stacks(hlo_text: str) -> dict[str, list[tuple[str, str, int]]]:
       frame = f["parent_frame_id"] - 1  # 1-based; 0: none
     return out
 
-  stacks = {}
-  for line in hlo_text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*stack_frame_id=(\d+)", line)
-    if m:
-      stacks[m.group(1)] = stack(int(m.group(2)))
-  return stacks
+  matches = (re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*stack_frame_id=(\d+)", line)
+             for line in hlo_text.splitlines())
+  return {m.group(1): stack(int(m.group(2))) for m in matches if m}
 
 
 def where(name: str, hlo_text: str, stacks: Mapping[str, list[tuple[str, str, int]]]) -> str:
@@ -556,23 +501,17 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
   return dict(groups), top
 
 
+_TORCH_GROUPS = (  # (group, substrings of an aten op's name), the first that matches
+    ("convolutions", ("conv",)), ("batch norm (fused aten kernels)", ("batch_norm",)),
+    (_JAX_GROUP["dot"], ("addmm", "mm", "linear")),
+    (_JAX_GROUP["reduce"], ("sum", "mean", "var")),
+    (_JAX_GROUP["elementwise"], ("relu", "threshold", "add", "mul", "sub", "div", "rsqrt",
+                                 "pow", "sgd", "foreach", "where", "sqrt")),
+    (_JAX_GROUP["copy"], ("copy", "contiguous", "clone", "permute", "to_dense", "reorder")))
+
+
 def _torch_group(key: str) -> str:
-  k = key.lower()
-  if "conv" in k:
-    return "convolutions"
-  if "batch_norm" in k:
-    return "batch norm (fused aten kernels)"
-  if any(s in k for s in ("addmm", "mm", "linear")):
-    return "matmuls (dot)"
-  if any(s in k for s in ("sum", "mean", "var")):
-    return "reductions (batch-norm statistics and their gradients, pooling)"
-  if any(s in k for s in ("relu", "threshold", "add", "mul", "sub", "div", "rsqrt", "pow",
-                          "sgd", "foreach", "where", "sqrt")):
-    return "elementwise fusions (normalise, ReLU, their gradients, SGD)"
-  if any(s in k for s in ("copy", "contiguous", "clone", "permute", "to_dense",
-                          "reorder")):
-    return "copies and transposes"
-  return "other"
+  return next((g for g, subs in _TORCH_GROUPS if any(s in key.lower() for s in subs)), "other")
 
 
 def torch_profile(step: Callable[[], Any], steps: int
@@ -595,28 +534,12 @@ def torch_profile(step: Callable[[], Any], steps: int
   return dict(groups), rows[:10]
 
 
-# -- one network -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class NetResult:
-  name: str
-  shape: str
-  timings: Any
-  agreement: dict[str, float]
-  profiles: dict[str, tuple[dict[str, float], list[tuple[str, str, float]]]]
-  buckets: list[Any]
-  tuning_s: float
-  notes: dict[str, str]
-  faults: dict[str, float]
+# -- one network, in the worker ---------------------------------------------------------------
 
 
 def page_faults_per_step(step: Callable[[], Any], steps: int = 3) -> float:
-  """Minor page faults of the process per call of `step` (after one untimed call).
-
-  A step whose temporary buffers are mapped afresh each time faults every page
-  of them in again (see `tunedjax._host_memory`).
-  """
+  """Minor page faults of the process per call of `step` (after one untimed call): a step
+  whose temporaries are mapped afresh faults them in again each time (`_host_memory`)."""
   step()
   before = _host_memory.minor_page_faults()
   for _ in range(steps):
@@ -624,304 +547,244 @@ def page_faults_per_step(step: Callable[[], Any], steps: int = 3) -> float:
   return (_host_memory.minor_page_faults() - before) / steps
 
 
-def _block(fn, args):
-  return lambda: jax.block_until_ready(fn(*args))
-
-
-class NetProblem(NamedTuple):
-  """One network's SGD train step with its arguments, as the benchmarks here time it."""
-
-  step: Callable[..., Any]
-  args: tuple[Any, ...]  # (params, [batch stats,] x, y)
-  width: int | None  # DemoNet's width; None for the MobileNet-style network
-  label: str
-
-
-def net_problem(net: str, quick: bool = False) -> NetProblem:
-  """The MobileNet-style (batch 32, 64x64) or demo (width 32, batch 128, 32x32) step
-  on seeded random data; `quick`: the smoke run's small sizes."""
-  rng = np.random.default_rng(0)
-  width = None
-  if net.startswith("mobilenet"):
-    batch, size = (4, 32) if quick else (32, 64)
-    plain = net == "mobilenet-plain"
-    params, loss, _ = mobilenet_jax(rng, bn=_bn_plain if plain else _bn)
-    step, state = mobilenet_step(loss), (params,)
-    label = ("MobileNet-style step in plain JAX (batch norm in primitive ops: two-pass mean "
-             "and variance, `rsqrt`)" if plain
-             else "MobileNet-style step (`benchmarks/kernels.py`)")
-  else:
-    width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-    params, stats, step = demo_jax(width)
-    state = (params, stats)
-    label = f"demo network (`DemoNet`, width {width})"
-  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return NetProblem(step, (*state, x, y), width, label)
-
-
-def run_net(net: str, args: argparse.Namespace, cache_dir: str) -> NetResult:
-  step, full_args, width, label = net_problem(net, args.quick)
-  params, x, y = full_args[0], full_args[-2], full_args[-1]
-  batch, size = x.shape[0], x.shape[1]
-  shape = f"batch {batch}, {size}x{size}"
-
-  # JAX: jax.jit and tunedjax (kernel selection on, a fresh session: the first call tunes).
-  xla_step = jax.jit(step)
-  session = autotune.TuningSession()
-  config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
-  with tj.config_context(config):
-    tj_step = tj.jit(step, session=session)
+def _torch_variants(net: str, problem: NetProblem, o: dict[str, Any], check: Callable,
+                    notes: dict[str, str], profiles: dict) -> dict[str, Callable[[], Any]]:
+  """PyTorch's variants of the step (each checked against jax.jit first)."""
+  torch.manual_seed(0)
+  torch.set_num_threads(o["threads"])
+  params, x, y = problem.args[0], problem.args[-2], problem.args[-1]
+  named = flat_names(params)
+  xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+  yt = torch.from_numpy(np.asarray(y).astype(np.int64))
+  kinds = [("channels_last", False, False), ("NCHW", False, False),
+           ("channels_last", True, False)]
+  if o["compile"]:
+    kinds += [("channels_last", False, True), ("NCHW", False, True)]
+  variants = {}
+  for layout, primitive, compiled in kinds:
+    model = (TorchMobileNet(primitive_bn=primitive) if net.startswith("mobilenet")
+             else TorchDemoNet(width=problem.width, primitive_bn=primitive))
+    load_torch(model, net, named)
+    xin = xt
+    if layout == "channels_last":
+      model = model.to(memory_format=torch.channels_last)
+      xin = xt.contiguous(memory_format=torch.channels_last)
+    model.train()
+    run = torch.compile(model) if compiled else model
+    name = (("torch.compile" if compiled else "PyTorch eager") + f", {layout}"
+            + (", batch norm in primitive ops" if primitive else ""))
     start = time.perf_counter()
-    jax.block_until_ready(tj_step(*full_args))
-    first_call_s = time.perf_counter() - start
-    signature = tj_step.report(memory=False).last
-    tuning_s = signature.tuning_s
-  print(f"{net}: tj.jit first call {first_call_s:.1f} s ({tuning_s:.1f} s tuning)",
-        file=sys.stderr)
-  matched = signature.kernel_report.matched if signature.kernel_report else ()
-  if matched:
-    print(f"{net}: {len(matched)} sites found written out: " + "; ".join(
-        f"{m.op} {m.spelling}: {m.kernel}, {m.replaced}" for m in matched), file=sys.stderr)
+    check(name, *torch_grads(model, run, net, xin, yt, named))
+    if compiled:
+      notes[name] = f"compiled in {time.perf_counter() - start:.0f} s"
+    variants[name] = torch_step(run, torch.optim.SGD(model.parameters(), lr=LR), xin, yt)
+    if name == BASELINE:
+      profiles[BASELINE] = torch_profile(variants[name], o["profile_steps"])
+  return variants
 
-  ref = xla_step(*full_args)
-  ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
-  with tj.config_context(config):
-    got = tj_step(*full_args)
-  agree = {"tunedjax (tj.jit, kernel selection)": agreement(
-      float(got[0]), flat_names(got[1]), ref_loss, ref_grads)}
 
-  variants: dict[str, Callable[[], Any]] = {}
-  notes: dict[str, str] = {}
-  profiles = {}
-  if torch is not None:
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    named = flat_names(params)
-    xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
-    yt = torch.from_numpy(np.asarray(y).astype(np.int64))
-    kinds = [("eager", "channels_last", False, False), ("eager", "NCHW", False, False),
-             ("eager", "channels_last", True, False)]
-    if not args.no_compile:
-      kinds += [("compile", "channels_last", False, True), ("compile", "NCHW", False, True)]
-    for how, layout, primitive, compiled in kinds:
-      model = (TorchMobileNet(primitive_bn=primitive) if net.startswith("mobilenet")
-               else TorchDemoNet(width=width, primitive_bn=primitive))
-      load_torch(model, net, named)
-      xin = xt
-      if layout == "channels_last":
-        model = model.to(memory_format=torch.channels_last)
-        xin = xt.contiguous(memory_format=torch.channels_last)
-      model.train()
-      run = torch.compile(model) if compiled else model
-      name = ("torch.compile" if compiled else "PyTorch eager") + f", {layout}"
-      if primitive:
-        name = "PyTorch eager, channels_last, batch norm in primitive ops"
-      start = time.perf_counter()
-      t_loss, t_grads = torch_grads(model, run, net, xin, yt, named)
-      if compiled:
-        notes[name] = f"compiled in {time.perf_counter() - start:.0f} s"
-      agree[name] = agreement(t_loss, t_grads, ref_loss, ref_grads)
-      opt = torch.optim.SGD(model.parameters(), lr=LR)
-      variants[name] = torch_step(run, opt, xin, yt)
-      if name == BASELINE:
-        profiles["PyTorch eager, channels_last"] = torch_profile(variants[name],
-                                                                 args.profile_steps)
+def run_net(net: str, o: dict[str, Any], cache_dir: str) -> dict[str, Any]:
+  """One network's agreement, timings, page faults, profiles and kernel buckets (JSON)."""
+  problem = net_problem(net, o["quick"])
+  step, args = problem.step, problem.args
+  session = autotune.TuningSession()  # a fresh one: the first call tunes
+  config = {"kernel": {"enable": True}, "cache": {"dir": cache_dir}}
+  tuned, outs, agree, notes, profiles = {}, {}, {}, {}, {}
 
-  def tj_run():
-    with tj.config_context(config):
-      return jax.block_until_ready(tj_step(*full_args))
-
-  variants["jax.jit"] = _block(xla_step, full_args)
-  variants["tunedjax (tj.jit, kernel selection)"] = tj_run
-
-  def tj_variant(name: str, variant_config: dict[str, Any]) -> None:
-    """Another tj.jit of the step under `variant_config` (same session: tuned buckets reused)."""
+  def tj_variant(name: str, variant_config: dict[str, Any]) -> Any:
+    """`step` under tj.jit and `variant_config` (one session: tuned buckets reused)."""
     with tj.config_context(variant_config):
       fn = tj.jit(step, session=session)
-      out = jax.block_until_ready(fn(*full_args))
-    if not variant_config.get("mixed_precision", {}).get("enable"):
-      agree[name] = agreement(float(out[0]), flat_names(out[1]), ref_loss, ref_grads)
-    else:  # bfloat16 compute: reported, not held to the float32 bound
-      notes[name] = (f"bf16 compute: one step vs jax.jit "
-                     f"{agreement(float(out[0]), flat_names(out[1]), ref_loss, ref_grads):.1e}")
+      outs[name] = jax.block_until_ready(fn(*args))
 
     def run():
       with tj.config_context(variant_config):
-        return jax.block_until_ready(fn(*full_args))
+        return jax.block_until_ready(fn(*args))
 
-    variants[name] = run
+    tuned[name] = run
+    return fn
 
-  cache = {"dir": cache_dir}
+  start = time.perf_counter()
+  tj_step = tj_variant(TUNED, config)
+  signature = tj_step.report(memory=False).last
+  print(f"{net}: tj.jit first call {time.perf_counter() - start:.1f} s "
+        f"({signature.tuning_s:.1f} s tuning)", file=sys.stderr)
+  for m in signature.kernel_report.matched if signature.kernel_report else ():
+    print(f"{net}: site found written out: {m.op} {m.spelling}: {m.kernel}, {m.replaced}",
+          file=sys.stderr)
+  notes[TUNED] = f"tuning {signature.tuning_s:.0f} s on the first call"
+  outs[TUNED] = tuned[TUNED]()  # checked after its first call (which tunes)
+  xla_step = jax.jit(step)
+  ref = xla_step(*args)
+  ref_loss, ref_grads = float(ref[0]), flat_names(ref[1])
+
+  def check(name: str, loss: float, grads: dict[str, np.ndarray]) -> None:
+    agree[name] = agreement(loss, grads, ref_loss, ref_grads)
+
+  variants = {} if torch is None else _torch_variants(net, problem, o, check, notes, profiles)
+  variants["jax.jit"] = lambda: jax.block_until_ready(xla_step(*args))
   # The batch-norm family's share: the same step, batch norm pinned to the reference.
   tj_variant("tunedjax, batch norm pinned to xla",
-             {"kernel": {"enable": True, "hints": {"batch_norm": "xla"}}, "cache": cache})
-  if args.bf16:  # the opt-in mixed-precision path (bfloat16 compute, float32 parameters)
-    tj_variant("tunedjax, mixed precision (bf16 compute)",
-               {"kernel": {"enable": True}, "mixed_precision": {"enable": True},
-                "cache": cache})
+             {**config, "kernel": {"enable": True, "hints": {"batch_norm": "xla"}}})
+  if o["bf16"]:  # the opt-in mixed-precision path (bfloat16 compute, float32 parameters)
+    tj_variant(BF16, {**config, "mixed_precision": {"enable": True}})
+  for name, out in outs.items():
+    check(name, float(out[0]), flat_names(out[1]))
+  if BF16 in agree:  # bfloat16 compute: reported, not held to the float32 bound
+    notes[BF16] = f"bf16 compute: one step vs jax.jit {agree.pop(BF16):.1e}"
   for name, err in agree.items():
     print(f"{net}: one step, {name} vs jax.jit: relative error {err:.1e}", file=sys.stderr)
   bad = {n: e for n, e in agree.items() if not e <= AGREEMENT_BOUND}
   if bad:
     raise SystemExit(f"{net}: one step disagrees with jax.jit beyond {AGREEMENT_BOUND}: {bad}")
-  baseline = BASELINE if BASELINE in variants else "jax.jit"
-  timings = _harness.interleaved(variants, baseline=baseline, rounds=args.rounds, warmup=1,
-                                 prime=args.prime, burst=args.steps)
+  variants.update(tuned)
+  t = harness.interleaved(variants, baseline=BASELINE if BASELINE in variants else "jax.jit",
+                          rounds=o["rounds"], warmup=1, prime=o["prime"], burst=o["steps"])
   faults = {name: page_faults_per_step(fn) for name, fn in variants.items()}
-
   with tj.config_context(config):
-    hlo = tj_step.lower(*full_args).compile().as_text()
-    profiles["tunedjax"] = jax_profile(tj_step, full_args, hlo, args.profile_steps)
-  profiles["jax.jit"] = jax_profile(xla_step, full_args,
-                                    xla_step.lower(*full_args).compile().as_text(),
-                                    args.profile_steps)
-  with tj.config_context(config):
-    buckets = autotune.explain(step, *full_args, cache=cache_dir)
-  return NetResult(label, shape, timings, agree, profiles, buckets, tuning_s, notes, faults)
+    profiles["tunedjax"] = jax_profile(tj_step, args, tj_step.lower(*args).compile().as_text(),
+                                       o["profile_steps"])
+    buckets = autotune.explain(step, *args, cache=cache_dir)
+  profiles["jax.jit"] = jax_profile(xla_step, args, xla_step.lower(*args).compile().as_text(),
+                                    o["profile_steps"])
+  x = args[-2]
+  return {"label": problem.label, "shape": f"batch {x.shape[0]}, {x.shape[1]}x{x.shape[1]}",
+          "runs": t.runs, "baseline": t.baseline, "agreement": agree, "notes": notes,
+          "faults": faults, "profiles": profiles,
+          "buckets": [{k: getattr(b, k) for k in ("op", "bucket", "count", "kernel", "xla_ms",
+                                                  "kernel_ms", "speedup")} for b in buckets]}
 
 
-# -- the report -----------------------------------------------------------------------------
+def worker(nets: list[str], options: dict[str, Any]) -> None:
+  """Runs `nets` when asked; replies with their figures and this process's settings."""
+
+  def run():
+    cache_dir = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-")
+    with contextlib.redirect_stdout(sys.stderr):  # stdout: the protocol's replies only
+      nets_out = [run_net(n, options, cache_dir) for n in nets]
+    return {"nets": nets_out, "torch": torch and torch.__version__,
+            "host_memory": tj.host_memory_status().to_dict()}
+
+  workers.serve(run)
 
 
-def _host_memory_line() -> str:
-  status = tj.host_memory_status()
-  if status.applied:
-    return "tunedjax's settings applied (" + ", ".join(
-        f"{k}={v}" for k, v in status.settings.items()) + ")"
-  return f"not applied: {status.reason}"
+# -- the driver and the report ----------------------------------------------------------------
 
 
-def report(results: list[NetResult], args: argparse.Namespace, load: tuple[float, float]
-           ) -> str:
-  torch_line = (f"PyTorch {torch.__version__} ({args.threads} threads)" if torch is not None
+def _python() -> str:
+  """An interpreter with PyTorch: this one, else .venv-torch's, else this one (JAX only)."""
+  if importlib.util.find_spec("torch") is None and TORCH_PYTHON.exists():
+    return str(TORCH_PYTHON)
+  return sys.executable
+
+
+def measure(quick: bool = False, **options: Any) -> harness.Result:
+  """Each section's networks in a worker of its own; `options` override `OPTIONS`."""
+  if set(options) - set(OPTIONS):
+    raise TypeError(f"unknown options {sorted(set(options) - set(OPTIONS))}; valid: {OPTIONS}")
+  o = {**OPTIONS, **({"rounds": 2, "profile_steps": 1} if quick else {}), **options,
+       "quick": quick}
+  if o["prime"] < 0 or o["steps"] < 1:
+    raise ValueError(f"prime must be >= 0 and steps >= 1, got {o['prime']} and {o['steps']}")
+  python = _python()
+  tunedjax_env = {k: v for k, v in os.environ.items() if k.startswith("TUNEDJAX_")}
+  result = harness.Result("vs_pytorch", params=o)
+  for section, (nets, host_memory) in SECTIONS.items():
+    env = {**tunedjax_env, **({"TUNEDJAX_HOST_MEMORY": host_memory} if host_memory else {})}
+    proc = workers.spawn(workers.command(__file__, python, nets=nets, options=o),
+                         workers.user_env(**env))
+    workers.reply(proc)
+    result.figures[section] = workers.run_rounds({section: proc}, 1)[section][0]
+    for net, got in zip(nets, result.figures[section]["nets"]):
+      result.timings[net] = harness.Timings(got.pop("runs"), got.pop("baseline"))
+  return result
+
+
+def _num(value: float | None, unit: str = "") -> str:
+  return "" if value is None else f"{value:.2f}{unit}"
+
+
+def _net_lines(net: str, r: dict[str, Any], t: harness.Timings, profile_steps: int
+               ) -> list[str]:
+  """One network's tables: the variants, where the time goes, the kernel buckets."""
+  lines = ["", f"### {r['label']}, {r['shape']}", "",
+           ("| variant | ms per step | ratio to baseline | per-round range | "
+            "one step vs jax.jit | page faults per step | note |"),
+           "|---|---:|---:|---:|---:|---:|---|"]
+  for name in t.runs:
+    lo, hi = t.spread(name)
+    err, faults = r["agreement"].get(name), r["faults"].get(name)
+    lines.append(f"| {name} | {1e3 * t.median(name):.1f} | {t.ratio(name):.2f} | "
+                 f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | "
+                 f"{'' if faults is None else f'{faults:,.0f}'} | {r['notes'].get(name, '')} |")
+  profiles = r["profiles"]
+  sides = list(profiles)
+  groups = sorted({g for prof in profiles.values() for g in prof[0]},
+                  key=lambda g: -max(p[0].get(g, 0.0) for p in profiles.values()))
+  lines += ["", (f"Where the time goes (ms per step, {profile_steps} profiled steps; "
+                 "PyTorch: `torch.profiler` self CPU time per aten op; JAX: `jax.profiler` "
+                 "thunk time per HLO instruction of the compiled step, summed over threads, "
+                 "grouped by what the instruction computes):"), "",
+            "| group | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
+  lines += [f"| {g} | " + " | ".join(f"{profiles[s][0].get(g, 0.0):.1f}" for s in sides) + " |"
+            for g in groups]
+  lines.append("| total | " + " | ".join(f"{sum(profiles[s][0].values()):.1f}"
+                                         for s in sides) + " |")
+  for side in sides:
+    lines += ["", f"Top ops, {side}: " + "; ".join(
+        f"`{n}` ({k}) {ms:.1f}" for n, k, ms in profiles[side][1][:8]) + "."]
+  buckets = r["buckets"]
+  shown = [b for b in buckets if b["op"] == "batch_norm" or b["kernel"] not in (None, "xla")]
+  if buckets:
+    lines += ["", (f"tunedjax's kernel buckets (`autotune.explain`; times from the tuner, "
+                   f"forward only): {len(buckets)} buckets, {len(buckets) - len(shown)} of "
+                   "them convolutions left on xla; the others:"),
+              "", "| bucket | sites | kernel | xla (ms) | kernel (ms) | speedup |",
+              "|---|---:|---|---:|---:|---:|"]
+    lines += [f"| {b['bucket']} | {b['count']} | {b['kernel']} | {_num(b['xla_ms'])} | "
+              f"{_num(b['kernel_ms'])} | {_num(b['speedup'], 'x')} |" for b in shown]
+  return lines
+
+
+def _section(section: str, result: harness.Result) -> str:
+  o, f = result.params, result.figures[section]
+  status = f["host_memory"]
+  torch_line = (f"PyTorch {f['torch']} ({o['threads']} threads)" if f["torch"]
                 else "PyTorch not installed: JAX side only")
-  primed = ("" if not args.prime else
-            f", each variant's {args.steps} timed step(s) (their mean) right after "
-            f"{args.prime} untimed step(s) of the same variant (the steady state of a training "
+  primed = ("" if not o["prime"] else
+            f", each variant's {o['steps']} timed step(s) (their mean) right after "
+            f"{o['prime']} untimed step(s) of the same variant (the steady state of a training "
             "loop: not charged for the previous variant's spinning threads, nor for the slow "
             "first calls of an XLA program whose threads sat idle while the other variants ran; "
             "see BENCHMARKS.md, after idle)")
+  applied = ("tunedjax's settings applied (" + ", ".join(
+      f"{k}={v}" for k, v in status["settings"].items()) + ")" if status["applied"]
+      else f"not applied: {status['reason']}")
   title = "## tunedjax against PyTorch on CPU"
-  if args.net == "mobilenet-plain":
-    title += (f": the step in plain JAX, host memory "
-              f"`{tj.host_memory_status().mode}`")
+  if section != "vs_pytorch":
+    title += f": the step in plain JAX, host memory `{status['mode']}`"
   lines = [
-      title,
-      "",
-      f"`benchmarks/vs_pytorch.py{' --quick' if args.quick else ''}`: one SGD train step "
+      title, "",
+      f"`benchmarks/run.py vs_pytorch{' --quick' if o['quick'] else ''}`: one SGD train step "
       "(forward, backward, update), the same weights and batch on both sides; "
-      f"{torch_line}; jax {jax.__version__}. Each variant timed in {args.rounds} interleaved "
+      f"{torch_line}; jax {jax.__version__}. Each variant timed in {o['rounds']} interleaved "
       f"rounds after a warm-up{primed}; ratio = the variant's time over PyTorch eager "
-      "channels_last "
-      "(median of per-round ratios; under 1 is faster than PyTorch); A/A = that baseline "
-      "timed twice. One step checked first: the loss and every gradient against `jax.jit` "
-      f"(largest relative error, bound {AGREEMENT_BOUND:g}). Load average "
-      f"{load[0]:.1f} before, {load[1]:.1f} after. " + _harness.machine_line(),
-      "",
-      (f"Host memory (`TUNEDJAX_HOST_MEMORY={tj.host_memory_status().mode}`; "
+      "channels_last (median of per-round ratios; under 1 is faster than PyTorch); A/A = that "
+      "baseline timed twice. One step checked first: the loss and every gradient against "
+      f"`jax.jit` (largest relative error, bound {AGREEMENT_BOUND:g}). {result.load_line()} "
+      + result.machine, "",
+      (f"Host memory (`TUNEDJAX_HOST_MEMORY={status['mode']}`; "
        "`tunedjax.host_memory_status()`, one process for both sides): "
-       f"{_host_memory_line()}. Page faults per step: the process's minor page faults per "
-       "call of the variant, over 3 calls after the timing."),
-  ]
-  for r in results:
-    t = r.timings
-    lines += ["", f"### {r.name}, {r.shape}", "",
-              ("| variant | ms per step | ratio to baseline | per-round range | "
-              "one step vs jax.jit | page faults per step | note |"),
-              "|---|---:|---:|---:|---:|---:|---|"]
-    for name in t.runs:
-      lo, hi = t.spread(name)
-      err = r.agreement.get(name)
-      note = r.notes.get(name, "")
-      if name == "tunedjax (tj.jit, kernel selection)":
-        note = f"tuning {r.tuning_s:.0f} s on the first call"
-      faults = r.faults.get(name)
-      lines.append(f"| {name} | {1e3 * t.median(name):.1f} | {t.ratio(name):.2f} | "
-                   f"{lo:.2f}-{hi:.2f} | {'' if err is None else f'{err:.1e}'} | "
-                   f"{'' if faults is None else f'{faults:,.0f}'} | {note} |")
-    groups = sorted({g for prof in r.profiles.values() for g in prof[0]},
-                    key=lambda g: -max(p[0].get(g, 0.0) for p in r.profiles.values()))
-    sides = list(r.profiles)
-    lines += ["", (f"Where the time goes (ms per step, {args.profile_steps} profiled steps; "
-              "PyTorch: `torch.profiler` self CPU time per aten op; JAX: `jax.profiler` "
-              "thunk time per HLO instruction of the compiled step, summed over threads, grouped "
-              "by what the instruction computes):"), "",
-              "| group | " + " | ".join(sides) + " |",
-              "|---|" + "---:|" * len(sides)]
-    for g in groups:
-      lines.append(f"| {g} | " + " | ".join(f"{r.profiles[s][0].get(g, 0.0):.1f}"
-                                           for s in sides) + " |")
-    lines.append("| total | " + " | ".join(f"{sum(r.profiles[s][0].values()):.1f}"
-                                           for s in sides) + " |")
-    for side in sides:
-      top = r.profiles[side][1]
-      lines += ["", f"Top ops, {side}: " + "; ".join(
-          f"`{n}` ({k}) {ms:.1f}" for n, k, ms in top[:8]) + "."]
-    shown = [b for b in r.buckets if b.op == "batch_norm" or b.kernel not in (None, "xla")]
-    if r.buckets:
-      lines += ["", (f"tunedjax's kernel buckets (`autotune.explain`; times from the tuner, "
-                f"forward only): {len(r.buckets)} buckets, {len(r.buckets) - len(shown)} of "
-                "them convolutions left on xla; the others:"),
-                "", "| bucket | sites | kernel | xla (ms) | kernel (ms) | speedup |",
-                "|---|---:|---|---:|---:|---:|"]
-      for b in shown:
-        lines.append(f"| {b.bucket} | {b.count} | {b.kernel} | "
-                     f"{'' if b.xla_ms is None else f'{b.xla_ms:.2f}'} | "
-                     f"{'' if b.kernel_ms is None else f'{b.kernel_ms:.2f}'} | "
-                     f"{'' if b.speedup is None else f'{b.speedup:.2f}x'} |")
+       f"{applied}. Page faults per step: the process's minor page faults per "
+       "call of the variant, over 3 calls after the timing.")]
+  for net, r in zip(SECTIONS[section][0], f["nets"]):
+    lines += _net_lines(net, r, result.timings[net], o["profile_steps"])
   return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds (smoke)")
-  parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-  parser.add_argument("--rounds", type=int, default=None)
-  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                      help="PyTorch's intra-op threads (JAX uses every core)")
-  parser.add_argument("--net", choices=("mobilenet", "mobilenet-plain", "demo", "both", "all"),
-                      default="both",
-                      help="both: mobilenet and demo; all: and mobilenet-plain (the step "
-                           "written in plain JAX, its batch norms found as patterns)")
-  parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  parser.add_argument("--prime", type=int, default=3,
-                      help="untimed steps of a variant right before its timed ones (1 and "
-                           "--steps 1: the timing used 2026-11-24 to 26)")
-  parser.add_argument("--steps", type=int, default=5,
-                      help="consecutive steps timed per variant and round (their mean)")
-  parser.add_argument("--no-prime", action="store_true",
-                      help="one step timed right after the previous variant's (the timing used "
-                           "before 2026-11-24: charges a JAX step for PyTorch's spinning "
-                           "threads); same as --prime 0 --steps 1")
-  parser.add_argument("--profile-steps", type=int, default=None)
-  parser.add_argument("--bf16", action="store_true",
-                      help="also time tunedjax with the mixed-precision policy (bf16 compute)")
-  args = parser.parse_args(argv)
-  args.rounds = args.rounds or (2 if args.quick else 9)
-  if args.no_prime:
-    args.prime, args.steps = 0, 1
-  if args.prime < 0 or args.steps < 1:
-    parser.error(f"--prime must be >= 0 and --steps >= 1, got {args.prime} and {args.steps}")
-  args.profile_steps = args.profile_steps or (1 if args.quick else 3)
-  if torch is None:
-    print("torch is not installed: timing the JAX side only (see this script's docstring "
-          "for the bench-torch extra)", file=sys.stderr)
-  cache_dir = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-")
-  load_before = os.getloadavg()[0]
-  print(f"load average before: {load_before:.2f}", file=sys.stderr)
-  nets = {"both": ("mobilenet", "demo"), "all": ("mobilenet", "mobilenet-plain", "demo")
-          }.get(args.net, (args.net,))
-  results = [run_net(n, args, cache_dir) for n in nets]
-  body = report(results, args, (load_before, os.getloadavg()[0]))
-  print(body)
-  if args.write:  # the plain-JAX step alone: a section per host-memory mode
-    section = ("vs_pytorch" if args.net != "mobilenet-plain"
-               else f"vs_pytorch_plain_{tj.host_memory_status().mode}")
-    _harness.write_section(section, body)
-    print(f"\nwrote {_harness.BENCHMARKS_MD}", file=sys.stderr)
-  return 0
+def render(result: harness.Result) -> dict[str, str]:
+  return {section: _section(section, result) for section in SECTIONS}
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  workers.run_worker(worker)
