@@ -39,9 +39,7 @@ NETS = ("mobilenet", "demo")
 
 
 def _vs_pytorch() -> Any:
-  """benchmarks/vs_pytorch.py, JAX side only (imported when a step is needed: it is slow
-  to import, and without torch it would re-run the script under .venv-torch)."""
-  os.environ.setdefault("TUNEDJAX_VS_PYTORCH_REEXEC", "1")
+  """benchmarks/vs_pytorch.py (imported when a step is needed: it is slow to import)."""
   import vs_pytorch  # pylint: disable=import-outside-toplevel
   return vs_pytorch
 

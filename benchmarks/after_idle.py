@@ -16,7 +16,10 @@ variable is set), so that page faults, a separate matter, stay out of it.
 
 Usage::
 
-    .venv-torch/bin/python benchmarks/run.py after_idle [--quick] [--write]
+    .venv/bin/python benchmarks/run.py after_idle [--quick] [--write]
+
+The PyTorch row needs torch in that interpreter (the bench-torch extra); without
+it, the JAX rows only.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 os.environ.setdefault("TUNEDJAX_HOST_MEMORY", "retain")  # before tunedjax is imported
 
-import vs_pytorch as vp  # re-runs this script under .venv-torch when torch is missing here
+import vs_pytorch as vp  # the steps; vp.torch is None without torch here (no PyTorch row)
 
 import harness
 import jax

@@ -37,7 +37,6 @@ rows are timed against each other only).
 
 from __future__ import annotations
 
-import os
 import pathlib
 import resource
 import statistics
@@ -99,7 +98,6 @@ def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
   """The user's script: `import tunedjax` first, the step under `tj.jit`, kernel selection on."""
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
   sys.modules["torch"] = None  # vs_pytorch's JAX side only: no PyTorch in this process
-  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   import jax  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
   step, args = vs_pytorch.net_problem("mobilenet-plain", quick)[:2]
@@ -120,7 +118,6 @@ def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
 def torch_worker(what: str, quick: bool, untimed: int, steps: int) -> None:
   """PyTorch eager on the same network, weights and batch; no tunedjax settings.
   `what`: the layout, and ``:threads`` (default 2)."""
-  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   import numpy as np  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel
   layout, _, threads = what.partition(":")

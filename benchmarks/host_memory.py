@@ -29,7 +29,6 @@ Run: ``.venv/bin/python benchmarks/run.py host_memory [--quick] [--write]``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -56,9 +55,8 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
 
   # tunedjax first: the settings are decided before JAX starts its threads, from this
   # worker's environment (vs_pytorch would set TUNEDJAX_HOST_MEMORY=retain where it is
-  # unset). The flag keeps vs_pytorch from re-running itself in the torch venv.
+  # unset).
   import tunedjax as tj  # pylint: disable=import-outside-toplevel
-  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   sys.modules["torch"] = None  # vs_pytorch's JAX side only: no PyTorch in this process
   import jax  # pylint: disable=import-outside-toplevel
   import vs_pytorch  # pylint: disable=import-outside-toplevel

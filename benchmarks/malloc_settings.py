@@ -103,7 +103,6 @@ def _rss_mib() -> float:
 def worker(kind: str, cache_dir: str, quick: bool, actions: list[str]) -> None:
   """Builds the step (or the MLP), then answers each "run" line with one timing."""
   import resource  # pylint: disable=import-outside-toplevel
-  os.environ["TUNEDJAX_VS_PYTORCH_REEXEC"] = "1"
   sys.modules["torch"] = None  # vs_pytorch's JAX side only
   actions = tuple(actions)
   _act(actions, "start")

@@ -5,8 +5,12 @@
 NAME is a benchmark of `harness.registry` (``all``: every one `make bench`
 runs). ``--quick`` is the smoke run (small sizes, 2 rounds), ``--write``
 rewrites the benchmark's sections of BENCHMARKS.md, ``--json`` prints what was
-measured as JSON instead of Markdown. Arguments after ``--`` go to a benchmark
-that still has a command line of its own (``run.py layout -- --image 64``).
+measured as JSON instead of Markdown. Every benchmark but `gpu` is a module of
+`measure(quick, ...)` and `render(result)`, with no options of its own: a
+run other than the default (more rounds, some parts only) is a call of
+`measure` with its keyword arguments, from Python. `gpu` (a device run) keeps
+its own command line: ``--quick`` and ``--write`` go to it as its own flags,
+and so do the arguments after ``--`` (``run.py gpu -- --out DIR``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,10 @@ def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool,
         extra: list[str]) -> int:
   """Runs one benchmark; prints (and with `write` writes) its sections."""
   module = importlib.import_module(bench.name)
-  if hasattr(module, "main"):  # not yet on the harness: its own command line
+  if hasattr(module, "main"):  # gpu.py: its own command line (a device run)
     if as_json:
-      raise SystemExit(f"{bench.name}: --json needs a benchmark on the harness (measure/render)")
-    argv = ([*extra] if extra or quick else [*bench.args]) + ["--quick"] * quick
-    return module.main(argv + ["--write"] * write) or 0
+      raise SystemExit(f"{bench.name}: --json needs a benchmark with measure/render")
+    return module.main([*extra] + ["--quick"] * quick + ["--write"] * write) or 0
   load = os.getloadavg()[0]
   result = module.measure(quick=quick)
   result.load = [load, os.getloadavg()[0]]

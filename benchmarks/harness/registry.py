@@ -10,7 +10,6 @@ A `Benchmark` names a module of benchmarks/ and says:
   tuning, minutes) or ``"own"`` (a test file of its own, which also checks what
   it writes).
 - `writes`: False for a benchmark that prints its tables and writes none.
-- `args`: the full run's arguments for a module still on its own command line.
 - `bench`: whether `make bench` (``run.py all``) runs it: every benchmark that
   writes a section, but `gpu` (it needs a device; BENCHMARKS.md, "GPU", gives
   its command).
@@ -26,7 +25,6 @@ class Benchmark:
   name: str
   sections: tuple[str, ...] = ()
   smoke: str = "bench-smoke"
-  args: tuple[str, ...] = ()
   writes: bool = True
   bench: bool = True
 
