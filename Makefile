@@ -25,10 +25,21 @@ $(STAMP): pyproject.toml
 # or wait on a time limit) alone. ARGS go to both phases (`make test
 # ARGS=tests/test_jit.py`); a phase that ARGS leave empty (pytest's exit
 # status 5) is not a failure.
+#
+# The parallel phase compiles with LLVM's optimisations off (XLA's backend
+# optimisation level 0; the HLO passes all run): its tests check what programs
+# compute, not how fast, and a small program then compiles 1.6-5x faster
+# (most of the suite's time is XLA compiles). The serial phase, which times,
+# keeps XLA's default. Results may differ from the default build's in the last
+# bits (LLVM's instruction selection); a test comparing two programs bitwise
+# compiles both in one phase, and child processes inherit the level
+# (tests/processes.py). `make test FAST_COMPILE=` runs both at the default.
 WORKERS ?= 2
+FAST_COMPILE ?= --xla_backend_optimization_level=0
 SKIPPED := not bench_smoke and not native_checks
 SUITE = status=0; \
-  $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not serial and $(SKIPPED)" $(ARGS) \
+  XLA_FLAGS="$(FAST_COMPILE) $$XLA_FLAGS" \
+    $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not serial and $(SKIPPED)" $(ARGS) \
     || [ $$? -eq 5 ] || status=1; \
   $(1) -m pytest -m "serial and $(SKIPPED)" $(ARGS) || [ $$? -eq 5 ] || status=1; \
   exit $$status

@@ -14,10 +14,19 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+# The XLA flags a child keeps: it compiles at its parent's optimisation level
+# (`make test`'s parallel phase compiles at level 0), so that a result compared
+# bitwise across the two processes came from the same code generation.
+INHERITED_XLA_FLAGS = ("--xla_backend_optimization_level",)
+
+
 def cpu_env() -> dict[str, str]:
-  """The environment for a child JAX process on the CPU, without our XLA flags."""
+  """The environment for a child JAX process on the CPU: none of our XLA flags
+  but the optimisation level (`INHERITED_XLA_FLAGS`)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
+  kept = [f for f in env.pop("XLA_FLAGS", "").split() if f.startswith(INHERITED_XLA_FLAGS)]
+  if kept:
+    env["XLA_FLAGS"] = " ".join(kept)
   return env
 
 
