@@ -7,6 +7,7 @@ it happens here at import time, before any test module runs JAX code.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import jax
@@ -16,6 +17,8 @@ from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from tunedjax import _native  # noqa: E402  # pylint: disable=wrong-import-position
+
 # The native CPU kernels (tunedjax/_native.py) are built once per machine into
 # one folder for the whole suite, its subprocesses (the demo, the notebooks)
 # included, rather than into each test's private tuning cache (about 3 s a
@@ -24,6 +27,30 @@ jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault(
     "TUNEDJAX_NATIVE_DIR",
     os.path.join(tempfile.gettempdir(), f"tunedjax-native-tests-{os.getuid()}"))
+
+
+def _seed_native_dir(built: str, suite: str) -> None:
+  """Copies the libraries `make`'s install built (into the default folder) to the
+  suite's folder, so that the suite does not compile them again (10-20 s of g++
+  a source). Same digest, same source and flags; copied under a temporary name
+  and renamed, as a build writes, so a worker never loads half a file."""
+  built = os.path.expanduser(built)
+  if not os.path.isdir(built) or os.path.abspath(built) == os.path.abspath(suite):
+    return
+  for digest in os.listdir(built):
+    for name in os.listdir(os.path.join(built, digest)):
+      target = os.path.join(suite, digest, name)
+      if name.startswith(".") or not name.endswith(".so") or os.path.exists(target):
+        continue
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{name}-")
+      with os.fdopen(fd, "wb") as out, open(os.path.join(built, digest, name), "rb") as src:
+        shutil.copyfileobj(src, out)
+      os.chmod(tmp, 0o755)
+      os.replace(tmp, target)
+
+
+_seed_native_dir(_native.DEFAULT_DIR, os.environ["TUNEDJAX_NATIVE_DIR"])
 
 # The suite's tunedjax.jit calls must not record host-memory decisions in the
 # user's cache (tunedjax._host_memory, auto mode); tests/test_host_memory.py
