@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
 
+from tests import processes
 from tests.autotune import selection_helpers as h
 from tunedjax import rewrite
 from tunedjax import _tuning
@@ -410,8 +411,7 @@ _RESTART_SCRIPT = textwrap.dedent("""
 def test_restart_spends_no_time_tuning(tmp_path):
   script = tmp_path / "restart.py"
   script.write_text(_RESTART_SCRIPT)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
+  env = processes.cpu_env()
   runs = []
   for _ in range(2):
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")],

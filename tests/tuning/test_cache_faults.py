@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 import pytest
 
+from tests import processes
 import tunedjax as tj
 from tunedjax import cli
 from tunedjax import input_pipeline as ip
@@ -40,8 +41,7 @@ VALUE = {"winner": "im2col", "timings": {"xla": [1.0, 1.1], "im2col": [0.5, 0.6]
 
 
 def _env() -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith("TUNEDJAX_") and k != "XLA_FLAGS"}
+  env = {k: v for k, v in processes.cpu_env().items() if not k.startswith("TUNEDJAX_")}
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                     os.environ.get("PYTHONPATH")]))
   env["JAX_PLATFORMS"] = "cpu"
