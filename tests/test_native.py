@@ -8,6 +8,7 @@ calls its FFI handler against `lax.conv_general_dilated`.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import re
 import subprocess
@@ -27,6 +28,8 @@ from tunedjax._tuning import CpuInfo
 
 TINY = 'extern "C" int tj_answer() { return 42; }\n'
 USER_DEFAULT_DIR = _native.DEFAULT_DIR
+# The suite's shared native folder (tests/conftest.py), before `fresh` unsets it.
+SUITE_NATIVE_DIR = os.environ.get(_native.DIR_ENV_VAR)
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +58,13 @@ def sources(monkeypatch, tmp_path) -> pathlib.Path:
 def needs_compiler():
   if _native.find_compiler() is None:
     pytest.skip("no C++ compiler on this machine")
+
+
+def use_the_suites_native_folder(monkeypatch):
+  """For a test of a shipped kernel rather than of building: the suite's folder
+  (tests/conftest.py), where its libraries are built once, not this test's own."""
+  if SUITE_NATIVE_DIR:
+    monkeypatch.setenv(_native.DIR_ENV_VAR, SUITE_NATIVE_DIR)
 
 
 def built(tmp_path: pathlib.Path) -> list[pathlib.Path]:
@@ -255,9 +265,10 @@ def test_an_unusable_native_folder_builds_in_a_temporary_one(sources, tmp_path, 
 
 
 @pytest.mark.slow
-def test_the_depthwise_handler_matches_lax(rng):
+def test_the_depthwise_handler_matches_lax(rng, monkeypatch):
   """The real source: built, registered, called through `jax.ffi.ffi_call`."""
   needs_compiler()
+  use_the_suites_native_folder(monkeypatch)
   from tunedjax.ops.conv import _native_depthwise  # registers the source
   assert _native_depthwise.SOURCE == "depthwise"
   target = _native.ffi_target("depthwise", "TjDepthwiseConvF64")
@@ -299,9 +310,10 @@ def test_a_kernel_module_s_native_sources_are_part_of_its_source_hash(sources, m
 
 
 @pytest.mark.slow
-def test_an_exported_program_calls_no_native_kernel(rng):
+def test_an_exported_program_calls_no_native_kernel(rng, monkeypatch):
   """`tj.jit(...).export()` leaves native kernels out, even pinned, even after a native call."""
   needs_compiler()
+  use_the_suites_native_folder(monkeypatch)
   import tunedjax as tj
   from tunedjax import autotune
 
