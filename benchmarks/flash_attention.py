@@ -367,7 +367,7 @@ def torch_part(op: str, scope: str) -> str:
     return "optimizer (AdamW)"
   if re.search(r"log_?softmax|nll_?loss|cross_entropy", text):
     return "softmax cross-entropy"
-  if re.search(r"scaled_dot_product|flash_attention|efficient_attention", text):
+  if re.search(r"scaled_?dot_?product|flash_?attention|efficient_?attention", text):
     return "attention"
   if "layer_norm" in text or "layernorm" in text:
     return "LayerNorm"
@@ -528,7 +528,7 @@ def _profile_lines(prof: Mapping[str, Any]) -> list[str]:
     lines.append("More than 10% behind PyTorch: " + (", ".join(behind) or "none") + ".")
   top = "; ".join(f"`{n}` ({kind.split(';')[0]}) {ms:.2f}" for n, kind, ms in
                   prof["tunedjax_top"][:5])
-  lines += ["", f"tunedjax's top instructions, ms per step: {top}."]
+  lines += ["", f"tunedjax's top instructions, ms per step: {top or 'none profiled'}."]
   if prof["pytorch_top"]:
     lines.append("PyTorch's top ops, ms per step: " + "; ".join(
         f"`{n}` ({part}) {ms:.2f}" for n, part, ms in prof["pytorch_top"][:5]) + ".")
