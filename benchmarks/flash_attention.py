@@ -288,6 +288,7 @@ def time_lm(quick: bool, rounds: int, torch: Any, steps: int) -> tuple[harness.T
 PROFILE_PARTS = ("attention", "matmuls", "LayerNorm", "softmax cross-entropy",
                  "optimizer (AdamW)", "other")
 BEHIND = 1.1  # a part this much slower than PyTorch's is named
+RUNTIME = "runtime"  # profile events that are no instruction of the step (thread-pool waits)
 
 
 # What made an instruction, innermost Python frame first: (part, pattern on "file:function").
@@ -401,8 +402,9 @@ def profile_lm(quick: bool, torch: Any, steps: int, trainer: Any = None
     hlo = programs.train_step.lower(trainer.state, batch).compile().as_text()
     parts = hlo_parts(hlo)
     jax_parts, jax_top = vs_pytorch.jax_profile(
-        step, (), hlo, steps, group=lambda name, kind: parts.get(name, "other"))
-  out = {"sizes": sizes, "steps": steps, "tunedjax": jax_parts, "tunedjax_top": jax_top,
+        step, (), hlo, steps, group=lambda name, kind: parts.get(name, RUNTIME))
+  out = {"sizes": sizes, "steps": steps, "tunedjax_runtime": jax_parts.pop(RUNTIME, 0.0),
+         "tunedjax": jax_parts, "tunedjax_top": [r for r in jax_top if r[0] in parts],
          "pytorch": None, "pytorch_top": None,
          "check": (programs.train_step.verification() or {}).get("outcome"), "threads": None}
   if torch is not None:
@@ -522,6 +524,9 @@ def _profile_lines(prof: Mapping[str, Any]) -> list[str]:
     lines.append(f"| {name} | {j:.2f} | {'not run' if t is None else f'{t:.2f}'} | "
                  f"{ratio} |")
   lines.append("")
+  if prof.get("tunedjax_runtime"):
+    lines.append(f"Left out of tunedjax's side: {prof['tunedjax_runtime']:.2f} ms per step of "
+                 "runtime events that are no instruction of the step (thread-pool waits).")
   if torch_ms is None:
     lines.append("No torch here: PyTorch's side not run.")
   else:
