@@ -24,6 +24,17 @@ in its steady state), against the same model in PyTorch as its users write it
 ``torch.optim.AdamW``), interleaved with an A/A control: each round runs a few
 steps of each.
 
+Part 4, where the miniGPT step's time goes: the Trainer's compiled step (tuned,
+as part 3 runs it) under `jax.profiler` and the PyTorch step under
+`torch.profiler` (`vs_pytorch.jax_profile`, `vs_pytorch.torch_profile`), ms per
+step by part: attention, matmuls (the qkv and output projections, the
+feed-forward, the vocabulary projection), LayerNorm, softmax cross-entropy,
+the optimizer (AdamW) and the rest. An HLO instruction's part comes from its
+kind and what made it (its ``op_name`` and Python frames; a fusion's from its
+dots, else its root); an aten op's from its name and the event it ran in (the
+autograd function of a backward op, ``Optimizer.step`` for AdamW's ops). The
+parts more than 10% behind PyTorch are named.
+
 torch is optional (the ``bench-torch`` extra): without it the PyTorch rows are
 left out and the JAX kernels are compared with each other.
 
@@ -33,6 +44,7 @@ Run: ``python benchmarks/run.py flash_attention [--quick] [--write]``
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import time
@@ -42,6 +54,7 @@ from typing import Any
 import _gpu_models
 import harness
 import jax
+import vs_pytorch
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -58,7 +71,7 @@ from tunedjax.ops.attention._spec import AttentionSpec
 TORCH = "PyTorch SDPA"
 NATIVE = "native_flash"
 PREVIOUS = ("blocked_causal_128", "blocked_causal_256")
-PARTS = ("attention", "accuracy", "lm")
+PARTS = ("attention", "accuracy", "lm", "profile")
 SHAPES = ((2, 1024, 8, 32), (2, 256, 8, 32), (2, 1024, 8, 64), (2, 1024, 8, 128),
           (2, 4096, 8, 32))
 
@@ -205,7 +218,8 @@ def trainer_steps(sizes: Mapping[str, int], steps: int) -> tuple[Callable[[], An
   start = time.perf_counter()
   run(3)
   first = time.perf_counter() - start
-  return run, {"first_fit_s": first, "attention": trainer.history.tuning.get("attention")}
+  return run, {"first_fit_s": first, "attention": trainer.history.tuning.get("attention"),
+               "trainer": trainer}
 
 
 def torch_lm_steps(torch: Any, sizes: Mapping[str, int], steps: int) -> Callable[[], Any]:
@@ -269,6 +283,137 @@ def time_lm(quick: bool, rounds: int, torch: Any, steps: int) -> tuple[harness.T
   return harness.interleaved(variants, baseline=next(iter(variants)), rounds=rounds), info
 
 
+# -- part 4: where the miniGPT step's time goes -----------------------------------------
+
+PROFILE_PARTS = ("attention", "matmuls", "LayerNorm", "softmax cross-entropy",
+                 "optimizer (AdamW)", "other")
+BEHIND = 1.1  # a part this much slower than PyTorch's is named
+RUNTIME = "runtime"  # profile events that are no instruction of the step (thread-pool waits)
+
+
+# What made an instruction, innermost Python frame first: (part, pattern on "file:function").
+# The attention routing (`ops/attention/_flax.py`) and Flax's MultiHeadAttention call
+# the projections too, so only the attention kernels' own files and functions say attention.
+_FRAME_PARTS = (
+    ("softmax cross-entropy", r"optax/losses/|cross_entropy|log_softmax"),
+    ("optimizer (AdamW)", r"optax/|adam"),
+    ("attention", r"ops/attention/_(?:native_flash|kernels|causal)\.py|dot_product_attention"),
+    ("LayerNorm", r"nn/normalization\.py|layernorm"),
+    ("matmuls", r"nn/linear\.py"),
+)
+
+
+def _part_of(frames: list[tuple[str, str, int]], op_name: str, kind: str) -> str:
+  """The step's part of an instruction: its innermost frame that names one, else its kind."""
+  for file, function, _ in frames:
+    where = f"{file}:{function}".lower()
+    for part, pattern in _FRAME_PARTS:
+      if re.search(pattern, where):
+        return part
+  if kind == "custom-call" and "tunedjax_site" in op_name:
+    return "attention"
+  return "matmuls" if kind == "dot" else "other"
+
+
+def hlo_parts(hlo_text: str) -> dict[str, str]:
+  """Each entry instruction's part of the step (`PROFILE_PARTS`).
+
+  From its kind (`vs_pytorch.hlo_kinds`) and what made it: the Python frames of
+  its metadata (`vs_pytorch.hlo_call_stacks`; ``op_name`` holds JAX's function
+  names only, no Flax module path, in an nnx model), innermost first. A fusion
+  takes the part of its dots or custom calls if it has any, else of its root.
+  """
+  kinds = vs_pytorch.hlo_kinds(hlo_text)
+  stacks = vs_pytorch.hlo_call_stacks(hlo_text)
+  comps: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if m:
+      current = comps.setdefault(m.group(1), [])
+    elif current is not None and line.startswith(" "):
+      current.append(line)
+
+  def name_of(line: str) -> str:
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    return m.group(1) if m else ""
+
+  def part(line: str, depth: int = 0) -> str:
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    body = comps.get(called.group(1), []) if called and depth < 4 else []
+    dots = [b for b in body if re.search(r" (?:dot|convolution|custom-call)\(", b)]
+    roots = [b for b in body if b.lstrip().startswith("ROOT ")]
+    for inner in dots or roots:
+      found = part(inner, depth + 1)
+      if found != "other":
+        return found
+    op = re.search(r'op_name="([^"]*)"', line)
+    kind = ("dot" if re.search(r" dot\(", line) else
+            "custom-call" if re.search(r" custom-call\(", line) else kinds.get(name_of(line)))
+    return _part_of(stacks.get(name_of(line), []), op.group(1) if op else "", kind or "")
+
+  return {name_of(line): part(line) for line in comps.get(_entry(hlo_text), [])
+          if name_of(line)}
+
+
+def _entry(hlo_text: str) -> str:
+  m = re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)
+  return m.group(1) if m else ""
+
+
+def torch_part(op: str, scope: str) -> str:
+  """The step's part of an aten op's self time, from its name and outermost event."""
+  text = f"{op} {scope}".lower()
+  if "optimizer" in text or "adam" in text:
+    return "optimizer (AdamW)"
+  if re.search(r"log_?softmax|nll_?loss|cross_entropy", text):
+    return "softmax cross-entropy"
+  if re.search(r"scaled_?dot_?product|flash_?attention|efficient_?attention", text):
+    return "attention"
+  if "layer_norm" in text or "layernorm" in text:
+    return "LayerNorm"
+  if re.search(r"addmm|\bmm\b|aten::mm|bmm|linear|matmul|mmbackward", text):
+    return "matmuls"
+  return "other"
+
+
+def profile_lm(quick: bool, torch: Any, steps: int, trainer: Any = None
+               ) -> dict[str, Any]:
+  """The tuned Trainer's compiled step under `jax.profiler` and PyTorch's under
+  `torch.profiler` (`vs_pytorch.jax_profile`, `vs_pytorch.torch_profile`), ms per
+  step by part; the top instructions and ops."""
+  sizes = lm_sizes(quick)
+  if trainer is None:
+    trainer = trainer_steps(sizes, 1)[1]["trainer"]
+  batches = lm_batches(sizes)
+  programs = trainer._programs  # pylint: disable=protected-access
+  for _ in range(10):  # the Trainer's whole-program check of its tuned step, to its verdict
+    if (programs.train_step.verification() or {}).get("outcome") != "checking":
+      break
+    trainer.fit(batches, steps=trainer.step + 10_000, callbacks=[StopAfter(2)])
+  batch = trainer.placement.put(batches[0])
+
+  def step() -> Any:
+    trainer.state, out = programs.train_step(trainer.state, batch)
+    return out
+
+  # The program in use, its check paused: the profile's thunks are the compiled text's.
+  with trainer._running(), programs.train_step.checks_paused():  # pylint: disable=protected-access
+    hlo = programs.train_step.lower(trainer.state, batch).compile().as_text()
+    parts = hlo_parts(hlo)
+    jax_parts, jax_top = vs_pytorch.jax_profile(
+        step, (), hlo, steps, group=lambda name, kind: parts.get(name, RUNTIME))
+  out = {"sizes": sizes, "steps": steps, "tunedjax_runtime": jax_parts.pop(RUNTIME, 0.0),
+         "tunedjax": jax_parts, "tunedjax_top": [r for r in jax_top if r[0] in parts],
+         "pytorch": None, "pytorch_top": None,
+         "check": (programs.train_step.verification() or {}).get("outcome"), "threads": None}
+  if torch is not None:
+    out["threads"] = torch.get_num_threads()
+    out["pytorch"], out["pytorch_top"] = vs_pytorch.torch_profile(
+        torch_lm_steps(torch, sizes, 1), steps, group=torch_part)
+  return out
+
+
 def _shape_name(shape) -> str:
   return "attention " + "x".join(map(str, shape))
 
@@ -296,6 +441,9 @@ def measure(quick: bool = False, *, rounds: int = 5, parts: tuple[str, ...] = PA
       result.timings["lm"], info = time_lm(quick, rounds, torch, lm_steps)
       result.figures["lm"] = {"first_fit_s": info["first_fit_s"], "sizes": lm_sizes(quick),
                               "attention": _buckets(info["attention"])}
+    if "profile" in parts:  # the Trainer of part 3 where it ran (tuned already)
+      result.figures["profile"] = profile_lm(
+          quick, torch, 2 if quick else 5, info["trainer"] if "lm" in parts else None)
   return result
 
 
@@ -345,7 +493,51 @@ def render(result: harness.Result) -> str:
               f"fit (3 steps, tuning included) took {info['first_fit_s']:.1f} s:", "",
               *_speed_table(result.timings["lm"], per=steps), "",
               f"Attention buckets the Trainer tuned: `{info['attention']}`.", ""]
+  if "profile" in result.figures:
+    lines += _profile_lines(result.figures["profile"])
   return "\n".join(lines)
+
+
+def _profile_lines(prof: Mapping[str, Any]) -> list[str]:
+  """Part 4's table: ms per step by part, each side's sum, and the parts behind."""
+  sizes, jax_ms, torch_ms = prof["sizes"], prof["tunedjax"], prof["pytorch"]
+  lines = [f"**Where the miniGPT step's time goes** (the step of part 3 at {sizes['tokens']} "
+           f"tokens, width {sizes['width']}, {sizes['layers']} blocks; {prof['steps']} "
+           "steps profiled): ms per step by part, tunedjax's from `jax.profiler` (the thunk "
+           "time of each instruction of the Trainer's compiled step, by its kind, op name "
+           "and Python frames), PyTorch's from `torch.profiler` (self CPU time of each aten "
+           "op, by its name and the autograd or optimizer event it ran in; the optimizer's "
+           "Python time in `Optimizer.step` included); the Trainer's whole-program check: "
+           f"{prof.get('check') or 'not started'}"
+           + (f"; PyTorch on {prof['threads']} threads:" if prof.get("threads") else ":"), "",
+           "| part | tunedjax ms per step | PyTorch ms per step | tunedjax / PyTorch |",
+           "|---|---:|---:|---:|"]
+  behind = []
+  for part in (*PROFILE_PARTS, "sum"):
+    j = sum(jax_ms.values()) if part == "sum" else jax_ms.get(part, 0.0)
+    t = None if torch_ms is None else (sum(torch_ms.values()) if part == "sum"
+                                       else torch_ms.get(part, 0.0))
+    ratio = f"{j / t:.2f}x" if t else "n/a"
+    if t is not None and part != "sum" and t > 0 and j > BEHIND * t:
+      behind.append(f"{part} ({ratio})")
+    name = f"**{part}**" if part == "sum" else part
+    lines.append(f"| {name} | {j:.2f} | {'not run' if t is None else f'{t:.2f}'} | "
+                 f"{ratio} |")
+  lines.append("")
+  if prof.get("tunedjax_runtime"):
+    lines.append(f"Left out of tunedjax's side: {prof['tunedjax_runtime']:.2f} ms per step of "
+                 "runtime events that are no instruction of the step (thread-pool waits).")
+  if torch_ms is None:
+    lines.append("No torch here: PyTorch's side not run.")
+  else:
+    lines.append("More than 10% behind PyTorch: " + (", ".join(behind) or "none") + ".")
+  top = "; ".join(f"`{n}` ({kind.split(';')[0]}) {ms:.2f}" for n, kind, ms in
+                  prof["tunedjax_top"][:5])
+  lines += ["", f"tunedjax's top instructions, ms per step: {top or 'none profiled'}."]
+  if prof["pytorch_top"]:
+    lines.append("PyTorch's top ops, ms per step: " + "; ".join(
+        f"`{n}` ({part}) {ms:.2f}" for n, part, ms in prof["pytorch_top"][:5]) + ".")
+  return lines + [""]
 
 
 def _buckets(attention: Any) -> str:

@@ -468,8 +468,13 @@ _JAX_GROUP = {"convolution": "convolutions", "dot": "matmuls (dot)",
 
 
 def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
-                steps: int) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
-  """ms per step by group, and the top instructions (name, kind, ms per step)."""
+                steps: int, group: Callable[[str, str], str] | None = None
+                ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
+  """ms per step by group, and the top instructions (name, kind, ms per step).
+
+  `group(name, kind)`: the group of an entry instruction (`hlo_kinds`' kind);
+  by default its kind's (`_JAX_GROUP`).
+  """
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(fn(*args))
   folder = tempfile.mkdtemp(prefix="tunedjax-vs-pytorch-prof-")
@@ -494,7 +499,7 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
   for name, ms in totals.most_common():
     kind = kinds.get(name, "other")
     if kind != "while":  # a loop's time is its body's instructions', counted as they run
-      groups[_JAX_GROUP.get(kind, "other")] += ms
+      groups[group(name, kind) if group else _JAX_GROUP.get(kind, "other")] += ms
     if len(top) < 12:
       source = where(name, hlo_text, stacks)
       top.append((name, f"{kind}; {source}" if source else kind, ms))
@@ -514,15 +519,34 @@ def _torch_group(key: str) -> str:
   return next((g for g, subs in _TORCH_GROUPS if any(s in key.lower() for s in subs)), "other")
 
 
-def torch_profile(step: Callable[[], Any], steps: int
+def torch_profile(step: Callable[[], Any], steps: int,
+                  group: Callable[[str, str], str] | None = None
                   ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
-  """ms per step (self CPU time) by group, and the top aten ops."""
+  """ms per step (self CPU time) by group, and the top aten ops.
+
+  `group(op, scope)`: the group of an op's self time, `scope` the name of the
+  outermost event it ran in (itself at the top; ``Optimizer.step#AdamW.step``,
+  ``autograd::engine::evaluate_function: NativeLayerNormBackward0``, ...);
+  by default the op name's (`_TORCH_GROUPS`).
+  """
   from torch import profiler  # pylint: disable=import-outside-toplevel
   step()
   with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
     for _ in range(steps):
       step()
   groups: collections.Counter[str] = collections.Counter()
+  if group is not None:  # per event: its scope
+    ops: collections.Counter[tuple[str, str]] = collections.Counter()
+    for e in prof.events():
+      top = e
+      while top.cpu_parent is not None:
+        top = top.cpu_parent
+      ms = e.self_cpu_time_total / 1e3 / steps
+      if ms > 0 and not e.name.startswith(("ProfilerStep", "##")):
+        part = group(e.name, top.name)
+        groups[part] += ms
+        ops[e.name, part] += ms
+    return dict(groups), [(k, part, ms) for (k, part), ms in ops.most_common(10)]
   rows = []
   for item in prof.key_averages():
     ms = item.self_cpu_time_total / 1e3 / steps
