@@ -21,27 +21,32 @@ $(STAMP): pyproject.toml
 # The suite in two phases, both always run, failing if either fails: the tests
 # that can share the cores in $(WORKERS) worker processes (pytest-xdist; a test
 # module stays on one worker, so its module-scoped compiled fixtures compile
-# once), then the tests marked `serial` (they time something, count page faults
-# or wait on a time limit) alone. ARGS go to both phases (`make test
-# ARGS=tests/test_jit.py`); a phase that ARGS leave empty (pytest's exit
-# status 5) is not a failure.
+# once), then alone the tests marked `serial` (they time something, count page
+# faults or wait on a time limit) and `default_compile` (below). ARGS go to
+# both phases (`make test ARGS=tests/test_jit.py`); a phase that ARGS leave
+# empty (pytest's exit status 5) is not a failure.
 #
-# The parallel phase compiles with LLVM's optimisations off (XLA's backend
-# optimisation level 0; the HLO passes all run): its tests check what programs
-# compute, not how fast, and a small program then compiles 1.6-5x faster
-# (most of the suite's time is XLA compiles). The serial phase, which times,
-# keeps XLA's default. Results may differ from the default build's in the last
-# bits (LLVM's instruction selection); a test comparing two programs bitwise
-# compiles both in one phase, and child processes inherit the level
-# (tests/processes.py). `make test FAST_COMPILE=` runs both at the default.
+# The parallel phase compiles fast: its tests check what programs compute, not
+# how fast, and most of the suite's time is XLA compiles. tests/fast_compile.py
+# picks the flags this jaxlib knows: LLVM's optimisations off (XLA's backend
+# optimisation level 0; the HLO passes all run), and on jaxlib 0.10 the loop
+# emitters instead of the fusion emitters; a small program then compiles 2-5x
+# faster. The serial phase, which times, keeps XLA's default, and so runs the
+# few programs the loop emitters cannot (`default_compile`). Results may differ
+# from the default build's in the last bits; a test comparing two programs
+# bitwise compiles both in one phase, and child processes inherit the flags
+# (tests/processes.py). `make test FAST_COMPILE=` runs both at the default;
+# FAST_COMPILE="FLAGS" compiles the parallel phase with FLAGS.
 WORKERS ?= 2
-FAST_COMPILE ?= --xla_backend_optimization_level=0
+FAST_COMPILE ?= auto
 SKIPPED := not bench_smoke and not native_checks
+ALONE := (serial or default_compile)
 SUITE = status=0; \
-  XLA_FLAGS="$(FAST_COMPILE) $$XLA_FLAGS" \
-    $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not serial and $(SKIPPED)" $(ARGS) \
+  fast=$$($(1) tests/fast_compile.py $(FAST_COMPILE)) || exit 1; \
+  XLA_FLAGS="$$fast $$XLA_FLAGS" \
+    $(1) -m pytest -n $(WORKERS) --dist loadfile -m "not $(ALONE) and $(SKIPPED)" $(ARGS) \
     || [ $$? -eq 5 ] || status=1; \
-  $(1) -m pytest -m "serial and $(SKIPPED)" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+  $(1) -m pytest -m "$(ALONE) and $(SKIPPED)" $(ARGS) || [ $$? -eq 5 ] || status=1; \
   exit $$status
 
 test: $(STAMP)

@@ -11,18 +11,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tests import fast_compile
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-# The XLA flags a child keeps: it compiles at its parent's optimisation level
-# (`make test`'s parallel phase compiles at level 0), so that a result compared
-# bitwise across the two processes came from the same code generation.
-INHERITED_XLA_FLAGS = ("--xla_backend_optimization_level",)
+# The XLA flags a child keeps: it compiles as its parent does (`make test`'s
+# parallel phase compiles fast, tests/fast_compile.py), so that a result
+# compared bitwise across the two processes came from the same code generation.
+INHERITED_XLA_FLAGS = tuple(flag.split("=")[0] for flag in fast_compile.CANDIDATES)
 
 
 def cpu_env() -> dict[str, str]:
   """The environment for a child JAX process on the CPU: none of our XLA flags
-  but the optimisation level (`INHERITED_XLA_FLAGS`)."""
+  but the compile-speed ones (`INHERITED_XLA_FLAGS`)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   kept = [f for f in env.pop("XLA_FLAGS", "").split() if f.startswith(INHERITED_XLA_FLAGS)]
   if kept:

@@ -125,7 +125,11 @@ def test_a_direct_call_is_tuned_and_run_in_bfloat16(tmp_path):
 @pytest.mark.parametrize("kernel,t,is_causal", [
     ("xla", 32, True),
     pytest.param("einsum", 32, False, marks=pytest.mark.slow),
-    pytest.param("blocked_causal_128", 256, True, marks=pytest.mark.slow),
+    # jaxlib 0.10's loop emitters have no bfloat16 x bfloat16 -> float32 dot (the
+    # one this kernel's blocks make): under `make test`'s fast compile flags that
+    # program fails to run, so it runs with the serial phase's defaults.
+    pytest.param("blocked_causal_128", 256, True,
+                 marks=[pytest.mark.slow, pytest.mark.default_compile]),
     pytest.param("blocked_128", 256, False, marks=pytest.mark.slow),
     pytest.param("query_chunked", 512, False, marks=pytest.mark.slow)])
 def test_each_kernel_in_bfloat16_is_no_less_accurate(tmp_path, kernel, t, is_causal):
