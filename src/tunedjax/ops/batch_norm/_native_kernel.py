@@ -17,7 +17,7 @@ stay in XLA, which fuses them with their neighbours (the ReLU after each
 batch norm, its gradient, a convolution's padded copy). Handlers that also
 normalised and formed ``dx`` in C++ were up to 3x faster timed alone but no
 faster in the whole train steps, where their outputs must be materialised
-(BENCHMARKS.md, "Native batch norm (issue 20)").
+(BENCHMARKS.md, "Native batch norm").
 
 Each sum runs over a fixed number of row chunks on XLA's intra-op thread
 pool, the partial sums added in chunk order: the same bits from run to run,

@@ -27,7 +27,7 @@ demo and MobileNet-style steps (0.4-0.8x its time) and is level with
 ``matmul_1x1`` on the forward and input gradient; in the whole tuned train
 steps, measured on a quiet machine, it took 0.97x (demo) and 0.94x
 (MobileNet) of the time without it, A/A 0.99 and 1.01 (BENCHMARKS.md,
-"Native pointwise kernels (issue 20)").
+"Native 1x1 convolutions").
 
 Example:
   >>> import numpy as np

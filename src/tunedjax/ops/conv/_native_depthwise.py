@@ -19,7 +19,7 @@ None or the operands' own). float16 and bfloat16 operands are left to the
 other kernels: cast to float32 around the call they measured 4.5x slower than
 ``depthwise`` on the demo's forward and input gradient (the casts are copies
 that XLA cannot fuse into an FFI call; ``depthwise`` fuses them into its taps;
-BENCHMARKS.md, "Native depthwise kernels (issue 20)"). The
+BENCHMARKS.md, "Native depthwise convolutions"). The
 kernel is applicable on CPU only, and only where the native library is
 built (`tunedjax._native.available`): with ``TUNEDJAX_NATIVE=0`` or without
 a C++ compiler the tuner never considers it. Results are bitwise

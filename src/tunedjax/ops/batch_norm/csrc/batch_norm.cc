@@ -12,7 +12,7 @@
 // each batch norm, its gradient, the padded copy a depthwise convolution
 // makes); handlers that also normalised and formed dx were faster timed
 // alone but level in the whole train steps, because their outputs must be
-// materialised (BENCHMARKS.md, "Native batch norm (issue 20)").
+// materialised (BENCHMARKS.md, "Native batch norm").
 //
 // The statistics take one pass, shifted: the sums of d = x - shift and of
 // d * d, shift being the first row, so a large mean does not cancel the
