@@ -17,6 +17,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -46,9 +47,11 @@ with warnings.catch_warnings(record=True) as caught:
   import tunedjax as tj
   at_import = tj.host_memory_status().to_dict()
 import jax, jax.numpy as jnp
+from tunedjax._host_memory import CallProbe
+FIRST_SPAN = CallProbe.WARMUP + CallProbe.SPANS[0]  # tunedjax.jit's first measurement
 if sys.argv[1] == "tiny":  # the same workload, now with tiny calls only
   tiny = tj.jit(lambda v: v * 2.0)
-  for _ in range(10):
+  for _ in range(FIRST_SPAN + 2):
     tiny(jnp.ones(4)).block_until_ready()
   print(json.dumps({"status": tj.host_memory_status().to_dict()}))
   sys.exit(0)
@@ -60,7 +63,7 @@ def f(x):  # 80 MiB of temporaries: five 16 MiB concatenations, kept alive by th
 
 x = jnp.arange(TEMP_BYTES // 40, dtype=jnp.float32) / 1e6
 assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= TEMP_BYTES
-for _ in range(8):  # tunedjax.jit measures calls 4-6 while deciding
+for _ in range(FIRST_SPAN + 2):  # tunedjax.jit measures calls 4-11 while deciding
   f(x).block_until_ready()
 faults = []
 for _ in range(15):  # the heap may still grow in a few calls: the median is the steady state
@@ -403,23 +406,61 @@ def test_a_readonly_cache_records_nothing(monkeypatch, tmp_path):
   assert status.applied and "recorded" not in status.reason
 
 
-def test_tunedjax_jit_measures_a_few_early_cpu_calls_then_nothing(monkeypatch, tmp_path):
+def test_tunedjax_jit_measures_spans_of_cpu_calls_then_nothing(monkeypatch, tmp_path):
   import jax
   import jax.numpy as jnp
   _decide(monkeypatch, tmp_path)
   seen = []
-  monkeypatch.setattr(_host_memory, "observe", lambda program, **fig: seen.append(
-      (program, fig)))
+
+  def observe(program, **figures):
+    seen.append((program, figures))
+    return False  # never pays: every span is measured
+
+  monkeypatch.setattr(_host_memory, "observe", observe)
   f = tj.jit(lambda x: jnp.tanh(x) * 2.0, level="O0")
   x = jnp.arange(16.0)
-  for _ in range(_host_memory.CallProbe.WARMUP + _host_memory.CallProbe.MEASURED + 2):
+  probe = _host_memory.CallProbe
+  for _ in range(probe.WARMUP + sum(probe.SPANS) + 2):
     np.testing.assert_allclose(f(x), np.tanh(np.arange(16.0)) * 2.0, rtol=1e-6)
-  ((program, figures),) = seen
-  assert program.endswith("<lambda>") and set(figures) == {"faults", "system_s", "wall_s"}
-  assert figures["wall_s"] > 0 and figures["faults"] >= 0
+  assert len(seen) == len(probe.SPANS)
+  for program, figures in seen:
+    assert program.endswith("<lambda>") and set(figures) == {"faults", "system_s", "wall_s"}
+    assert figures["wall_s"] > 0 and figures["faults"] >= 0
   assert f._probe is None  # the calls after it go straight to the compiled program
   monkeypatch.setattr(_host_memory, "_MEASURING", False)
   assert tj.jit(jax.numpy.sin)._probe is None
+
+
+def test_a_probe_stops_at_the_span_that_pays_and_averages_since_its_start(monkeypatch):
+  """The faults of one call in three (XLA's threads fault a block in on some calls
+  only) count at their mean per call, over every call since the warm-up."""
+  seen = []
+  monkeypatch.setattr(_host_memory, "measuring", lambda: True)
+  monkeypatch.setattr(_host_memory, "observe",
+                      lambda program, **figures: seen.append(figures) or len(seen) == 2)
+  faults = iter(range(10**6))
+  usage = types.SimpleNamespace(ru_minflt=0, ru_stime=0.0)
+
+  def getrusage(_):
+    return types.SimpleNamespace(ru_minflt=usage.ru_minflt, ru_stime=usage.ru_stime)
+
+  monkeypatch.setattr(_host_memory.resource, "getrusage", getrusage)
+  probe = _host_memory.CallProbe("step")
+
+  def call():  # every third call (3, 6, ...) faults 12,000 pages, 30 ms in the kernel
+    if next(faults) % 3 == 2:
+      usage.ru_minflt += 12_000
+      usage.ru_stime += 0.03
+    return "out"
+
+  calls = probe.WARMUP + sum(probe.SPANS[:2])
+  assert [probe.call(call, lambda out: out) for _ in range(calls)] == ["out"] * calls
+  assert probe.done and len(seen) == 2
+  first, both = seen
+  assert first["faults"] == pytest.approx(12_000 * 2 / 8)  # calls 4-11: 6 and 9 fault
+  assert both["faults"] == pytest.approx(12_000 * 10 / 32)  # calls 4-35: 6, 9, ..., 33
+  assert both["system_s"] == pytest.approx(0.03 * 10 / 32)
+  assert first["wall_s"] > 0 and both["wall_s"] > 0
 
 
 def test_workload_names_the_script_the_code_or_the_notebook(monkeypatch, tmp_path):

@@ -22,9 +22,9 @@ So tunedjax decides per machine and workload, by measurement
 (``$TUNEDJAX_HOST_MEMORY``, `MODES`):
 
 * ``auto`` (the default): `tunedjax.jit` measures the page faults and system
-  time of a few early calls of each CPU program (`CallProbe`). Where one
-  faults at least 16 MiB per call and spends at least a tenth of its time
-  doing so, that is recorded (`_decisions`) and the settings are applied
+  time per call of each CPU program over its calls 4 to 131 (`CallProbe`).
+  Where one faults at least 16 MiB per call and spends at least a tenth of
+  its time doing so, that is recorded (`_decisions`) and the settings are applied
   from the next ``import tunedjax`` of the same workload on. The process
   that measured gets what can act mid-process (`RETENTION`) at once: its
   import had XLA:CPU allocate temporaries in blocks of at most 48 MiB
@@ -311,7 +311,7 @@ def _decide_and_apply() -> HostMemoryStatus:
 
 def _undecided() -> str:
   head = ("not set: no measurement of this workload on this machine has shown that they pay "
-          "yet; tunedjax.jit measures the page faults of its CPU programs' first calls")
+          "yet; tunedjax.jit measures the page faults of its CPU programs' calls 4 to 131")
   if _UNSPLIT is None:
     return (f"{head}. XLA:CPU allocates temporaries in blocks of at most "
             f"{_xla.HEAP_BYTES // 2**20} MiB ({_xla.HEAP_FLAG} in $XLA_FLAGS), so where one "
@@ -414,51 +414,59 @@ def measuring() -> bool:
 
 
 class CallProbe:
-  """Measures a few early calls of one compiled CPU program: page faults and system time.
+  """Measures one compiled CPU program's calls in spans: page faults, system and wall time.
 
-  `tunedjax.jit` gives each function one probe while `measuring` is True; the
-  first `WARMUP` calls go through untouched (compiling, the heap growing), the
-  next `MEASURED` are run to completion between two ``getrusage`` calls. The
-  smallest fault count of those calls (a call may still see the previous
-  one's work) and their summed system and wall time go to `observe`. After
-  that the probe is `done`, and the function's calls cost nothing more.
+  `tunedjax.jit` gives each function one probe while `measuring` is True. The
+  first `WARMUP` calls go through untouched (compiling, tuning, the heap
+  growing); then ``getrusage`` is read after the calls that end each span of
+  `SPANS` (8, then 24, then 96 calls: calls 4-11, 12-35, 36-131), each such
+  call run to completion first. At each span's end the totals since the first
+  reading, per call, go to `observe`: the process's page faults, system time
+  and wall time between the readings (the caller's own work between calls
+  included). The probe is `done` once `measuring` turns False (a measurement
+  paid) or after the last span; the function's calls then cost nothing more.
+
+  Means over many calls, not the fewest faults of three: XLA:CPU's threads
+  fault a step's temporaries in on some calls and not on others (the
+  MobileNet-style step of `benchmarks/kernels.py`, in a first process after
+  tuning: 47 MiB on 10 of calls 2-60, on none of calls 6-11), so three early
+  calls can show nothing where the steady state faults on every other step.
 
   Example:
     >>> probe = CallProbe("f")
-    >>> [probe.call(lambda: 1, lambda x: x) for _ in range(6)]
-    [1, 1, 1, 1, 1, 1]
+    >>> calls = CallProbe.WARMUP + sum(CallProbe.SPANS)
+    >>> [probe.call(lambda: 1, lambda x: x) for _ in range(calls)] == [1] * calls
+    True
     >>> probe.done
     True
   """
 
   WARMUP = 3
-  MEASURED = 3
+  SPANS = (8, 24, 96)
 
   def __init__(self, program: str):
     self.program = program
     self.calls = 0
     self.done = False
-    self._faults: list[int] = []
-    self._system_s = 0.0
-    self._wall_s = 0.0
+    self._ends = [self.WARMUP + sum(self.SPANS[:i + 1]) for i in range(len(self.SPANS))]
+    self._start: tuple[resource.struct_rusage, float] | None = None
 
   def call(self, run: Callable[[], Any], block: Callable[[Any], Any]) -> Any:
-    """Returns ``run()``; measured (``block``-ed until done) where it is the probe's turn."""
+    """Returns ``run()``; run to completion (``block``) where a span starts or ends."""
     self.calls += 1
-    if self.done or self.calls <= self.WARMUP:
+    at_start = self.calls == self.WARMUP
+    if self.done or not (at_start or self.calls in self._ends):
       return run()
-    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     out = block(run())
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    self._faults.append(after.ru_minflt - before.ru_minflt)
-    self._system_s += after.ru_stime - before.ru_stime
-    self._wall_s += wall
-    if len(self._faults) >= self.MEASURED:
-      self.done = True
-      n = len(self._faults)
-      observe(self.program, faults=min(self._faults), system_s=self._system_s / n,
-              wall_s=self._wall_s / n)
+    now = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    if at_start:
+      self._start = now
+      return out
+    (usage0, wall0), (usage1, wall1) = self._start, now
+    n = self.calls - self.WARMUP
+    paid = observe(self.program, faults=(usage1.ru_minflt - usage0.ru_minflt) / n,
+                   system_s=(usage1.ru_stime - usage0.ru_stime) / n, wall_s=(wall1 - wall0) / n)
+    self.done = paid or self.calls == self._ends[-1] or not measuring()
     return out
 
 
