@@ -202,12 +202,17 @@ def lm_batches(sizes: Mapping[str, int], count: int = 4) -> list[dict[str, np.nd
   return _gpu_models.lm_batches(count, sizes["batch"], sizes["tokens"], sizes["vocab"])
 
 
+def trainer_for(sizes: Mapping[str, int]) -> Any:
+  """The miniGPT of `sizes` in ``Trainer(autotune=True)`` with AdamW, untrained."""
+  model = nnx.jit(lambda: MiniGPT(**{k: v for k, v in sizes.items() if k != "batch"}))()
+  return tj.Trainer(model, optax.adamw(3e-4, weight_decay=1e-4), lm_loss, autotune=True,
+                    progress=False)
+
+
 def trainer_steps(sizes: Mapping[str, int], steps: int) -> tuple[Callable[[], Any], dict]:
   """``Trainer(autotune=True)``'s `fit` of `steps` steps, after a first fit that tunes;
   the tuning history's attention buckets."""
-  model = nnx.jit(lambda: MiniGPT(**{k: v for k, v in sizes.items() if k != "batch"}))()
-  trainer = tj.Trainer(model, optax.adamw(3e-4, weight_decay=1e-4), lm_loss, autotune=True,
-                       progress=False)
+  trainer = trainer_for(sizes)
   batches = lm_batches(sizes)
   horizon = 10_000  # a long run: tuning pays back within it
 

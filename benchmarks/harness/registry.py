@@ -48,6 +48,8 @@ BENCHMARKS = (
     Benchmark("attention", sections=("attention", "attention_hand_written")),
     Benchmark("vs_pytorch", sections=("vs_pytorch", "vs_pytorch_plain_auto")),
     Benchmark("first_process"),
+    # The first process's host-memory decision after tuning: faults per step, fresh runs.
+    Benchmark("first_process_faults"),
     Benchmark("after_idle"),
     Benchmark("host_memory"),
     Benchmark("malloc_settings", sections=("malloc_settings", "malloc_in_process")),
