@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import tunedjax as tj
-from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
+from _gpu_measure import (Deadline, Runner, Sizes, anatomy, configure, first_call, guarded,
                           out_of_time, steady_state, timing_fields)
 from _gpu_names import CUDNN, HAND, TJ_ATTENTION, TJ_HAND
-from _gpu_run import Deadline, emit, say
+from harness.workers import emit, say
 
 
 

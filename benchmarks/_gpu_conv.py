@@ -18,11 +18,11 @@ from jax import lax
 
 import harness as _harness
 import tunedjax as tj
-from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
+from _gpu_measure import (Deadline, Runner, Sizes, anatomy, configure, first_call, guarded,
                           out_of_time, steady_state, step_of, timing_fields)
 from _gpu_models import functional_resnet
 from _gpu_names import LAYOUT_PASS, LAYOUT_PLAIN
-from _gpu_run import Deadline, emit, say
+from harness.workers import emit, say
 from tunedjax.ops.conv import ConvSpec
 from tunedjax.ops.conv import _pallas as conv_pallas
 

@@ -22,11 +22,11 @@ from flax import nnx
 
 import harness as _harness
 import tunedjax as tj
-from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded,
-                          out_of_time, step_of, timing_fields)
+from _gpu_measure import (Deadline, Sizes, configure, emit_first_call, fit_rounds, freeze_heap,
+                          guarded, out_of_time, step_of, timing_fields)
 from _gpu_models import MiniGPT, lm_batches, lm_loss
 from _gpu_names import OFF, ON
-from _gpu_run import Deadline, emit, fit_rounds, say
+from harness.workers import emit, say
 
 PRECISIONS = {"mixed": "mixed_bfloat16", "float32": None}
 

@@ -1,5 +1,5 @@
-"""What every `benchmarks/gpu.py` worker measures with: sizes, runners, first calls,
-steady-state rounds within the worker's time, and the first-call anatomy."""
+"""What every `benchmarks/gpu.py` worker measures with: sizes, its time left, runners,
+first calls, steady-state rounds within the worker's time, and the first-call anatomy."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 import harness as _harness
-from _gpu_run import Deadline, emit, fit_rounds, say
+from harness.workers import emit, say, seconds_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,42 @@ SMOKE = Sizes(smoke=True, rounds=2, round_s=0.0, batch=2, image=16, stages=(1,),
 # A smoke run pins every family's reference kernel: it checks the script, and kernel
 # tuning on a CPU would be most of its time (the library's tests cover tuning).
 SMOKE_HINTS = {"conv": "xla", "batch_norm": "xla", "attention": "xla"}
+
+
+class Deadline:
+  """The worker's time limit, less a reserve for its last records."""
+
+  def __init__(self, reserve_s: float = 2.0):
+    self.end = time.monotonic() + seconds_left() - reserve_s
+
+  def left(self) -> float:
+    return self.end - time.monotonic()
+
+  def allows(self, seconds: float) -> bool:
+    """Whether `seconds` of work still fit."""
+    return self.left() >= seconds
+
+
+def fit_rounds(per_round_s: float, left_s: float, wanted: int, minimum: int = 2) -> int:
+  """Rounds of `per_round_s` (plus one warm-up round) that fit in `left_s`, at most
+  `wanted`; 0 when not even `minimum` fit."""
+  if per_round_s <= 0:
+    return wanted
+  fit = int(left_s / per_round_s) - 1
+  return 0 if fit < minimum else min(wanted, fit)
+
+
+def part_worker(part: str, which: str) -> Callable[[Sizes, Deadline], None]:
+  """The function of worker ``part.which`` (each worker imports only what it runs)."""
+  # pylint: disable=import-outside-toplevel
+  if which == "torch":
+    import _gpu_torch
+    return {"resnet50": _gpu_torch.worker_resnet, "attention": _gpu_torch.worker_attention}[part]
+  if part in ("conv_buckets", "layout_f16"):
+    import _gpu_conv
+    return _gpu_conv.WORKERS[part]
+  module = {"resnet50": "_gpu_resnet", "attention": "_gpu_attention", "lm": "_gpu_lm"}[part]
+  return __import__(module).WORKERS[which]
 
 
 def configure(config: Any, sizes: Sizes) -> None:

@@ -1,7 +1,7 @@
 """BENCHMARKS.md's GPU sections, made from `benchmarks/gpu.py`'s records (its JSON file).
 
 Everything here reads the JSON alone (no JAX), so that the sections of a run
-on another machine can be made again here: ``gpu.py --render gpu.json --write``.
+on another machine can be made again here (`harness.saved`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ TITLES = {
     "conv_buckets": "Convolution buckets: `pallas` (Triton) against XLA (cuDNN)",
     "layout_f16": "float16 ResNet-50 written NCHW: with and without the layout pass",
 }
+KEYS = ("tokens", "precision", "bucket", "dtype")  # what tells a variant's rows apart
 CROSS = ("Ratios between workers are ratios of medians (separate processes, run one after "
          "another); within a worker they are medians of per-round ratios, and the A/A "
          "column is the worker's baseline timed twice.")
@@ -77,7 +78,7 @@ def status_lines(part: Mapping[str, Any]) -> list[str]:
       elif r.get("kind") == "not_run":
         lines.append(f"- `{w['name']}`: {r['what']}: not run, {r['left_s']:.0f} s of its time "
                      "left.")
-  for key, row in merged_rows(part, "tokens", "precision", "bucket", "dtype").items():
+  for key, row in merged_rows(part, *KEYS).items():
     if row.get("error"):
       where = ", ".join(str(k) for k in key if k is not None)
       lines.append(f"- {where}: failed: `{row['error']}`")

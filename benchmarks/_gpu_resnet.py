@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 import tunedjax as tj
-from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
+from _gpu_measure import (Deadline, Runner, Sizes, anatomy, configure, first_call, guarded,
                           out_of_time, steady_state, timing_fields)
 from _gpu_models import image_batch, resnet50, resnet_train_step
 from _gpu_names import JIT_BF16, JIT_F32, TJ_ALL, TJ_ALL_MP, TJ_MP_LAYOUT
-from _gpu_run import Deadline, emit, say
+from harness.workers import emit, say
 
 BASELINE = JIT_BF16  # the worker's baseline
 

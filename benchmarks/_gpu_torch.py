@@ -7,14 +7,12 @@ the worker prints why and records a ``skip``: the other rows are unchanged.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import harness as _harness
-from _gpu_measure import Sizes, freeze_heap, guarded, out_of_time, step_of, timing_fields
+from _gpu_measure import (Deadline, Sizes, first_call, guarded, out_of_time, steady_state,
+                          timing_fields)
 from _gpu_names import TORCH_AMP, TORCH_F32, TORCH_SDPA
-from _gpu_run import Deadline, emit, fit_rounds, say
-
+from harness.workers import emit, say
 
 
 def _import(*names: str) -> dict[str, Any] | None:
@@ -69,32 +67,6 @@ def _resnet_loop(m: dict[str, Any], sizes: Sizes, device: str, amp: bool) -> _Lo
   return _Loop(torch, device, step)
 
 
-def _first(name: str, loop: _Loop) -> float:
-  with step_of(f"{name}: first call"):
-    start = time.perf_counter()
-    loop.run(1)
-    seconds = time.perf_counter() - start
-  say(f"  {name}: first call {seconds:.2f} s")
-  return seconds
-
-
-def _interleave(loops: dict[str, _Loop], baseline: str, deadline: Deadline,
-                sizes: Sizes) -> tuple[_harness.Timings, int] | None:
-  freeze_heap()
-  one = {}
-  for name, loop in loops.items():
-    start = time.perf_counter()
-    loop.run(1)
-    one[name] = time.perf_counter() - start
-  k = max(1, min(50, round(sizes.round_s / max(max(one.values()), 1e-6))))
-  rounds = fit_rounds(k * (sum(one.values()) + one[baseline]), deadline.left(), sizes.rounds)
-  if rounds == 0:
-    return None
-  with step_of(f"steady state of {', '.join(loops)}"):
-    return _harness.interleaved({n: (lambda l=l: l.run(k)) for n, l in loops.items()},
-                                baseline=baseline, rounds=rounds), k
-
-
 def _setup(m: dict[str, Any]) -> str:
   torch = m["torch"]
   device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,13 +88,13 @@ def worker_resnet(sizes: Sizes, deadline: Deadline) -> None:
   loops, firsts = {}, {}
   for name, amp in ((TORCH_F32, False), (TORCH_AMP, True)):
     loop = guarded(name, lambda a=amp: _resnet_loop(m, sizes, device, a))
-    first = loop and guarded(name, lambda n=name, l=loop: _first(n, l))
+    first = loop and guarded(name, lambda n=name, l=loop: first_call(n, l))
     if first is not None:
       loops[name], firsts[name] = loop, first
       emit("row", variant=name, first_call_s=first, first_loss=float(loop.out.detach()))
   if not loops:
     return
-  measured = _interleave(loops, next(iter(loops)), deadline, sizes)
+  measured = steady_state(loops, next(iter(loops)), deadline, sizes)
   for name in loops:
     fields = {"first_call_s": firsts[name]}
     if measured is not None:
@@ -163,11 +135,11 @@ def worker_attention(sizes: Sizes, deadline: Deadline) -> None:
       continue
     fields = {"tokens": tokens}
     loop = guarded(TORCH_SDPA, lambda t=tokens: _sdpa_loop(m, sizes, device, t), **fields)
-    first = loop and guarded(TORCH_SDPA, lambda l=loop: _first(f"{TORCH_SDPA}, {tokens}", l),
+    first = loop and guarded(TORCH_SDPA, lambda l=loop: first_call(f"{TORCH_SDPA}, {tokens}", l),
                              **fields)
     if first is None:
       continue
-    measured = _interleave({TORCH_SDPA: loop}, TORCH_SDPA, deadline, sizes)
+    measured = steady_state({TORCH_SDPA: loop}, TORCH_SDPA, deadline, sizes)
     fields.update(first_call_s=first, value=float(loop.out.detach()))
     if measured is not None:
       fields.update(timing_fields(*measured, TORCH_SDPA))

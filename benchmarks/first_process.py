@@ -180,7 +180,7 @@ def measure(quick: bool = False) -> harness.Result:
   for name in names:  # the later tunedjax ones read the kernels the first process tuned
     folder = shared if VARIANTS[name][2] else tempfile.mkdtemp(prefix="tunedjax-first-")
     procs[name] = _spawn(name, folder, p, torch_python)
-    ready[name] = workers.reply(procs[name])["ready"]
+    ready[name] = procs[name].reply()["ready"]
   runs = workers.run_rounds(procs, p["rounds"])
   return harness.Result("first_process", params={**p, "torch": bool(torch_python)},
                         figures={"runs": runs, "ready": ready})

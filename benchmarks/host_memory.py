@@ -110,13 +110,13 @@ def _one_net(net: str, quick: bool, rounds: int, reps: int) -> dict:
   """Tunes `net` once, then times every variant's worker in rotated rounds."""
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-host-memory-")
   tuner = _spawn(net, cache_dir, quick, reps, VARIANTS["retain"])  # tunes, then exits
-  status = workers.reply(tuner)["ready"]
-  tuner.communicate("")
+  status = tuner.reply()["ready"]
+  tuner.close()
   decisions = tempfile.mkdtemp(prefix="tunedjax-host-memory-decisions-")
   procs, statuses = {}, {}
   for name, env in VARIANTS.items():  # one at a time: the next auto process reads the first's
     procs[name] = _spawn(net, cache_dir, quick, reps, env, decisions if name in DECIDING else None)
-    statuses[name] = workers.reply(procs[name])["ready"]
+    statuses[name] = procs[name].reply()["ready"]
   return {"net": net, "runs": workers.run_rounds(procs, rounds), "statuses": statuses,
           "tuner": status}
 

@@ -107,10 +107,10 @@ def measure(quick: bool = False) -> harness.Result:
       _another_workloads_decision(folder)
     elif cache == "after a first process":  # runs, measures, ends: records what it found
       first = _spawn(name, folder)
-      workers.reply(first)
-      first.communicate("")
+      first.reply()
+      first.close()
     procs[name] = _spawn(name, folder)
-    statuses[name] = workers.reply(procs[name])["ready"]
+    statuses[name] = procs[name].reply()["ready"]
   runs = {n: [r["us"] for r in rs] for n, rs in workers.run_rounds(procs, rounds).items()}
   return harness.Result("import_dispatch", params={"rounds": rounds},
                         figures={"runs": runs, "statuses": statuses})
