@@ -18,11 +18,11 @@ from jax import lax
 
 import harness as _harness
 import tunedjax as tj
-from _gpu_measure import (Deadline, Runner, Sizes, anatomy, configure, first_call, guarded,
-                          out_of_time, steady_state, step_of, timing_fields)
+from _gpu_measure import (Deadline, Runner, Sizes, compare, configure, guarded, out_of_time,
+                          report, steady_state, step_of)
 from _gpu_models import functional_resnet
 from _gpu_names import LAYOUT_PASS, LAYOUT_PLAIN
-from harness.workers import emit, say
+from harness.workers import emit
 from tunedjax.ops.conv import ConvSpec
 from tunedjax.ops.conv import _pallas as conv_pallas
 
@@ -58,8 +58,7 @@ def _bucket(sizes: Sizes, rng, bucket, dtype, deadline: Deadline) -> None:
     t, n = measured
     fields.update(xla_ms=1e3 * t.median("xla") / n, pallas_ms=1e3 * t.median("pallas") / n,
                   ratio=t.ratio("pallas"), aa=t.ratio(_harness.CONTROL))
-  emit("row", variant="pallas", rel_error=err, **fields)
-  say(f"  {name} {fields['dtype']}: {fields}")
+  report("pallas", rel_error=err, **fields)
 
 
 def worker_conv_buckets(sizes: Sizes, deadline: Deadline) -> None:
@@ -73,37 +72,25 @@ def worker_conv_buckets(sizes: Sizes, deadline: Deadline) -> None:
               bucket=str(bucket), dtype=jnp.dtype(dtype).name)
 
 
+def _layout(name: str, runner: Runner) -> dict:
+  """What the layout pass decided, for `tj.jit`'s row."""
+  if name != LAYOUT_PASS:
+    return {}
+  layout = runner.fn.report(memory=False).last.layout
+  return {"layout": None if layout is None else (
+      f"{layout.decision} -> {layout.target} ({layout.reason}), "
+      f"{layout.convolutions} convolutions")}
+
+
 def worker_layout_f16(sizes: Sizes, deadline: Deadline) -> None:
   """A float16 NCHW ResNet-50 step: as written, and with the layout pass."""
   configure({"layout": {"enable": True}}, sizes)
   params, step, x, y = functional_resnet(batch=sizes.layout_batch, image=sizes.image,
                                          stages=sizes.stages, width=sizes.width,
                                          layout="NCHW", dtype=jnp.float16)
-  runners, firsts = {}, {}
-  for name, jit in ((LAYOUT_PLAIN, jax.jit), (LAYOUT_PASS, tj.jit)):
-    if out_of_time(name, deadline):
-      continue
-    runner = Runner(jit(step), jax.tree.map(jnp.copy, params), x, y, stateful=True)
-    first = guarded(name, lambda n=name, r=runner: first_call(n, r))
-    if first is None:
-      continue
-    runners[name], firsts[name] = runner, first
-    emit("row", variant=name, first_call_s=first)
-    if jit is tj.jit:
-      layout = runner.fn.report(memory=False).last.layout
-      emit("row", variant=name, layout=None if layout is None else (
-          f"{layout.decision} -> {layout.target} ({layout.reason}), "
-          f"{layout.convolutions} convolutions"))
-      anatomy(name, runner.fn)
-  if runners:
-    base = LAYOUT_PLAIN if LAYOUT_PLAIN in runners else next(iter(runners))
-    measured = steady_state(runners, base, deadline, sizes)
-    for name in runners:
-      fields = {"first_call_s": firsts[name]}
-      if measured is not None:
-        fields.update(timing_fields(*measured, name))
-      emit("row", variant=name, **fields)
-      say(f"  {name}: {fields}")
+  compare({n: (lambda j=j: Runner(j(step), jax.tree.map(jnp.copy, params), x, y, stateful=True))
+           for n, j in ((LAYOUT_PLAIN, jax.jit), (LAYOUT_PASS, tj.jit))},
+          LAYOUT_PLAIN, deadline, sizes, tuned=(LAYOUT_PASS,), first=_layout)
 
 
 WORKERS = {"conv_buckets": worker_conv_buckets, "layout_f16": worker_layout_f16}

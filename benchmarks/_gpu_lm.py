@@ -23,7 +23,7 @@ from flax import nnx
 import harness as _harness
 import tunedjax as tj
 from _gpu_measure import (Deadline, Sizes, configure, emit_first_call, fit_rounds, freeze_heap,
-                          guarded, out_of_time, step_of, timing_fields)
+                          guarded, out_of_time, report, step_of)
 from _gpu_models import MiniGPT, lm_batches, lm_loss
 from _gpu_names import OFF, ON
 from harness.workers import emit, say
@@ -139,13 +139,9 @@ def worker(which: str, sizes: Sizes, deadline: Deadline) -> None:
   measured = _interleave(fits, deadline, sizes)
   if measured is None:
     return
-  timings, k = measured
   for name, f in fits.items():
     # ms per step: each timed run is one fit of about k steps; f.steps is the last one's count
-    fields = timing_fields(timings, f.steps or k, name)
-    emit("row", variant=name, precision=which, **fields)
-    say(f"  {which}, {name}: {fields['ms']:.2f} ms per step, ratio to {OFF} "
-        f"{fields['in_worker_ratio']:.3f} (A/A {fields['aa']:.3f})")
+    report(name, (measured[0], f.steps or measured[1]), precision=which)
 
 
 WORKERS = {w: (lambda s, d, w=w: worker(w, s, d)) for w in PRECISIONS}

@@ -8,7 +8,7 @@ import dataclasses
 import gc
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -219,6 +219,60 @@ def timing_fields(timings: _harness.Timings, k: int, name: str) -> dict[str, Any
           "calls_per_run": k, "in_worker_ratio": timings.ratio(name),
           "aa": timings.ratio(_harness.CONTROL), "range": [lo, hi],
           "worker_baseline": timings.baseline}
+
+
+def report(name: str, measured: tuple[_harness.Timings, int] | None = None, *,
+           rate: tuple[str, float] | None = None, **fields: Any) -> dict[str, Any]:
+  """Records a variant's row (with `measured`'s steady-state figures) and says it.
+
+  Args:
+    rate: ``(field, n)``: that field is n per second of a call (images/s, TFLOP/s).
+  """
+  if measured is not None:
+    fields.update(timing_fields(*measured, name))
+    if rate:
+      fields[rate[0]] = rate[1] / (fields["ms"] / 1e3)
+  emit("row", variant=name, **fields)
+  say(f"  {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in fields.items()))
+  return fields
+
+
+def compare(builds: Mapping[str, Callable[[], Any]], baseline: str, deadline: Deadline,
+            sizes: Sizes, *, tuned: Sequence[str] = (),
+            first: Callable[[str, Any], dict] = lambda name, runner: {},
+            last: Callable[[str, Any], dict] = lambda name, runner: {},
+            rate: tuple[str, float] | None = None, **fields: Any) -> None:
+  """Each variant's runner (`builds`) and first call, then all of them interleaved.
+
+  Records a row per variant after its first call (with `first`'s fields; the
+  first-call anatomy of those in `tuned`) and one after the steady state (with
+  `last`'s fields and `rate`, as `report`); `fields` go in every row.
+  """
+  runners, firsts = {}, {}
+  for name, build in builds.items():
+    label = ", ".join([name, *(f"{v} {k}" for k, v in fields.items())])
+    if out_of_time(label, deadline):
+      continue
+
+    def start(name=name, build=build, label=label):
+      runner = build()
+      seconds = first_call(label, runner)
+      emit("row", variant=name, first_call_s=seconds, **fields, **first(name, runner))
+      if name in tuned:
+        anatomy(label, runner.fn)
+      return runner, seconds
+
+    got = guarded(name, start, **fields)
+    if got is not None:
+      runners[name], firsts[name] = got
+  if runners:
+    measured = guarded(", ".join(runners), lambda: steady_state(
+        runners, baseline if baseline in runners else next(iter(runners)), deadline, sizes),
+        **fields)
+    for name, runner in runners.items():
+      report(name, measured, rate=rate, first_call_s=firsts[name], **fields,
+             **last(name, runner))
 
 
 def anatomy(name: str, jitted: Any) -> None:

@@ -4,8 +4,8 @@
 auto mode): it must leave a process that makes many tiny calls as fast as one
 that never imported tunedjax. This times `jit_overhead.py`'s steady state (its
 small MLP train step, 200 calls dispatched without waiting, then one wait; a
-run is the median of 5 such batches) in worker processes that differ only in what they imported and what the
-tuning cache holds:
+run is the median of 5 such batches) in worker processes that differ only in
+what they imported and what the tuning cache holds:
 
 - **no tunedjax**: ``import jax`` only, `jax.jit` (the baseline; run twice: A/A);
 - **tunedjax imported, first process**: ``import tunedjax`` first (auto mode,

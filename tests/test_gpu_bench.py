@@ -59,7 +59,7 @@ def test_the_smoke_run_runs_every_part_and_prints_its_json(tmp_path):
   assert result.stderr.count("gpu.py: ") >= len(names.PARTS)
   sections = render.sections(f)
   assert list(sections) == [f"gpu_{part}" for part in names.PARTS]
-  assert "| jax.jit, float32 |" in sections["gpu_resnet50"] and "Targets" in sections["gpu_lm"]
+  assert "| jax.jit, float32 |" in sections["gpu_resnet50"] and "Target" in sections["gpu_lm"]
   assert (ROOT / "BENCHMARKS.md").read_text() == before  # no --write: BENCHMARKS.md untouched
 
 
@@ -149,7 +149,8 @@ def test_sections_judge_the_targets_and_name_what_ran_out_of_time():
            "stages": {"trace": 1.0, "xla_compile": 23.0, "first_execution": 1.0}}]),
       _worker_dict("resnet50.tj_all_mp", [{"kind": "start", "what": "first call"}],
               status="budget", in_progress=f"{names.TJ_ALL_MP}: first call"),
-      _worker_dict("resnet50.torch", [{"kind": "skip", "reason": "PyTorch rows skipped: no torch"}]),
+      _worker_dict("resnet50.torch",
+                   [{"kind": "skip", "reason": "PyTorch rows skipped: no torch"}]),
   ]
   text = render.sections(_results(rows))["gpu_resnet50"]
   assert "NVIDIA H100 80GB HBM3" in text and "2026-11-27" in text
