@@ -185,9 +185,13 @@ def freeze_heap() -> None:
   gc.freeze()
 
 
-def steady_state(runners: Mapping[str, Runner], baseline: str, deadline: Deadline,
-                 sizes: Sizes) -> tuple[_harness.Timings, int] | None:
+def steady_state(runners: Mapping[str, Any], baseline: str, deadline: Deadline, sizes: Sizes,
+                 *, round_s: float | None = None, calls: tuple[int, int] = (1, 50)
+                 ) -> tuple[_harness.Timings, int] | None:
   """Interleaved rounds (the baseline timed twice: A/A), as many as fit the worker's time.
+
+  Each timed run is `k` calls (``runner.run(k)``), `k` within `calls`, about
+  `round_s` seconds (default ``sizes.round_s``).
 
   Returns:
     The timings of `k` calls per timed run, and `k`; None when no two rounds fit.
@@ -196,9 +200,10 @@ def steady_state(runners: Mapping[str, Runner], baseline: str, deadline: Deadlin
   one = {}
   for name, runner in runners.items():
     start = time.perf_counter()
-    runner.run(1)
-    one[name] = time.perf_counter() - start
-  k = max(1, min(50, round(sizes.round_s / max(max(one.values()), 1e-6))))
+    runner.run(calls[0])
+    one[name] = (time.perf_counter() - start) / calls[0]
+  wanted = sizes.round_s if round_s is None else round_s
+  k = max(calls[0], min(calls[1], round(wanted / max(max(one.values()), 1e-6))))
   per_round = k * (sum(one.values()) + one[baseline])
   rounds = fit_rounds(per_round, deadline.left(), sizes.rounds)
   if rounds == 0:

@@ -238,9 +238,7 @@ class Worker:
                                           "returncode", "records", "in_progress", "stack")}
 
 
-def spawn(command: Sequence[str], env: Mapping[str, str] | None = None, **kw: Any) -> Worker:
-  """Starts a worker (`Worker`'s keyword arguments: name, budget_s, echo)."""
-  return Worker(command, env, **kw)
+spawn = Worker  # starts one: ``spawn(command, env, name=, budget_s=, echo=)``
 
 
 def run_rounds(procs: Mapping[str, Worker], rounds: int) -> dict[str, list[dict]]:
@@ -257,6 +255,20 @@ def run_rounds(procs: Mapping[str, Worker], rounds: int) -> dict[str, list[dict]
 def stop_on_sigterm() -> None:
   """Turns SIGTERM (``timeout``'s) into SystemExit, so that a waiting driver kills its worker."""
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def per_step(run: Callable[[], Any], steps: int, untimed: int = 0) -> dict[str, float]:
+  """`run`'s seconds, minor page faults and system CPU seconds per call, over `steps`
+  calls (after `untimed` more), from this process's `getrusage`."""
+  import resource  # pylint: disable=import-outside-toplevel  # POSIX only
+  for _ in range(untimed):
+    run()
+  before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+  for _ in range(steps):
+    run()
+  wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+  return {"s": wall / steps, "faults": (after.ru_minflt - before.ru_minflt) / steps,
+          "sys_s": (after.ru_stime - before.ru_stime) / steps}
 
 
 def mlp_problem(width: int = 64, batch: int = 32):
