@@ -92,11 +92,8 @@ def part_worker(part: str, which: str) -> Callable[[Sizes, Deadline], None]:
   if which == "torch":
     import _gpu_torch
     return {"resnet50": _gpu_torch.worker_resnet, "attention": _gpu_torch.worker_attention}[part]
-  if part in ("conv_buckets", "layout_f16"):
-    import _gpu_conv
-    return _gpu_conv.WORKERS[part]
-  module = {"resnet50": "_gpu_resnet", "attention": "_gpu_attention", "lm": "_gpu_lm"}[part]
-  return __import__(module).WORKERS[which]
+  module = {"attention": "_gpu_attention", "lm": "_gpu_lm"}.get(part, "_gpu_resnet")
+  return __import__(module).WORKERS[which or part]
 
 
 def configure(config: Any, sizes: Sizes) -> None:

@@ -133,11 +133,6 @@ def image_batch(batch: int, image: int, seed: int = 0) -> tuple[jax.Array, jax.A
 # --- miniGPT -----------------------------------------------------------------------------
 
 
-def causal_mask(tokens: int) -> jax.Array:
-  """The tutorial's causal mask: a float lower triangle of ones."""
-  return jnp.tril(jnp.ones((tokens, tokens)))
-
-
 class TransformerBlock(nnx.Module):
   """Masked multi-head self-attention and a GELU MLP, each followed by add & LayerNorm."""
 
@@ -150,7 +145,7 @@ class TransformerBlock(nnx.Module):
     self.norm2 = nnx.LayerNorm(width, epsilon=1e-6, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    mask = causal_mask(x.shape[1])
+    mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1])))  # the tutorial's: floats, not bools
     x = self.norm1(x + self.attention(x, mask=mask, decode=False))
     return self.norm2(x + self.down(nnx.gelu(self.up(x))))
 

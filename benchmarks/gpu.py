@@ -1,22 +1,13 @@
 """GPU benchmarks: tunedjax against `jax.jit`, cuDNN and PyTorch, in one command.
 
-Parts (each a few worker processes; `_gpu_names.PLAN` gives their time limits):
-
-a. ``resnet50``: the Flax ImageNet example's ResNet-50 (linen, BatchNorm), batch
-   128, 224x224, SGD with momentum: `jax.jit` in float32 and with the example's
-   ``dtype=bfloat16``; `tj.jit` with ``set_config(None)``, with
-   ``set_config(None)`` plus mixed precision, and with mixed precision and layout
-   but no kernel selection; torchvision's ResNet-50, channels_last, float32 and
-   AMP bfloat16. First call (s) and images/s.
-b. ``attention``: causal self-attention, bfloat16 [8, T, 16, 128], forward and
-   backward, T = 2,048 and 8,192: hand-written under `jax.jit`, cuDNN's, `tj.jit`
-   over ``tj.attention`` and over the hand-written one, PyTorch's SDPA. ms,
-   ratio, TFLOP/s, first call.
-c. ``lm``: `tj.Trainer` on a miniGPT (6 blocks, width 512, 8 heads, 1,024
-   tokens, batch 16), ``autotune`` off against on, float32 and mixed precision.
-d. ``conv_buckets`` (the ``pallas`` kernel against XLA/cuDNN per ResNet-50
-   convolution) and ``layout_f16`` (a float16 NCHW ResNet-50 with and without
-   the layout pass).
+Parts, each a few worker processes (`_gpu_names.PLAN`: their time limits): the
+Flax ImageNet example's ResNet-50 (`jax.jit` float32 and bfloat16, three `tj.jit`
+configurations, torchvision's; `_gpu_resnet`), causal self-attention at 2,048 and
+8,192 tokens (hand-written, cuDNN's, `tj.jit` over `tj.attention` and over the
+hand-written one, PyTorch's SDPA; `_gpu_attention`), `tj.Trainer` on a miniGPT
+with ``autotune`` off and on (`_gpu_lm`), ResNet-50's convolution buckets
+(``pallas`` against XLA) and a float16 NCHW ResNet-50 with and without the layout
+pass (`_gpu_resnet`); the PyTorch rows in `_gpu_torch`.
 
 The workers speak `harness.workers`' protocol: each reports its records as it
 measures, paces itself to its time limit, and is killed a few seconds past it

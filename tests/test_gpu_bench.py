@@ -63,7 +63,7 @@ def test_the_smoke_run_runs_every_part_and_prints_its_json(tmp_path):
   assert (ROOT / "BENCHMARKS.md").read_text() == before  # no --write: BENCHMARKS.md untouched
 
 
-def _worker(tmp_path: pathlib.Path, body: str, budget_s: float | None = 30, **kw):
+def _worker(tmp_path: pathlib.Path, body: str, budget_s: float | None = None, **kw):
   script = tmp_path / "worker.py"
   script.write_text("import time\nfrom harness.workers import arm, emit, say\narm()\n" + body)
   lines: list[str] = []

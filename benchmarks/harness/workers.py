@@ -173,7 +173,8 @@ class Worker:
     reported before is still read)."""
     while True:
       try:
-        line = self.lines.get(timeout=max(self.end - time.monotonic(), 0.0))
+        line = self.lines.get(timeout=None if self.end == float("inf")
+                              else max(self.end - time.monotonic(), 0.0))
       except queue.Empty:
         if self.status == "budget":  # killed, and its pipe still open: give up on it
           return None
