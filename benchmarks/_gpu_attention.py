@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import tunedjax as tj
-from _gpu_measure import (Runner, Sizes, anatomy, configure, first_call, guarded,
-                          out_of_time, steady_state, timing_fields)
+from _gpu_measure import Deadline, Runner, Sizes, compare, configure
 from _gpu_names import CUDNN, HAND, TJ_ATTENTION, TJ_HAND
-from _gpu_run import Deadline, emit, say
+from harness.workers import emit, say
 
 
 
@@ -66,68 +65,28 @@ def operands(sizes: Sizes, tokens: int) -> tuple[jax.Array, ...]:
                for _ in range(4))
 
 
-def _row(name: str, sizes: Sizes, tokens: int, first: float, runner: Runner,
-         measured: Any) -> None:
-  fields: dict[str, Any] = {"tokens": tokens, "first_call_s": first,
-                            "value": float(runner.out[0])}
-  if measured is not None:
-    fields.update(timing_fields(*measured, name))
-    fields["tflops"] = flops(sizes, tokens) / (fields["ms"] / 1e3) / 1e12
-  emit("row", variant=name, **fields)
-  say(f"  {name}, {tokens} tokens: " + ", ".join(
-      f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()))
-
-
-def _variants() -> list[tuple[str, Callable[..., Any]]]:
-  """cuDNN's first (its first call is the shorter), then the hand-written one."""
-  if jax.default_backend() == "gpu":
-    return [(CUDNN, cudnn), (HAND, hand_written)]
-  emit("row", variant=CUDNN, note="not run: cuDNN attention needs a GPU")
-  say(f"  {CUDNN}: not run (needs a GPU)")
-  return [(HAND, hand_written)]
-
-
-def worker_jax(sizes: Sizes, deadline: Deadline) -> None:
-  """The hand-written attention and cuDNN's, per length: first calls, then interleaved."""
+def worker(which: str, sizes: Sizes, deadline: Deadline) -> None:
+  """``jax``: the hand-written attention and cuDNN's (its first call is the shorter: first),
+  interleaved per length; else `tj.jit` with ``set_config(None)`` over ``tj.attention``
+  (``tj_attention``) or over the hand-written one."""
+  if which == "jax":
+    variants = {CUDNN: cudnn, HAND: hand_written}
+    if jax.default_backend() != "gpu":
+      del variants[CUDNN]
+      emit("row", variant=CUDNN, note="not run: cuDNN attention needs a GPU")
+      say(f"  {CUDNN}: not run (needs a GPU)")
+    jit = jax.jit
+  else:
+    variants = {TJ_ATTENTION: tuned} if which == "tj_attention" else {TJ_HAND: hand_written}
+    configure(None, sizes)
+    jit = tj.jit
   for tokens in sizes.attn_tokens:
-    args = operands(sizes, tokens)
-    runners, firsts = {}, {}
-    for name, attention in _variants():
-      if out_of_time(f"{name}, {tokens} tokens", deadline):
-        continue
-      runner = Runner(jax.jit(forward_backward(attention)), *args)
-      first = guarded(name, lambda n=name, r=runner: first_call(f"{n}, {tokens}", r),
-                      tokens=tokens)
-      if first is not None:
-        runners[name], firsts[name] = runner, first
-        emit("row", variant=name, tokens=tokens, first_call_s=first)
-    if runners:
-      base = HAND if HAND in runners else next(iter(runners))
-      measured = steady_state(runners, base, deadline, sizes)
-      for name, runner in runners.items():
-        _row(name, sizes, tokens, firsts[name], runner, measured)
+    builds = {n: (lambda a=a, t=tokens: Runner(jit(forward_backward(a)), *operands(sizes, t)))
+              for n, a in variants.items()}
+    compare(builds, HAND, deadline, sizes, tuned=(TJ_ATTENTION, TJ_HAND), tokens=tokens,
+            last=lambda name, runner: {"value": float(runner.out[0])},
+            rate=("tflops", flops(sizes, tokens) / 1e12))
 
 
-def worker_tj(which: str, sizes: Sizes, deadline: Deadline) -> None:
-  """`tj.jit` with ``set_config(None)`` over ``tj.attention`` or the hand-written one."""
-  name, attention = ((TJ_ATTENTION, tuned) if which == "tj_attention" else
-                     (TJ_HAND, hand_written))
-  configure(None, sizes)
-  for tokens in sizes.attn_tokens:
-    if out_of_time(f"{name}, {tokens} tokens", deadline):
-      continue
-
-    def run(tokens=tokens) -> None:
-      runner = Runner(tj.jit(forward_backward(attention)), *operands(sizes, tokens))
-      first = first_call(f"{name}, {tokens}", runner)
-      emit("row", variant=name, tokens=tokens, first_call_s=first)
-      anatomy(f"{name}, {tokens} tokens", runner.fn)
-      _row(name, sizes, tokens, first, runner, steady_state({name: runner}, name, deadline,
-                                                             sizes))
-
-    guarded(name, run, tokens=tokens)
-
-
-WORKERS = {"jax": worker_jax,
-           "tj_attention": lambda s, d: worker_tj("tj_attention", s, d),
-           "tj_hand_written": lambda s, d: worker_tj("tj_hand_written", s, d)}
+WORKERS = {w: (lambda s, d, w=w: worker(w, s, d)) for w in ("jax", "tj_attention",
+                                                           "tj_hand_written")}

@@ -20,13 +20,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-import harness as _harness
 import tunedjax as tj
-from _gpu_measure import (Sizes, configure, emit_first_call, freeze_heap, guarded,
-                          out_of_time, step_of, timing_fields)
+from _gpu_measure import (Deadline, Sizes, configure, emit_first_call, guarded, out_of_time,
+                          report, steady_state, step_of)
 from _gpu_models import MiniGPT, lm_batches, lm_loss
 from _gpu_names import OFF, ON
-from _gpu_run import Deadline, emit, fit_rounds, say
+from harness.workers import emit, say
 
 PRECISIONS = {"mixed": "mixed_bfloat16", "float32": None}
 
@@ -106,22 +105,6 @@ def _warm(name: str, sizes: Sizes, which: str, autotune: bool, batches: list[Any
   return fits
 
 
-def _interleave(fits: dict[str, _Fits], deadline: Deadline, sizes: Sizes) -> Any:
-  freeze_heap()
-  start = time.perf_counter()
-  for f in fits.values():
-    f.run(2)
-  per_step = (time.perf_counter() - start) / sum(f.steps for f in fits.values())
-  k = max(2, min(100, round(sizes.lm_round_s / max(per_step, 1e-6))))
-  rounds = fit_rounds(k * per_step * (len(fits) + 1) * 1.2, deadline.left(), sizes.rounds)
-  if rounds == 0:
-    say(f"  steady state: not timed ({deadline.left():.0f} s left)")
-    return None
-  with step_of(f"steady state of {', '.join(fits)} ({rounds} rounds)"):
-    return _harness.interleaved({n: (lambda f=f: f.run(k)) for n, f in fits.items()},
-                                baseline=OFF, rounds=rounds), k
-
-
 def worker(which: str, sizes: Sizes, deadline: Deadline) -> None:
   """autotune off, then on, at one precision; then both interleaved."""
   configure({}, sizes)
@@ -136,16 +119,10 @@ def worker(which: str, sizes: Sizes, deadline: Deadline) -> None:
       fits[name] = got
   if OFF not in fits:
     return
-  measured = _interleave(fits, deadline, sizes)
-  if measured is None:
-    return
-  timings, k = measured
-  for name, f in fits.items():
+  measured = steady_state(fits, OFF, deadline, sizes, round_s=sizes.lm_round_s, calls=(2, 100))
+  for name, f in fits.items() if measured is not None else ():
     # ms per step: each timed run is one fit of about k steps; f.steps is the last one's count
-    fields = timing_fields(timings, f.steps or k, name)
-    emit("row", variant=name, precision=which, **fields)
-    say(f"  {which}, {name}: {fields['ms']:.2f} ms per step, ratio to {OFF} "
-        f"{fields['in_worker_ratio']:.3f} (A/A {fields['aa']:.3f})")
+    report(name, (measured[0], f.steps or measured[1]), precision=which)
 
 
 WORKERS = {w: (lambda s, d, w=w: worker(w, s, d)) for w in PRECISIONS}

@@ -1,5 +1,5 @@
-"""What every `benchmarks/gpu.py` worker measures with: sizes, runners, first calls,
-steady-state rounds within the worker's time, and the first-call anatomy."""
+"""What every `benchmarks/gpu.py` worker measures with: sizes, its time left, runners,
+first calls, steady-state rounds within the worker's time, and the first-call anatomy."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import dataclasses
 import gc
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 import harness as _harness
-from _gpu_run import Deadline, emit, fit_rounds, say
+from harness.workers import emit, say, seconds_left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,39 @@ SMOKE = Sizes(smoke=True, rounds=2, round_s=0.0, batch=2, image=16, stages=(1,),
 # A smoke run pins every family's reference kernel: it checks the script, and kernel
 # tuning on a CPU would be most of its time (the library's tests cover tuning).
 SMOKE_HINTS = {"conv": "xla", "batch_norm": "xla", "attention": "xla"}
+
+
+class Deadline:
+  """The worker's time limit, less a reserve for its last records."""
+
+  def __init__(self, reserve_s: float = 2.0):
+    self.end = time.monotonic() + seconds_left() - reserve_s
+
+  def left(self) -> float:
+    return self.end - time.monotonic()
+
+  def allows(self, seconds: float) -> bool:
+    """Whether `seconds` of work still fit."""
+    return self.left() >= seconds
+
+
+def fit_rounds(per_round_s: float, left_s: float, wanted: int, minimum: int = 2) -> int:
+  """Rounds of `per_round_s` (plus one warm-up round) that fit in `left_s`, at most
+  `wanted`; 0 when not even `minimum` fit."""
+  if per_round_s <= 0:
+    return wanted
+  fit = int(left_s / per_round_s) - 1
+  return 0 if fit < minimum else min(wanted, fit)
+
+
+def part_worker(part: str, which: str) -> Callable[[Sizes, Deadline], None]:
+  """The function of worker ``part.which`` (each worker imports only what it runs)."""
+  # pylint: disable=import-outside-toplevel
+  if which == "torch":
+    import _gpu_torch
+    return {"resnet50": _gpu_torch.worker_resnet, "attention": _gpu_torch.worker_attention}[part]
+  module = {"attention": "_gpu_attention", "lm": "_gpu_lm"}.get(part, "_gpu_resnet")
+  return __import__(module).WORKERS[which or part]
 
 
 def configure(config: Any, sizes: Sizes) -> None:
@@ -149,9 +182,13 @@ def freeze_heap() -> None:
   gc.freeze()
 
 
-def steady_state(runners: Mapping[str, Runner], baseline: str, deadline: Deadline,
-                 sizes: Sizes) -> tuple[_harness.Timings, int] | None:
+def steady_state(runners: Mapping[str, Any], baseline: str, deadline: Deadline, sizes: Sizes,
+                 *, round_s: float | None = None, calls: tuple[int, int] = (1, 50)
+                 ) -> tuple[_harness.Timings, int] | None:
   """Interleaved rounds (the baseline timed twice: A/A), as many as fit the worker's time.
+
+  Each timed run is `k` calls (``runner.run(k)``), `k` within `calls`, about
+  `round_s` seconds (default ``sizes.round_s``).
 
   Returns:
     The timings of `k` calls per timed run, and `k`; None when no two rounds fit.
@@ -160,9 +197,10 @@ def steady_state(runners: Mapping[str, Runner], baseline: str, deadline: Deadlin
   one = {}
   for name, runner in runners.items():
     start = time.perf_counter()
-    runner.run(1)
-    one[name] = time.perf_counter() - start
-  k = max(1, min(50, round(sizes.round_s / max(max(one.values()), 1e-6))))
+    runner.run(calls[0])
+    one[name] = (time.perf_counter() - start) / calls[0]
+  wanted = sizes.round_s if round_s is None else round_s
+  k = max(calls[0], min(calls[1], round(wanted / max(max(one.values()), 1e-6))))
   per_round = k * (sum(one.values()) + one[baseline])
   rounds = fit_rounds(per_round, deadline.left(), sizes.rounds)
   if rounds == 0:
@@ -183,6 +221,60 @@ def timing_fields(timings: _harness.Timings, k: int, name: str) -> dict[str, Any
           "calls_per_run": k, "in_worker_ratio": timings.ratio(name),
           "aa": timings.ratio(_harness.CONTROL), "range": [lo, hi],
           "worker_baseline": timings.baseline}
+
+
+def report(name: str, measured: tuple[_harness.Timings, int] | None = None, *,
+           rate: tuple[str, float] | None = None, **fields: Any) -> dict[str, Any]:
+  """Records a variant's row (with `measured`'s steady-state figures) and says it.
+
+  Args:
+    rate: ``(field, n)``: that field is n per second of a call (images/s, TFLOP/s).
+  """
+  if measured is not None:
+    fields.update(timing_fields(*measured, name))
+    if rate:
+      fields[rate[0]] = rate[1] / (fields["ms"] / 1e3)
+  emit("row", variant=name, **fields)
+  say(f"  {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in fields.items()))
+  return fields
+
+
+def compare(builds: Mapping[str, Callable[[], Any]], baseline: str, deadline: Deadline,
+            sizes: Sizes, *, tuned: Sequence[str] = (),
+            first: Callable[[str, Any], dict] = lambda name, runner: {},
+            last: Callable[[str, Any], dict] = lambda name, runner: {},
+            rate: tuple[str, float] | None = None, **fields: Any) -> None:
+  """Each variant's runner (`builds`) and first call, then all of them interleaved.
+
+  Records a row per variant after its first call (with `first`'s fields; the
+  first-call anatomy of those in `tuned`) and one after the steady state (with
+  `last`'s fields and `rate`, as `report`); `fields` go in every row.
+  """
+  runners, firsts = {}, {}
+  for name, build in builds.items():
+    label = ", ".join([name, *(f"{v} {k}" for k, v in fields.items())])
+    if out_of_time(label, deadline):
+      continue
+
+    def start(name=name, build=build, label=label):
+      runner = build()
+      seconds = first_call(label, runner)
+      emit("row", variant=name, first_call_s=seconds, **fields, **first(name, runner))
+      if name in tuned:
+        anatomy(label, runner.fn)
+      return runner, seconds
+
+    got = guarded(name, start, **fields)
+    if got is not None:
+      runners[name], firsts[name] = got
+  if runners:
+    measured = guarded(", ".join(runners), lambda: steady_state(
+        runners, baseline if baseline in runners else next(iter(runners)), deadline, sizes),
+        **fields)
+    for name, runner in runners.items():
+      report(name, measured, rate=rate, first_call_s=firsts[name], **fields,
+             **last(name, runner))
 
 
 def anatomy(name: str, jitted: Any) -> None:

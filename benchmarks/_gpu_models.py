@@ -1,9 +1,9 @@
 """The networks `benchmarks/gpu.py` trains.
 
 * `ResNet` / `resnet50`: the Flax ImageNet example's linen ResNet
-  (``examples/imagenet/models.py``: `ResNetBlock`, `BottleneckResNetBlock`,
-  BatchNorm with momentum 0.9 and epsilon 1e-5, a ``dtype`` attribute), with
-  its train step (cross-entropy plus the example's 1e-4 weight decay, SGD with
+  (``examples/imagenet/models.py``: `BottleneckResNetBlock`, BatchNorm with
+  momentum 0.9 and epsilon 1e-5, a ``dtype`` attribute), with its train step
+  (cross-entropy plus the example's 1e-4 weight decay, SGD with
   Nesterov momentum 0.9 from optax). Single device: no ``axis_name``.
 * `MiniGPT`: the JAX AI stack tutorial's miniGPT in Flax nnx: token and
   position embeddings, post-norm blocks of ``nnx.MultiHeadAttention`` called
@@ -27,28 +27,6 @@ from flax import nnx
 from jax import lax
 
 ModuleDef = Any
-
-
-class ResNetBlock(nn.Module):
-  """ResNet block (two 3x3 convolutions)."""
-
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable
-  strides: tuple[int, int] = (1, 1)
-
-  @nn.compact
-  def __call__(self, x):
-    residual = x
-    y = self.conv(self.filters, (3, 3), self.strides)(x)
-    y = self.act(self.norm()(y))
-    y = self.conv(self.filters, (3, 3))(y)
-    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
-      residual = self.norm(name="norm_proj")(residual)
-    return self.act(residual + y)
 
 
 class BottleneckResNetBlock(nn.Module):
@@ -100,9 +78,6 @@ class ResNet(nn.Module):
     x = jnp.mean(x, axis=(1, 2))
     x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
     return jnp.asarray(x, self.dtype)
-
-
-ResNet50 = functools.partial(ResNet, stage_sizes=(3, 4, 6, 3), block_cls=BottleneckResNetBlock)
 
 
 def resnet50(*, stages: Sequence[int] = (3, 4, 6, 3), width: int = 64, dtype: Any = jnp.float32,
@@ -158,11 +133,6 @@ def image_batch(batch: int, image: int, seed: int = 0) -> tuple[jax.Array, jax.A
 # --- miniGPT -----------------------------------------------------------------------------
 
 
-def causal_mask(tokens: int) -> jax.Array:
-  """The tutorial's causal mask: a float lower triangle of ones."""
-  return jnp.tril(jnp.ones((tokens, tokens)))
-
-
 class TransformerBlock(nnx.Module):
   """Masked multi-head self-attention and a GELU MLP, each followed by add & LayerNorm."""
 
@@ -175,7 +145,7 @@ class TransformerBlock(nnx.Module):
     self.norm2 = nnx.LayerNorm(width, epsilon=1e-6, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    mask = causal_mask(x.shape[1])
+    mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1])))  # the tutorial's: floats, not bools
     x = self.norm1(x + self.attention(x, mask=mask, decode=False))
     return self.norm2(x + self.down(nnx.gelu(self.up(x))))
 

@@ -43,4 +43,4 @@ PLAN: dict[str, tuple[tuple[str, float], ...]] = {
     "layout_f16": (("layout_f16", 30),),
 }
 PARTS = tuple(PLAN)
-SMOKE_BUDGET_S = 120.0  # per worker in a --smoke run (tiny sizes; a hung worker still ends)
+SMOKE_BUDGET_S = 120.0  # per worker in a --quick run (tiny sizes; a hung worker still ends)

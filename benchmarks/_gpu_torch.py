@@ -7,26 +7,33 @@ the worker prints why and records a ``skip``: the other rows are unchanged.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import harness as _harness
-from _gpu_measure import Sizes, freeze_heap, guarded, out_of_time, step_of, timing_fields
+from _gpu_measure import Deadline, Sizes, compare
 from _gpu_names import TORCH_AMP, TORCH_F32, TORCH_SDPA
-from _gpu_run import Deadline, emit, fit_rounds, say
+from harness.workers import emit, say
 
 
-
-def _import(*names: str) -> dict[str, Any] | None:
-  """The modules, or None after saying why the PyTorch rows are skipped."""
+def _import(*names: str) -> tuple[dict[str, Any], str] | None:
+  """The modules and the device (cudnn.benchmark on), or None after saying why the PyTorch
+  rows are skipped."""
   import importlib  # pylint: disable=import-outside-toplevel
   try:
-    return {n: importlib.import_module(n) for n in names}
+    m = {n: importlib.import_module(n) for n in names}
   except Exception as e:  # pylint: disable=broad-except  # ImportError or a broken install
     reason = f"PyTorch rows skipped: cannot import {', '.join(names)} ({type(e).__name__}: {e})"
     say("  " + reason)
     emit("skip", reason=reason)
     return None
+  torch = m["torch"]
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  torch.backends.cudnn.benchmark = True
+  if device == "cpu":  # a check run: OpenMP threads spinning beside XLA's only slow it down
+    torch.set_num_threads(1)
+  emit("env", torch=torch.__version__, torch_device=(
+      torch.cuda.get_device_name(0) if device == "cuda" else "cpu"))
+  say(f"  torch {torch.__version__} on {device}, cudnn.benchmark on")
+  return m, device
 
 
 class _Loop:
@@ -43,7 +50,7 @@ class _Loop:
     return self.out
 
 
-def _resnet_loop(m: dict[str, Any], sizes: Sizes, device: str, amp: bool) -> _Loop:
+def _resnet_loop(m: dict[str, Any], device: str, sizes: Sizes, amp: bool) -> _Loop:
   torch, tv = m["torch"], m["torchvision"]
   if sizes.smoke:
     # torchvision's ResNet has four stages: one basic block each (a ResNet-10)
@@ -69,70 +76,17 @@ def _resnet_loop(m: dict[str, Any], sizes: Sizes, device: str, amp: bool) -> _Lo
   return _Loop(torch, device, step)
 
 
-def _first(name: str, loop: _Loop) -> float:
-  with step_of(f"{name}: first call"):
-    start = time.perf_counter()
-    loop.run(1)
-    seconds = time.perf_counter() - start
-  say(f"  {name}: first call {seconds:.2f} s")
-  return seconds
-
-
-def _interleave(loops: dict[str, _Loop], baseline: str, deadline: Deadline,
-                sizes: Sizes) -> tuple[_harness.Timings, int] | None:
-  freeze_heap()
-  one = {}
-  for name, loop in loops.items():
-    start = time.perf_counter()
-    loop.run(1)
-    one[name] = time.perf_counter() - start
-  k = max(1, min(50, round(sizes.round_s / max(max(one.values()), 1e-6))))
-  rounds = fit_rounds(k * (sum(one.values()) + one[baseline]), deadline.left(), sizes.rounds)
-  if rounds == 0:
-    return None
-  with step_of(f"steady state of {', '.join(loops)}"):
-    return _harness.interleaved({n: (lambda l=l: l.run(k)) for n, l in loops.items()},
-                                baseline=baseline, rounds=rounds), k
-
-
-def _setup(m: dict[str, Any]) -> str:
-  torch = m["torch"]
-  device = "cuda" if torch.cuda.is_available() else "cpu"
-  torch.backends.cudnn.benchmark = True
-  if device == "cpu":  # a check run: OpenMP threads spinning beside XLA's only slow it down
-    torch.set_num_threads(1)
-  emit("env", torch=torch.__version__, torch_device=(
-      torch.cuda.get_device_name(0) if device == "cuda" else "cpu"))
-  say(f"  torch {torch.__version__} on {device}, cudnn.benchmark on")
-  return device
-
-
 def worker_resnet(sizes: Sizes, deadline: Deadline) -> None:
   """torchvision's ResNet-50, channels_last, SGD with momentum: float32 and AMP bfloat16."""
-  m = _import("torch", "torchvision")
-  if m is None:
-    return
-  device = _setup(m)
-  loops, firsts = {}, {}
-  for name, amp in ((TORCH_F32, False), (TORCH_AMP, True)):
-    loop = guarded(name, lambda a=amp: _resnet_loop(m, sizes, device, a))
-    first = loop and guarded(name, lambda n=name, l=loop: _first(n, l))
-    if first is not None:
-      loops[name], firsts[name] = loop, first
-      emit("row", variant=name, first_call_s=first, first_loss=float(loop.out.detach()))
-  if not loops:
-    return
-  measured = _interleave(loops, next(iter(loops)), deadline, sizes)
-  for name in loops:
-    fields = {"first_call_s": firsts[name]}
-    if measured is not None:
-      fields.update(timing_fields(*measured, name))
-      fields["images_per_s"] = sizes.batch / (fields["ms"] / 1e3)
-    emit("row", variant=name, **fields)
-    say(f"  {name}: {fields}")
+  got = _import("torch", "torchvision")
+  if got is not None:
+    builds = {TORCH_F32: lambda: _resnet_loop(*got, sizes, False),
+              TORCH_AMP: lambda: _resnet_loop(*got, sizes, True)}
+    compare(builds, TORCH_F32, deadline, sizes, rate=("images_per_s", sizes.batch),
+            first=lambda name, loop: {"first_loss": float(loop.out.detach())})
 
 
-def _sdpa_loop(m: dict[str, Any], sizes: Sizes, device: str, tokens: int) -> _Loop:
+def _sdpa_loop(m: dict[str, Any], device: str, sizes: Sizes, tokens: int) -> _Loop:
   torch = m["torch"]
   f = torch.nn.functional
   gen = torch.Generator().manual_seed(0)
@@ -154,22 +108,7 @@ def _sdpa_loop(m: dict[str, Any], sizes: Sizes, device: str, tokens: int) -> _Lo
 
 def worker_attention(sizes: Sizes, deadline: Deadline) -> None:
   """PyTorch's SDPA, causal, bfloat16, forward and backward, at each length."""
-  m = _import("torch")
-  if m is None:
-    return
-  device = _setup(m)
-  for tokens in sizes.attn_tokens:
-    if out_of_time(f"{TORCH_SDPA}, {tokens} tokens", deadline, 3):
-      continue
-    fields = {"tokens": tokens}
-    loop = guarded(TORCH_SDPA, lambda t=tokens: _sdpa_loop(m, sizes, device, t), **fields)
-    first = loop and guarded(TORCH_SDPA, lambda l=loop: _first(f"{TORCH_SDPA}, {tokens}", l),
-                             **fields)
-    if first is None:
-      continue
-    measured = _interleave({TORCH_SDPA: loop}, TORCH_SDPA, deadline, sizes)
-    fields.update(first_call_s=first, value=float(loop.out.detach()))
-    if measured is not None:
-      fields.update(timing_fields(*measured, TORCH_SDPA))
-    emit("row", variant=TORCH_SDPA, **fields)
-    say(f"  {TORCH_SDPA}: {fields}")
+  got = _import("torch")
+  for tokens in sizes.attn_tokens if got is not None else ():
+    compare({TORCH_SDPA: lambda t=tokens: _sdpa_loop(*got, sizes, t)}, TORCH_SDPA, deadline,
+            sizes, last=lambda n, loop: {"value": float(loop.out.detach())}, tokens=tokens)

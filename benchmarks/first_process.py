@@ -38,7 +38,6 @@ rows are timed against each other only).
 from __future__ import annotations
 
 import pathlib
-import resource
 import statistics
 import sys
 import tempfile
@@ -70,20 +69,8 @@ WARM_CALLS = 8  # tunes (call 1), is measured (calls 4-6) and decided before tim
 # -- the workers -----------------------------------------------------------------------------
 
 
-def _per_step(run, untimed: int, steps: int) -> dict[str, float]:
-  for _ in range(untimed):
-    run()
-  before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-  for _ in range(steps):
-    run()
-  wall = time.perf_counter() - start
-  after = resource.getrusage(resource.RUSAGE_SELF)
-  return {"s": wall / steps, "faults": (after.ru_minflt - before.ru_minflt) / steps,
-          "sys_s": (after.ru_stime - before.ru_stime) / steps}
-
-
 def _serve(run, untimed: int, steps: int, ready: dict) -> None:
-  workers.serve(lambda: _per_step(run, untimed, steps), ready)
+  workers.serve(lambda: workers.per_step(run, steps, untimed), ready)
 
 
 def worker(kind: str, what: str, quick: bool, untimed: int, steps: int) -> None:
@@ -110,7 +97,7 @@ def tunedjax_worker(quick: bool, untimed: int, steps: int) -> None:
   start = time.perf_counter()
   run()
   first_s = time.perf_counter() - start
-  warm = _per_step(run, 0, WARM_CALLS - 1)
+  warm = workers.per_step(run, WARM_CALLS - 1)
   _serve(run, untimed, steps, {"status": tj.host_memory_status().to_dict(),
                                "first_call_s": first_s, "warm_faults": warm["faults"]})
 
@@ -180,7 +167,7 @@ def measure(quick: bool = False) -> harness.Result:
   for name in names:  # the later tunedjax ones read the kernels the first process tuned
     folder = shared if VARIANTS[name][2] else tempfile.mkdtemp(prefix="tunedjax-first-")
     procs[name] = _spawn(name, folder, p, torch_python)
-    ready[name] = workers.reply(procs[name])["ready"]
+    ready[name] = procs[name].reply()["ready"]
   runs = workers.run_rounds(procs, p["rounds"])
   return harness.Result("first_process", params={**p, "torch": bool(torch_python)},
                         figures={"runs": runs, "ready": ready})

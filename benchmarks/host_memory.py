@@ -32,7 +32,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
 
 import harness
 from harness import workers
@@ -51,8 +50,6 @@ NETS = ("mobilenet", "demo", "mlp")
 
 def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
   """Builds `net`'s step under both programs, then answers "run" lines with timings."""
-  import resource  # pylint: disable=import-outside-toplevel
-
   # tunedjax first: the settings are decided before JAX starts its threads, from this
   # worker's environment (vs_pytorch would set TUNEDJAX_HOST_MEMORY=retain where it is
   # unset).
@@ -79,19 +76,8 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
     for _ in range(7 if fn is programs["tj.jit (kernel selection)"] else 2):
       run(fn)
 
-  def timed():
-    out = {}
-    for name, fn in programs.items():
-      before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-      for _ in range(reps):
-        run(fn)
-      wall = time.perf_counter() - start
-      after = resource.getrusage(resource.RUSAGE_SELF)
-      out[name] = {"s": wall / reps, "faults": (after.ru_minflt - before.ru_minflt) / reps,
-                   "sys_s": (after.ru_stime - before.ru_stime) / reps}
-    return out
-
-  workers.serve(timed, tj.host_memory_status().to_dict())
+  workers.serve(lambda: {name: workers.per_step(lambda fn=fn: run(fn), reps)
+                         for name, fn in programs.items()}, tj.host_memory_status().to_dict())
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -110,13 +96,13 @@ def _one_net(net: str, quick: bool, rounds: int, reps: int) -> dict:
   """Tunes `net` once, then times every variant's worker in rotated rounds."""
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-host-memory-")
   tuner = _spawn(net, cache_dir, quick, reps, VARIANTS["retain"])  # tunes, then exits
-  status = workers.reply(tuner)["ready"]
-  tuner.communicate("")
+  status = tuner.reply()["ready"]
+  tuner.close()
   decisions = tempfile.mkdtemp(prefix="tunedjax-host-memory-decisions-")
   procs, statuses = {}, {}
   for name, env in VARIANTS.items():  # one at a time: the next auto process reads the first's
     procs[name] = _spawn(net, cache_dir, quick, reps, env, decisions if name in DECIDING else None)
-    statuses[name] = workers.reply(procs[name])["ready"]
+    statuses[name] = procs[name].reply()["ready"]
   return {"net": net, "runs": workers.run_rounds(procs, rounds), "statuses": statuses,
           "tuner": status}
 

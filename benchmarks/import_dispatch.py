@@ -4,8 +4,8 @@
 auto mode): it must leave a process that makes many tiny calls as fast as one
 that never imported tunedjax. This times `jit_overhead.py`'s steady state (its
 small MLP train step, 200 calls dispatched without waiting, then one wait; a
-run is the median of 5 such batches) in worker processes that differ only in what they imported and what the
-tuning cache holds:
+run is the median of 5 such batches) in worker processes that differ only in
+what they imported and what the tuning cache holds:
 
 - **no tunedjax**: ``import jax`` only, `jax.jit` (the baseline; run twice: A/A);
 - **tunedjax imported, first process**: ``import tunedjax`` first (auto mode,
@@ -107,10 +107,10 @@ def measure(quick: bool = False) -> harness.Result:
       _another_workloads_decision(folder)
     elif cache == "after a first process":  # runs, measures, ends: records what it found
       first = _spawn(name, folder)
-      workers.reply(first)
-      first.communicate("")
+      first.reply()
+      first.close()
     procs[name] = _spawn(name, folder)
-    statuses[name] = workers.reply(procs[name])["ready"]
+    statuses[name] = procs[name].reply()["ready"]
   runs = {n: [r["us"] for r in rs] for n, rs in workers.run_rounds(procs, rounds).items()}
   return harness.Result("import_dispatch", params={"rounds": rounds},
                         figures={"runs": runs, "statuses": statuses})

@@ -167,7 +167,7 @@ def _runs(kind: str, variants: dict[str, dict[str, str]], rounds: int, cache_dir
   procs = {}
   for name, env in variants.items():
     procs[name] = _spawn(kind, cache_dir, env, quick, IN_PROCESS.get(name, ({}, ()))[1])
-    workers.reply(procs[name])
+    procs[name].reply()
   return workers.run_rounds(procs, rounds)
 
 
@@ -184,8 +184,8 @@ def measure(quick: bool = False, *, rounds: int = 7, sections: tuple[str, ...] =
     sets = {"malloc_in_process": {**base, **{n: IN_PROCESS[n][0] for n in list(IN_PROCESS)[2:4]}}}
   cache_dir = tempfile.mkdtemp(prefix="tunedjax-malloc-settings-")
   tuner = _spawn("step", cache_dir, {}, quick)  # tunes once; the workers read the cache
-  workers.reply(tuner)
-  tuner.communicate("")
+  tuner.reply()
+  tuner.close()
   runs = {}
   for section, variants in sets.items():
     if quick or section in sections:
