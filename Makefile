@@ -112,7 +112,7 @@ bench-smoke: $(STAMP)
 # into .whl/ (git-ignored, carried to the device machine; 6 MiB); tunedjax runs
 # from src/. `.ci/device-wheels --dry-run` prints what it fetches.
 # BENCHMARKS.md, "GPU", gives the device command that installs them and runs
-# benchmarks/gpu.py.
+# `benchmarks/run.py gpu --json`.
 device-wheels:
 	PYTHON=$(PYTHON) .ci/device-wheels .whl
 

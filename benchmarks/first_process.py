@@ -11,7 +11,7 @@ process:
   process, 2 threads; and channels_last on 1 thread (on a loaded machine
   PyTorch's two OpenMP threads wait for each other: one can be faster);
 - **tunedjax, first process**: host memory ``auto`` (no variable), an empty
-  tuning-cache folder: the first call tunes, `tj.jit` measures calls 4 to 6,
+  tuning-cache folder: the first call tunes, `tj.jit` measures calls 4 to 11,
   and decides in this process;
 - **tunedjax, second process**: the same script started again on that folder
   once the first has decided (the decision applied at import);
@@ -63,7 +63,7 @@ VARIANTS = {BASE: ("torch", "channels_last", False), NCHW: ("torch", "NCHW", Fal
 # tunedjax's import-time settings, set by the environment (tunedjax then leaves them alone).
 ENVIRONMENT_SETTINGS = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
                         "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
-WARM_CALLS = 8  # tunes (call 1), is measured (calls 4-6) and decided before timing
+WARM_CALLS = 12  # tunes (call 1); its first measurement (calls 4-11) ends before timing
 
 
 # -- the workers -----------------------------------------------------------------------------

@@ -28,7 +28,6 @@ Run: ``.venv/bin/python benchmarks/run.py first_process_faults [--quick] [--writ
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
@@ -46,6 +45,7 @@ MODELS = ("cnn", "lm")
 STEPS = {"cnn": 200, "lm": 60}
 STEADY_FROM = {"cnn": 132, "lm": 20}  # the first step of the steady state
 FAULTING = 1000  # a step that faulted more pages than this "faulted"
+BUDGET_S = 1800.0  # one fresh process (the LM tunes, then 60 steps of ~0.5 s)
 
 
 def _record(rows: list[tuple[float, ...]], applied: bool) -> None:
@@ -80,12 +80,12 @@ def worker(model: str, steps: int, quick: bool) -> None:
     _record(rows, False)
     trainer.fit(flash_attention.lm_batches(flash_attention.lm_sizes(quick)), steps=steps,
                 callbacks=[Record()])
-  print(json.dumps({
-      "faults": [b[0] - a[0] for a, b in zip(rows, rows[1:])],
-      "system_ms": [1e3 * (b[1] - a[1]) for a, b in zip(rows, rows[1:])],
-      "step_ms": [1e3 * (b[2] - a[2]) for a, b in zip(rows, rows[1:])],
-      "decided_at": next((i for i, r in enumerate(rows) if r[3]), None),
-      "reason": tj.host_memory_status().reason}))
+  workers.emit(
+      "steps", faults=[b[0] - a[0] for a, b in zip(rows, rows[1:])],
+      system_ms=[1e3 * (b[1] - a[1]) for a, b in zip(rows, rows[1:])],
+      step_ms=[1e3 * (b[2] - a[2]) for a, b in zip(rows, rows[1:])],
+      decided_at=next((i for i, r in enumerate(rows) if r[3]), None),
+      reason=tj.host_memory_status().reason)
 
 
 def one_run(model: str, steps: int, steady_from: int, quick: bool) -> dict[str, Any]:
@@ -93,11 +93,10 @@ def one_run(model: str, steps: int, steady_from: int, quick: bool) -> dict[str, 
   env = workers.user_env(TUNEDJAX_CACHE_DIR=tempfile.mkdtemp(prefix="tunedjax-first-faults-"))
   env.pop("XLA_FLAGS", None)
   load = os.getloadavg()[0]
-  done = subprocess.run(workers.command(__file__, model=model, steps=steps, quick=quick),
-                        env=env, capture_output=True, text=True, timeout=1800, check=False)
-  if done.returncode:
-    raise SystemExit(f"first_process_faults: the {model} worker failed:\n{done.stderr[-3000:]}")
-  out = json.loads(done.stdout.strip().splitlines()[-1])
+  worker = workers.spawn(workers.command(__file__, model=model, steps=steps, quick=quick), env,
+                         name=f"{model} first process", budget_s=BUDGET_S)
+  out = worker.reply()
+  worker.close()
   steady = slice(steady_from - 1, None)
   faults = out["faults"][steady]
   return {"load": load, "decided_at": out["decided_at"],

@@ -72,8 +72,8 @@ def worker(net: str, cache_dir: str, quick: bool, reps: int) -> None:
     with tj.config_context(config):
       return jax.block_until_ready(fn(*args))
 
-  for fn in programs.values():  # tj.jit measures calls 4-6 of its program (auto mode)
-    for _ in range(7 if fn is programs["tj.jit (kernel selection)"] else 2):
+  for fn in programs.values():  # tj.jit's first measurement: calls 4-11 (auto mode)
+    for _ in range(12 if fn is programs["tj.jit (kernel selection)"] else 2):
       run(fn)
 
   workers.serve(lambda: {name: workers.per_step(lambda fn=fn: run(fn), reps)
@@ -146,7 +146,7 @@ def render(result: harness.Result) -> str:
        "`benchmarks/vs_pytorch.py` (one SGD step, same weights and batch) and "
        "`jit_overhead.py`'s small MLP step, each variant in its own worker process: "
        f"**retain** (`TUNEDJAX_HOST_MEMORY=retain`), **auto, first** (no variable, nothing "
-       f"decided at import; after its calls 4-6: {statuses['auto, first process']['reason']}), "
+       f"decided at import; after its calls 4-11: {statuses['auto, first process']['reason']}), "
        "**auto, next** (no "
        "variable, started after the first recorded its measurement; for the MobileNet step: "
        f"{statuses['auto, next process']['reason']}), **opt-out** "

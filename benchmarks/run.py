@@ -5,12 +5,12 @@
 NAME is a benchmark of `harness.registry` (``all``: every one `make bench`
 runs). ``--quick`` is the smoke run (small sizes, 2 rounds), ``--write``
 rewrites the benchmark's sections of BENCHMARKS.md, ``--json`` prints what was
-measured as JSON instead of Markdown. Every benchmark but `gpu` is a module of
+measured as JSON instead of Markdown. Every benchmark is a module of
 `measure(quick, ...)` and `render(result)`, with no options of its own: a
 run other than the default (more rounds, some parts only) is a call of
-`measure` with its keyword arguments, from Python. `gpu` (a device run) keeps
-its own command line: ``--quick`` and ``--write`` go to it as its own flags,
-and so do the arguments after ``--`` (``run.py gpu -- --out DIR``).
+`measure` with its keyword arguments, from Python. A result saved with
+``--json`` (the GPU run's, on the device) is rendered and written here by
+``python -m harness.saved RESULT.json [--write]``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,9 @@ import harness  # noqa: E402  pylint: disable=wrong-import-position
 from harness import registry  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool,
-        extra: list[str]) -> int:
+def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool) -> int:
   """Runs one benchmark; prints (and with `write` writes) its sections."""
   module = importlib.import_module(bench.name)
-  if hasattr(module, "main"):  # gpu.py: its own command line (a device run)
-    if as_json:
-      raise SystemExit(f"{bench.name}: --json needs a benchmark with measure/render")
-    return module.main([*extra] + ["--quick"] * quick + ["--write"] * write) or 0
   load = os.getloadavg()[0]
   result = module.measure(quick=quick)
   result.load = [load, os.getloadavg()[0]]
@@ -53,8 +48,6 @@ def run(bench: registry.Benchmark, *, quick: bool, write: bool, as_json: bool,
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  extra = argv[argv.index("--") + 1:] if "--" in argv else []
-  argv = argv[:argv.index("--")] if "--" in argv else argv
   names = ", ".join(registry.BY_NAME)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    epilog=f"benchmarks: {names}")
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [registry.BY_NAME[n] for n in args.names]
   status = 0
   for bench in chosen:
-    status |= run(bench, quick=args.quick, write=args.write, as_json=args.json, extra=extra)
+    status |= run(bench, quick=args.quick, write=args.write, as_json=args.json)
   return status
 
 

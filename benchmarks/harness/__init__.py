@@ -1,11 +1,13 @@
 """The benchmarks' one harness: timing, worker processes, results, a registry.
 
 - `timing`: interleaved rounds in a rotated order, an A/A control, a first call.
-- `workers`: a variant per process, the ready/run protocol, a user's environment.
+- `workers`: a variant per process, one protocol (records in JSON lines, a time
+  limit, the stack of a worker that hung), a user's environment.
 - `report`: `Result` (what a run measured), ratio tables, the machine line, and
   writing a section of BENCHMARKS.md.
 - `registry`: every benchmark, which sections it writes, where its smoke run
   is (`make test` or `make bench-smoke`) and whether `make bench` runs it.
+- `saved`: a result saved with ``--json`` (on a device) rendered and written here.
 
 `benchmarks/run.py NAME|all [--quick] [--write] [--json]` is the one command line.
 
