@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import harness
@@ -56,21 +55,16 @@ def resnet_problem(image: int, batch: int = 8, *, quick: bool = False):
   rng = np.random.default_rng(0)
   if quick:  # a 5-conv NHWC ResNet-style net: a smoke run compiles in seconds
     params, loss = kernels_bench.resnet(rng)
-    x = jnp.asarray(rng.normal(size=(batch, image, image, 3)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-    return kernels_bench.sgd_step(loss), (params, x, y)
+    return kernels_bench.sgd_step(loss), (params, *kernels_bench.images(rng, batch, image))
   params = layout_bench.init_params(rng, classes=10)
-  x = jnp.asarray(rng.normal(size=(batch, 3, image, image)), jnp.float32)
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return layout_bench.make_train_step(channels_last=False), (params, x, y)
+  return (layout_bench.make_train_step(channels_last=False),
+          (params, *kernels_bench.images(rng, batch, image, nchw=True)))
 
 
 def mobilenet_problem(image: int, batch: int = 32):
   rng = np.random.default_rng(0)
   params, loss = kernels_bench.mobilenet(rng)
-  x = jnp.asarray(rng.normal(size=(batch, image, image, 3)), jnp.float32)
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return kernels_bench.sgd_step(loss), (params, x, y)
+  return kernels_bench.sgd_step(loss), (params, *kernels_bench.images(rng, batch, image))
 
 
 def _fresh(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -231,36 +225,27 @@ def render(result: harness.Result) -> str:
   r_mlp, r_resnet = (firsts[k].ratio(WARM) for k in ("MLP train step", p["resnet"]))
   e2e = {k.removeprefix("end to end: "): v for k, v in t.items() if k.startswith("end to end: ")}
   return "\n".join([
-      "## `tunedjax.jit`: overhead and end-to-end speed",
-      "",
+      "## `tunedjax.jit`: overhead and end-to-end speed", "",
       f"`benchmarks/run.py jit_overhead{' --quick' if p['quick'] else ''}`: {p['rounds']} "
       "interleaved rounds; ratios are medians of per-round ratios to `jax.jit` (below 1 is "
-      f"faster). {result.machine} {result.load_line()}",
-      "",
-      f"### Steady state: per call, MLP train step ({p['calls']} calls per timed run)",
-      "",
-      _steady_table(steady, p["calls"]),
-      "",
+      f"faster). {result.machine} {result.load_line()}", "",
+      f"### Steady state: per call, MLP train step ({p['calls']} calls per timed run)", "",
+      _steady_table(steady, p["calls"]), "",
       f"Target: within 2% or 10 us of `jax.jit`: "
       f"{'met' if ratio <= 1.02 or extra_us <= 10.0 else 'NOT met'} "
       f"(ratio {ratio:.3f}, {extra_us:+.1f} us per call; A/A {steady.ratio(harness.CONTROL):.3f}).",
       "",
-      "### First call: trace + passes + compile, warm tuning cache, fresh functions",
-      "",
+      "### First call: trace + passes + compile, warm tuning cache, fresh functions", "",
       *[f"**{name}**\n\n{harness.ratio_table(ft, unit='s', scale=1.0)}\n"
         for name, ft in firsts.items()],
       f"Target: at most 1.20x `jax.jit`'s first call: "
       f"{'met' if max(r_mlp, r_resnet) <= 1.20 else 'NOT met'} "
-      f"(MLP {r_mlp:.2f}x, ResNet-18 {r_resnet:.2f}x).",
-      "",
+      f"(MLP {r_mlp:.2f}x, ResNet-18 {r_resnet:.2f}x).", "",
       f"Where the ResNet-18 first call's time goes ({p['first_rounds']} more interleaved "
       "rounds of fresh functions traced, lowered and compiled by hand, medians; compiling "
-      "also in CPU seconds of the process, which move less with the load):",
-      "",
-      _parts_table(result.figures["first call parts"]),
-      "",
-      "### End to end: each tuner alone and all together (steady-state step time)",
-      "",
+      "also in CPU seconds of the process, which move less with the load):", "",
+      _parts_table(result.figures["first call parts"]), "",
+      "### End to end: each tuner alone and all together (steady-state step time)", "",
       *[f"**{name}**\n\n{harness.ratio_table(et)}\n" for name, et in e2e.items()],
       *[_e2e_line(name, et) for name, et in e2e.items()],
   ])

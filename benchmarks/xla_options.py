@@ -36,16 +36,11 @@ from typing import Any
 
 import harness
 import jax
-import jax.numpy as jnp
 import kernels as kernels_bench
 import numpy as np
-import optax
-from flax import nnx
 
 import tunedjax as tj
-from tunedjax import autotune, ops
-from tunedjax.ops.batch_norm import _family as _bn_family
-from tunedjax.demo import DemoNet
+from tunedjax import autotune
 
 BOUND = 1e-4  # largest relative error against the default program (float32 rounding)
 
@@ -78,10 +73,6 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 QUICK = ("YNNPACK + elementwise fusions", "512-bit vectors")
 
 
-def _normal(rng, shape, scale=1.0):
-  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
-
-
 def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...]]]:
   """name -> (lowered program, args)."""
   rng = np.random.default_rng(0)
@@ -90,11 +81,9 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
 
   # MobileNet-style step, tunedjax.
   batch, size = (4, 32) if quick else (32, 64)
-  params, loss = kernels_bench.mobilenet(
-      rng, bn=lambda x, g, b: _bn_family.batch_norm(x, g, b, epsilon=1e-5))
+  params, loss = kernels_bench.mobilenet(rng, bn=kernels_bench.bn_family)
   step = kernels_bench.sgd_step(loss)
-  args = (params, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  args = (params, *kernels_bench.images(rng, batch, size))
   with tj.config_context(config):
     f = tj.jit(step, session=autotune.TuningSession())
     jax.block_until_ready(f(*args))  # tunes
@@ -102,21 +91,8 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
 
   # DemoNet step, tunedjax, BatchNorm routed to the family.
   width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-  graphdef, dparams, stats = nnx.split(DemoNet(10, width=width, seed=0), nnx.Param,
-                                       nnx.BatchStat)
-
-  @ops.batch_norm.route_batch_norm()
-  def demo_loss(params, stats, x, y):
-    m = nnx.merge(graphdef, params, stats, copy=True)
-    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-    return value, nnx.state(m, nnx.BatchStat)
-
-  def demo_step(params, stats, x, y):
-    (value, stats), grads = jax.value_and_grad(demo_loss, has_aux=True)(params, stats, x, y)
-    return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), stats
-
-  args = (dparams, stats, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  dparams, stats, demo_step = kernels_bench.demo_step(width)
+  args = (dparams, stats, *kernels_bench.images(rng, batch, size))
   with tj.config_context(config):
     f = tj.jit(demo_step, session=autotune.TuningSession())
     jax.block_until_ready(f(*args))
@@ -125,8 +101,7 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
   # Control: ResNet-style step, plain jax.jit.
   batch, size = (4, 16) if quick else (16, 32)
   params, loss = kernels_bench.resnet(rng)
-  args = (params, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  args = (params, *kernels_bench.images(rng, batch, size))
   out[f"control: ResNet-style step (jax.jit), batch {batch} at {size}x{size}"] = (
       jax.jit(kernels_bench.sgd_step(loss)).lower(*args), args)
   return out
