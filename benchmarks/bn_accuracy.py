@@ -136,18 +136,15 @@ def render(result: harness.Result) -> str:
     ok = "yes" if ratio <= _accuracy.ERROR_RATIO_LIMIT else "**no**"
     lines.append(f"| {case} | `{name}` | {fwd:.1e} | {bwd:.1e} | {ratio:.2f} | {ok} |")
   return "\n".join([
-      "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)",
-      "",
+      "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)", "",
       "Each batch-norm kernel's error against the reference kernel run in float64, forward "
       "(`y`, `mean`, `var`) and backward (the three gradients for a random cotangent), as "
       "the tuner's accuracy rule measures it; ratios over `xla`'s error, at most "
       f"{_accuracy.ERROR_RATIO_LIMIT:g} accepted. The last three rows of each case are no "
       "longer kernels: `fused_dot` took its sums as products with ones (removed), once more "
       "at `Precision.HIGHEST`, and `fused` before its shift became the mean of the first "
-      "64 rows. " + result.machine,
-      "",
+      "64 rows. " + result.machine, "",
       "Command: `.venv/bin/python benchmarks/run.py bn_accuracy --write`"
-      + (" --quick" if result.params["quick"] else ""),
-      "",
+      + (" --quick" if result.params["quick"] else ""), "",
       *lines,
   ])

@@ -184,25 +184,21 @@ def render(result: harness.Result) -> str:
   texts = [_model_text(title, result.timings[title], result.figures[title], p["train_steps"])
            for title, _ in MODELS]
   return "\n".join([
-      "## Mixed precision: float32 vs mixed bfloat16 training step",
-      "",
+      "## Mixed precision: float32 vs mixed bfloat16 training step", "",
       "`benchmarks/run.py mixed_precision`" + (" --quick" if p["quick"] else "") +
       ": one Adam training step, float32 against `mp.wrap(model, \"mixed_bfloat16\")` "
       f"(O1). {p['rounds']} interleaved rounds after 2 warm-up rounds; ratios are medians of "
       "per-round ratios (below 1 is faster). Memory from `compiled.memory_analysis()` "
       "(arguments: parameters, optimizer state and batch; temporaries: activations and "
-      "intermediates). " + result.machine + " " + result.load_line(),
-      "",
+      "intermediates). " + result.machine + " " + result.load_line(), "",
       *[text + "\n" for text, _ in texts],
-      *[verdict for _, verdict in texts],
-      "",
+      *[verdict for _, verdict in texts], "",
       "What limits the gain here: `wrap` at O1 runs the autocast op lists, so only the "
       "matmuls and convolutions run in bfloat16 (with float32 accumulation). Ops that "
       "follow them take the widest dtype of their inputs, and Flax adds float32 biases "
       "and norm scales after each matmul, so most elementwise work goes back to float32 "
       "behind a convert; on this CPU a bfloat16 convolution is no faster than a float32 "
-      "one. Parameters and optimizer state take the same bytes (float32 master weights).",
-      "",
+      "one. Parameters and optimizer state take the same bytes (float32 master weights).", "",
       "No GPU was available for this run, so the ResNet-50 throughput comparison the "
       "issue asks for on GPU is not here.",
   ])
