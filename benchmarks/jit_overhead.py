@@ -1,20 +1,16 @@
 """`tunedjax.jit` against `jax.jit`: per-call overhead, first-call time, end-to-end speed.
 
-Three tables, each timed in interleaved rounds with an A/A control (the
-baseline timed twice):
+Three tables, in interleaved rounds with an A/A control:
 
-1. Steady state: per-call time of a small MLP train step (host-bound, so the
-   dispatch overhead shows), `jax.jit` vs `tj.jit` at O0 and at O1 with every
-   tuner on (`set_config(None)`, warm caches; an MLP has no convolutions, so
-   the compiled programs are the same and the difference is tunedjax's
-   per-call work). Target (issue #7): within 2% or 10 us of `jax.jit`.
-2. First call (trace + passes + compile) with a warm tuning cache, for the MLP
-   and a ResNet-18 train step written in NCHW (a PyTorch port): a fresh
-   function object each round, so both compile from scratch. Target: no more
-   than 20% slower than `jax.jit`'s first call. Then where the ResNet's first
-   call's time goes: trace (with the passes), lowering, compiling.
-3. End to end: the ResNet-18 NCHW train step and a MobileNet-style train step
-   with each tuner alone and all together, against `jax.jit`.
+1. Steady state: per call, a small host-bound MLP train step, `jax.jit` vs `tj.jit` at
+   O0 and at O1 with every tuner on (warm caches; no convolutions, so the programs are
+   the same and the difference is tunedjax's per-call work). Target (issue #7): within 2%
+   or 10 us.
+2. First call (trace + passes + compile), warm tuning cache, fresh functions: the MLP and
+   a ResNet-18 train step written in NCHW. Target: at most 20% slower. Then where the
+   ResNet's first call goes: trace (with the passes), lowering, compiling.
+3. End to end: the ResNet-18 NCHW and a MobileNet-style train step with each tuner alone
+   and all together, against `jax.jit`.
 
 Run: `.venv/bin/python benchmarks/run.py jit_overhead [--quick] [--write]`.
 """

@@ -1,18 +1,11 @@
 """float32 against mixed bfloat16 (`tunedjax.mixed_precision.wrap`) training.
 
-Two models, each trained with optax Adam, float32 against the same model
-wrapped with `mp.wrap(model, "mixed_bfloat16")` (level O1: float32 master
-weights, matmuls and convolutions in bfloat16 with float32 accumulation,
-norms and reductions in float32):
-
-- (a) a Transformer block (linen: LayerNorm, 4-head self-attention, MLP);
-- (b) a small CNN (nnx: three convolutions with BatchNorm, a linear head).
-
-For each: the step time (interleaved rounds, median of per-round ratios, an
-A/A control of the float32 step), the bytes `compiled.memory_analysis()`
-reports for the step's arguments (parameters, optimizer state, batch) and
-temporaries, and the loss after the same number of steps from the same
-initialization and data.
+Two models trained with optax Adam, float32 against `mp.wrap(model, "mixed_bfloat16")`
+(O1: float32 master weights, matmuls and convolutions in bfloat16 with float32
+accumulation): (a) a Transformer block (linen: LayerNorm, 4-head self-attention, MLP);
+(b) a small CNN (nnx: three convolutions with BatchNorm, a linear head). For each: the
+step time (interleaved rounds, A/A control), the bytes `compiled.memory_analysis()`
+reports for arguments and temporaries, and the loss after the same number of steps.
 
 Run: `.venv/bin/python benchmarks/run.py mixed_precision [--quick] [--write]`.
 """

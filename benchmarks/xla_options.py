@@ -1,25 +1,14 @@
 """XLA:CPU compiler options, per compiled program: does any beat the defaults?
 
-`jax.jit(f).lower(*args).compile(compiler_options={...})` takes XLA's
-DebugOptions per executable. This script compiles three train steps with
-each candidate option set that keeps float semantics (no fast math, no
-fast min/max, no flush-to-zero), checks each against the default program's
-outputs, and times the candidates against the default in interleaved rounds
-(the default timed twice: the A/A control):
-
-- the MobileNet-style step of `benchmarks/kernels.py` through `tunedjax.jit`
-  with kernel selection on (its batch norms through the batch-norm family),
-  batch 32 at 64x64;
-- the demo network (`tunedjax.demo.DemoNet`, width 32, batch 128 at 32x32)
-  through `tunedjax.jit`, its `nnx.BatchNorm` layers routed to the family;
-- the control: the ResNet-style step of `benchmarks/kernels.py` under plain
-  `jax.jit`, batch 16 at 32x32.
-
-A candidate that chooses fusions (the library fusion types) whose compiled
-HLO is the default's is reported as "no effect" and not timed (a library this
-jaxlib was built without, or one that does not apply to the program); the
-others act below the HLO (code generation, scheduling, threads) and are
-always timed.
+Each candidate option set that keeps float semantics (no fast math, fast min/max or
+flush-to-zero), passed as `lower(*args).compile(compiler_options={...})`, checked
+against the default program's outputs and timed against it in interleaved rounds (the
+default timed twice: the A/A control), on three train steps: the MobileNet-style step of
+`benchmarks/kernels.py` (batch 32, 64x64) and the demo network (`DemoNet`, width 32,
+batch 128, 32x32) through `tunedjax.jit` with kernel selection (batch norms through the
+family), and the control: `kernels.py`'s ResNet-style step under `jax.jit` (batch 16,
+32x32). A fusion-level candidate whose compiled HLO is the default's is reported as "no
+effect" and not timed; the others act below the HLO and are always timed.
 
 ``--quick``: the smoke run's small steps, one fusion-level and one code-generation
 candidate (`QUICK`), 2 rounds of 1 step. Prints its tables; writes no section.
