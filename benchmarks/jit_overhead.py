@@ -99,17 +99,10 @@ def first_call(step: Callable[..., Any], args: tuple[Any, ...], rounds: int) -> 
 
 def first_call_parts(step: Callable[..., Any], args: tuple[Any, ...],
                      rounds: int) -> dict[str, float]:
-  """Where the first call's time goes: trace (with the passes), lowering, compiling.
-
-  Fresh functions each round, `jax.jit` and `tj.jit` interleaved; each is
-  traced, lowered and compiled by hand (`.trace`, `.lower`, `.compile`:
-  what a first call does before it runs). Compiling is also given in CPU
-  seconds of the process (XLA:CPU compiles on several threads), which move
-  less with the machine's load than wall time. `tj.jit`'s trace is split
-  by its `SignatureReport.trace_s` (tracing the function and running the
-  passes) and the share the layout pass and kernel selection spend in their
-  own evaluations.
-  """
+  """Where the first call's time goes: fresh functions each round, `jax.jit` and `tj.jit`
+  interleaved, each traced (with the passes), lowered and compiled by hand; compiling also
+  in the process's CPU seconds (XLA:CPU compiles on several threads), which move less with
+  the machine's load than wall time."""
   parts: dict[str, list[float]] = {}
 
   def add(key: str, value: float) -> None:

@@ -51,15 +51,9 @@ _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f6
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
-  """The ops of one exported module that matter to XLA's choices.
-
-  Attributes:
-    convolutions: ``{"bf16 x bf16 -> bf16": n}``, by operand and result dtype.
-    converts: `stablehlo.convert` ops.
-    transposes: `stablehlo.transpose` ops.
-    custom_calls: ``{target: n}``.
-    ops: every op of the module.
-  """
+  """The ops of one exported module that matter to XLA's choices: convolutions by operand
+  and result dtype (``{"bf16 x bf16 -> bf16": n}``), converts, transposes, custom calls by
+  target, and every op."""
 
   convolutions: dict[str, int]
   converts: int
