@@ -171,6 +171,14 @@ def images(rng: np.random.Generator, batch: int, size: int, *, nchw: bool = Fals
   return _normal(rng, shape), jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
 
 
+def bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  # Batch norm as plain JAX code writes it, in primitive ops (two passes, rsqrt): no
+  # tunedjax call; under tj.jit the batch-norm family finds it as a pattern.
+  mean = x.mean(axis=(0, 1, 2))
+  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
+  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
+
+
 def bn_family(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
   """`_bn` through the batch-norm family's call site: under jax.jit the reference (the
   same mean, var and normalisation), under tj.jit the tuned kernel."""

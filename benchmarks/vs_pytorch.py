@@ -94,14 +94,6 @@ def _conv(x, w, stride=1, groups=1):
                                   dimension_numbers=DN, feature_group_count=groups)
 
 
-def _bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-  # Batch norm as plain JAX code writes it, in primitive ops (two passes, rsqrt): no
-  # tunedjax call; under tj.jit the batch-norm family finds it as a pattern.
-  mean = x.mean(axis=(0, 1, 2))
-  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
-  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
-
-
 def flat_names(tree: Any) -> dict[str, np.ndarray]:
   """A pytree's leaves by dotted path ("blocks.0.dw", "stem.conv.kernel")."""
   out = {}
@@ -132,7 +124,7 @@ def net_problem(net: str, quick: bool = False) -> NetProblem:
     # kernels.py's network with PyTorch's padding and batch norm through the family's call
     # site, or in plain JAX
     params, loss = kernels_bench.mobilenet(
-        rng, conv=_conv, bn=_bn_plain if plain else kernels_bench.bn_family)
+        rng, conv=_conv, bn=kernels_bench.bn_plain if plain else kernels_bench.bn_family)
     state = (params,)
 
     def step(params, x, y):
@@ -355,7 +347,8 @@ _FRAME_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _PLUMBING = ("/jax/", "/jaxlib/", "tunedjax/_jit/", "tunedjax/_pipeline.py",
              "autotune/_select.py", "autotune/_tuner.py", "autotune/_bn_family.py",
              "autotune/_bn_flax.py", "benchmarks/vs_pytorch.py",
-             "benchmarks/kernels.py:bn_family", "benchmarks/kernels.py:demo_step")
+             "benchmarks/kernels.py:bn_family", "benchmarks/kernels.py:bn_plain",
+             "benchmarks/kernels.py:demo_step")
 
 
 def hlo_call_stacks(hlo_text: str) -> dict[str, list[tuple[str, str, int]]]:
