@@ -102,8 +102,7 @@ def measure(quick: bool = False) -> harness.Result:
     spec = BUCKETS[name]
     kernels = [k.name for k in _registry.applicable_kernels(spec, "cpu", "conv")
                if k.name in KERNELS]
-    result.timings[name], _ = nb.time_kernels(spec, kernels, baseline="xla", rounds=rounds,
-                                              rng=rng)
+    result.timings[name], _ = nb.time_kernels(spec, kernels, baseline="xla", rounds=rounds, rng=rng)
     alone.append(name)
   result.figures["alone"] = alone
   return result.done()

@@ -107,8 +107,7 @@ def sweep(ds, grid, *, window: int) -> dict[LoaderSettings, float]:
 def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick):
   ds = _dataset.build(source, batch_size=BATCH, transforms=transforms, shuffle=True,
                       seed=0, num_epochs=None, drop_remainder=True)
-  tune_kwargs = dict(batch_size=BATCH, transforms=transforms, max_workers=max_workers,
-                     cache=False)
+  tune_kwargs = dict(batch_size=BATCH, transforms=transforms, max_workers=max_workers, cache=False)
   if quick:
     tune_kwargs.update(tuning_steps=60, budget_s=15)
   tuned, tuned_s = {}, {}

@@ -160,10 +160,8 @@ def measure(quick: bool = False, *, rounds: int = 7, image: int = 64) -> harness
       result.timings["steady state"] = steady_state(rounds, calls)
       resnet_step, resnet_args = resnet_problem(image, quick=quick)
       result.timings["first call: MLP train step"] = first_call(*mlp_problem(), rounds)
-      result.timings[f"first call: {resnet}"] = first_call(resnet_step, resnet_args,
-                                                           first_rounds)
-      result.figures["first call parts"] = first_call_parts(resnet_step, resnet_args,
-                                                            first_rounds)
+      result.timings[f"first call: {resnet}"] = first_call(resnet_step, resnet_args, first_rounds)
+      result.figures["first call parts"] = first_call_parts(resnet_step, resnet_args, first_rounds)
     # The tuners off: each variant sets its own.
     for name, (step, args) in {
         resnet: resnet_problem(image, quick=quick),

@@ -210,8 +210,7 @@ def trainer_timings(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: in
                                 rounds=rounds, warmup=1)
   fwd_t = harness.interleaved({n: (lambda n=n: predict(n)) for n in made}, baseline=TR_NHWC,
                               rounds=rounds, warmup=1)
-  per_step = harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()},
-                             TR_NHWC)
+  per_step = harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()}, TR_NHWC)
   return per_step, fwd_t, dict(made[TR_NCHW][0].history.tuning.get(_relayout.KEY, {}))
 
 

@@ -68,8 +68,7 @@ def transformer_steps(quick: bool):
   for name, module in ((BASELINE, block), (MIXED, mp.wrap(block, "mixed_bfloat16"))):
     def step(state, x, y, module=module):
       params, opt_state = state
-      loss, grads = jax.value_and_grad(
-          lambda p: jnp.mean((module.apply(p, x) - y) ** 2))(params)
+      loss, grads = jax.value_and_grad(lambda p: jnp.mean((module.apply(p, x) - y) ** 2))(params)
       updates, opt_state = opt.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
     out[name] = (jax.jit(step), (params, opt.init(params)))
@@ -128,8 +127,7 @@ def _one_model(steps: dict, batch, params, *, rounds: int, train_steps: int) -> 
       jax.block_until_ready(loss)
     return run
 
-  t = harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE,
-                          rounds=rounds, warmup=2)
+  t = harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE, rounds=rounds, warmup=2)
   return {"timings": t, "memory": memory, "losses": losses, "params_bytes": nbytes(params)}
 
 

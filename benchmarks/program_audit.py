@@ -90,8 +90,7 @@ def count_ops(text: str) -> Counts:
     elif kind == "custom_call":
       target = re.search(r"custom_call\s*@([\w$.\-]+)", line)
       calls[target.group(1) if target else "?"] += 1
-  return Counts(dict(convs), kinds["convert"], kinds["transpose"], dict(calls),
-                sum(kinds.values()))
+  return Counts(dict(convs), kinds["convert"], kinds["transpose"], dict(calls), sum(kinds.values()))
 
 
 # -- the programs: (step, args), built once per size ----------------------------------------

@@ -331,8 +331,7 @@ def measure(quick: bool = False) -> harness.Result:
   for image, steps in p["cnn_sizes"]:
     t[f"cnn {image}"] = trainer_vs_hand(rounds, steps, image)
   cpu = {}
-  t["steps_per_execution"], cpu["steps_per_execution"] = steps_per_execution(
-      rounds, p["mlp_steps"])
+  t["steps_per_execution"], cpu["steps_per_execution"] = steps_per_execution(rounds, p["mlp_steps"])
   t["logging"], cpu["logging"] = logging_overhead(rounds, p["log_steps"])
   result.figures = {"cpu": cpu, "checks": {}, "utc": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                     time.gmtime())}

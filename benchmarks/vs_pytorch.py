@@ -157,8 +157,7 @@ if torch is not None:
   class TorchMobileNet(nn.Module):
     """The MobileNet-style network in PyTorch, names as the JAX params'."""
 
-    def __init__(self, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), c0=32,
-                 primitive_bn=False):
+    def __init__(self, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), c0=32, primitive_bn=False):
       super().__init__()
       self.primitive_bn = primitive_bn
       self.stem = nn.Conv2d(3, c0, 3, 2, 1, bias=False)
@@ -533,8 +532,7 @@ def _torch_variants(net: str, problem: NetProblem, o: dict[str, Any], check: Cal
   named = flat_names(params)
   xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
   yt = torch.from_numpy(np.asarray(y).astype(np.int64))
-  kinds = [("channels_last", False, False), ("NCHW", False, False),
-           ("channels_last", True, False)]
+  kinds = [("channels_last", False, False), ("NCHW", False, False), ("channels_last", True, False)]
   if o["compile"]:
     kinds += [("channels_last", False, True), ("NCHW", False, True)]
   variants = {}
