@@ -268,8 +268,8 @@ def measure(quick: bool = False, *, image: int = 112, rounds: int = 9, batch: in
 
 def _table(t: harness.Timings) -> str:
   return harness.ratio_table(t, notes={
-      OPT: f"{t.ratio_to(OPT, HAND):.3f}x hand-written NHWC, {t.ratio_to(OPT, OIHW):.3f}x NHWC with "
-           "OIHW params",
+      OPT: f"{t.ratio_to(OPT, HAND):.3f}x hand-written NHWC, {t.ratio_to(OPT, OIHW):.3f}x NHWC "
+           "with OIHW params",
       OIHW: f"{t.ratio_to(OIHW, HAND):.3f}x hand-written NHWC",
       OPT_NHWC: f"{t.ratio_to(OPT_NHWC, HAND):.3f}x hand-written NHWC"})
 
