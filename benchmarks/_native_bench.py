@@ -1,17 +1,9 @@
 """What the native-kernel benchmarks share (`bn_native`, `depthwise_native`,
-`direct_native`, `pointwise_native`): a kernel timed alone per bucket, and the
-whole train step tuned, then compiled from edited copies of its tuning cache
-(or with hints) and timed in interleaved rounds.
-
-- `time_kernels`: the kernels of one bucket, each jitted alone on random
-  operands, checked against ``xla`` and timed in interleaved rounds.
-- `tune`: the step's first `tj.jit` call, tuning into a cache.
-- `tuner_rows`: each bucket's tuner timings from that cache, and the winner
-  the tuner would have chosen without the new kernels (`without`).
-- `cache_variants`: copies of the tuned cache with each bucket's winner reset.
-- `compile_steps`, `time_steps`: the step compiled under each configuration
-  (each checked against `jax.jit`), then timed in interleaved rounds.
-- `tuner_table`, `checks_lines`: their Markdown.
+`direct_native`, `pointwise_native`): a kernel timed alone per bucket (`time_kernels`), and
+the whole train step tuned (`tune`, `tuner_rows`), then compiled from edited copies of its
+tuning cache (`cache_variants`) or with hints, checked against `jax.jit` (`compile_steps`)
+and timed in interleaved rounds (`time_steps`); their Markdown (`tuner_table`,
+`checks_lines`).
 """
 
 from __future__ import annotations

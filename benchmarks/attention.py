@@ -1,27 +1,20 @@
 """Attention kernels per bucket, and a Transformer LM's train step tuned vs plain `jax.jit`.
 
-Part 1, per bucket (batch 1, 8 heads, head dim 64, float32, not causal and
-causal, at 1,024 / 2,048 / 4,096 tokens): every applicable ``"attention"`` kernel, pinned
-with ``kernel.hints``, through `tunedjax.jit`, timed interleaved against the
-reference (``xla``: ``jax.nn.dot_product_attention``) forward and forward +
-backward (the gradients of query, key and value for a random cotangent), with
-an A/A control; and each candidate's compiled temporaries (forward +
-backward), from XLA's memory analysis.
+Part 1, per bucket (batch 1, 8 heads, head dim 64, float32, not causal and causal, 1,024 /
+2,048 / 4,096 tokens): every applicable ``"attention"`` kernel pinned with
+``kernel.hints`` through `tunedjax.jit`, timed interleaved against ``xla``
+(``jax.nn.dot_product_attention``), forward and forward + backward, with an A/A control;
+and each candidate's compiled temporaries (forward + backward, XLA's memory analysis).
 
-Part 2, the whole step users feel: the 4-layer Transformer LM of
-`tunedjax.demo` (width 256, 8 heads, causal, 2,048 tokens, batch 1, Adam),
-its attention swapped by `tunedjax.use_tuned_attention` and compiled by
-`tunedjax.jit` with every tuner on (``set_config(None)``, as
-``Trainer(autotune=True)``; its first call tunes the attention bucket), against
-the unswapped model under plain `jax.jit`, interleaved with an A/A control.
+Part 2: the 4-layer Transformer LM of `tunedjax.demo` (width 256, 8 heads, causal, 2,048
+tokens, batch 1, Adam), its attention swapped by `tunedjax.use_tuned_attention` and
+compiled by `tunedjax.jit` with every tuner on (``set_config(None)``, as
+``Trainer(autotune=True)``), against the unswapped model under plain `jax.jit`.
 
-Part 3, its own section: causal attention written by hand
-(``einsum``, a ``jnp.tril`` mask by ``where``, ``jax.nn.softmax``, ``einsum``),
-its forward and backward (`jax.grad` inside the step) compiled by plain
-`jax.jit` against `tunedjax.jit` with kernel selection on, which finds the
-attention in the jaxpr, recognises the mask as causal and tunes the site (a
-fresh cache: the first call tunes), at 1,024 and 2,048 tokens, interleaved
-with an A/A control.
+Part 3, its own section: causal attention written by hand (``einsum``, a ``jnp.tril``
+mask by ``where``, ``jax.nn.softmax``, ``einsum``), forward and backward, plain `jax.jit`
+against `tunedjax.jit` with kernel selection (which finds the attention in the jaxpr,
+recognises the mask as causal and tunes the site), at 1,024 and 2,048 tokens.
 
 Run: `.venv/bin/python benchmarks/run.py attention [--quick] [--write]` (every part;
 `measure(parts=("hand-written",))` for part 3 alone).

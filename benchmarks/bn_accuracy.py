@@ -1,22 +1,14 @@
 """Batch norm's kernels against float64, forward and backward, well- and ill-conditioned.
 
-Every kernel of the batch-norm family, and three forms it no longer has
-(``fused_dot``: the one-pass kernel with each column sum a product with a
-vector of ones, ``ones @ x``, at the default precision and at
-`Precision.HIGHEST`; ``fused`` with its former one-row shift), runs forward
-and backward (the gradients of ``x``, ``scale`` and ``bias`` for a random
-cotangent on all three outputs ``y``, ``mean``, ``var``) on float32 inputs,
-and is compared with the reference kernel's same call in float64. Errors are
-measured as the tuner's accuracy rule measures them
-(`tunedjax.autotune._accuracy`): per output, ``max |out - ref| / max(max
-|ref|, 1)``; "forward" is the largest over ``y``, ``mean`` and ``var``,
-"backward" over the three gradients; the error ratio is the largest over the
-six of the kernel's error over ``xla``'s (floored at 4 float32 units in the
-last place), and the tuner accepts at most 3.
-
-Cases: centred data (normal, 32x16x16x64); large channel means (1e3 to 1e4,
-spreads 0.1 to 1.1); a long reduction (2**20 rows of 8 channels, mean 3);
-near-constant channels (5 + 1e-3 noise).
+Every kernel of the batch-norm family, and three forms it no longer has (``fused_dot``:
+each column sum as ``ones @ x``, at the default precision and at `Precision.HIGHEST`;
+``fused`` with its former one-row shift), forward and backward (gradients of ``x``,
+``scale`` and ``bias`` for a random cotangent on ``y``, ``mean``, ``var``) on float32
+inputs, against the reference kernel in float64, by the tuner's accuracy rule
+(`tunedjax.autotune._accuracy`: per output ``max |out - ref| / max(max |ref|, 1)``); the
+error ratio is the largest of the six over ``xla``'s (floored at 4 float32 ulps); the
+tuner accepts at most 3. Cases: centred data (32x16x16x64); large channel means (1e3 to
+1e4); a long reduction (2**20 rows of 8 channels); near-constant channels.
 
 Run: `.venv/bin/python benchmarks/run.py bn_accuracy [--quick] [--write]`.
 """
@@ -136,18 +128,15 @@ def render(result: harness.Result) -> str:
     ok = "yes" if ratio <= _accuracy.ERROR_RATIO_LIMIT else "**no**"
     lines.append(f"| {case} | `{name}` | {fwd:.1e} | {bwd:.1e} | {ratio:.2f} | {ok} |")
   return "\n".join([
-      "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)",
-      "",
+      "## Batch norm against float64 (`benchmarks/bn_accuracy.py`)", "",
       "Each batch-norm kernel's error against the reference kernel run in float64, forward "
       "(`y`, `mean`, `var`) and backward (the three gradients for a random cotangent), as "
       "the tuner's accuracy rule measures it; ratios over `xla`'s error, at most "
       f"{_accuracy.ERROR_RATIO_LIMIT:g} accepted. The last three rows of each case are no "
       "longer kernels: `fused_dot` took its sums as products with ones (removed), once more "
       "at `Precision.HIGHEST`, and `fused` before its shift became the mean of the first "
-      "64 rows. " + result.machine,
-      "",
+      "64 rows. " + result.machine, "",
       "Command: `.venv/bin/python benchmarks/run.py bn_accuracy --write`"
-      + (" --quick" if result.params["quick"] else ""),
-      "",
+      + (" --quick" if result.params["quick"] else ""), "",
       *lines,
   ])

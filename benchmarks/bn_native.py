@@ -1,23 +1,15 @@
 """The ``native`` batch-norm kernel: per bucket (tuner times) and inside the whole train steps.
 
-For each of the two steps of `benchmarks/vs_pytorch.py` (the MobileNet-style
-step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
+For each of `benchmarks/vs_pytorch.py`'s two steps (MobileNet-style, batch 32 at 64x64;
+the demo network, batch 128 at 32x32): `tj.jit` tunes the step into a fresh cache (the
+table: each batch-norm bucket's forward+backward timings of ``xla``, ``fused`` and
+``native`` from the tuner); copies of that cache set every batch-norm winner to the
+kernel the tuner would have chosen without ``native`` ("current"), to its own choice
+("tuned") and to ``native``; the three steps (each checked against `jax.jit`) in
+interleaved rounds, ratios to "current" (timed twice as A/A).
 
-1. `tj.jit` with kernel selection tunes the step into a fresh cache; every
-   batch-norm bucket's entry holds the tuner's forward+backward timings of
-   ``xla``, ``fused`` and ``native`` (the table: each kernel's median over
-   the tuner's rounds, and the chosen one).
-2. Copies of that cache with every batch-norm winner set: to the kernel the
-   tuner would have chosen without ``native`` (its own rule on the other
-   kernels' ratios): "current"; to the tuner's own choice: "tuned"; to
-   ``native`` everywhere: "native".
-3. The three compiled steps (each first checked against `jax.jit`: one
-   step's loss and gradients, `vs_pytorch.agreement`), timed in interleaved
-   rounds ("current" timed twice as an A/A control); ratios are medians of
-   per-round ratios to "current".
-
-``--quick``: the smoke run's small steps, convolutions pinned to ``xla`` (only
-batch norm is tuned), 2 rounds. Prints its tables; writes no section.
+``--quick``: the smoke run's small steps, convolutions pinned to ``xla`` (only batch
+norm is tuned), 2 rounds. Prints its tables; writes no section.
 
 Run: `.venv/bin/python benchmarks/run.py bn_native [--quick]`.
 """

@@ -1,22 +1,17 @@
 """``depthwise_native`` against ``depthwise`` and ``xla``: per bucket, then in whole train steps.
 
-Buckets: every depthwise convolution (forward, input gradient, weight gradient)
-of the demo network's train step (`DemoNet`, width 32, batch 128, 32x32) and of
-the MobileNet-style step (`benchmarks/kernels.py`, batch 32, 64x64), each
-kernel jitted alone on random operands, in interleaved rounds (the baseline,
-``depthwise``, timed twice as an A/A control).
+Buckets: every depthwise convolution (forward, input and weight gradients) of the demo
+step (`DemoNet`, width 32, batch 128, 32x32) and the MobileNet-style step
+(`benchmarks/kernels.py`, batch 32, 64x64), each kernel jitted alone, in interleaved
+rounds (``depthwise`` timed twice: the A/A control).
 
-Whole steps: the step under `tunedjax.jit` (kernel selection on, tuned once
-into a fresh cache), then the same step with every depthwise site pinned by a
-hint to ``depthwise_native`` or to ``depthwise``, or to a benchmark-only
-kernel running ``depthwise_native`` for one form and ``depthwise`` for the
-other (`SPLITS`; the other convolutions and batch norm keep their tuned
-kernels from the same session and cache), and the tuned step as it is, in
-interleaved rounds with the ``depthwise`` hint as the baseline and its A/A
-control.
+Whole steps under `tunedjax.jit` (tuned once into a fresh cache): every depthwise site
+pinned by a hint to ``depthwise_native``, to ``depthwise`` (the baseline), or to a
+benchmark-only kernel running one for one form and the other for the other (`SPLITS`),
+and the tuned step as it is, in interleaved rounds.
 
-``--quick``: the demo step at the smoke run's small sizes, 2 rounds. Prints
-its tables; writes no section.
+``--quick``: the demo step at the smoke run's small sizes, 2 rounds. Prints its tables;
+writes no section.
 
 Run: `.venv/bin/python benchmarks/run.py depthwise_native [--quick]`.
 """

@@ -1,29 +1,19 @@
 """The ``direct_native`` conv kernel: per bucket and inside the whole train steps.
 
-For each of the two steps of `benchmarks/vs_pytorch.py` (the MobileNet-style
-step, batch 32 at 64x64, and the demo network, batch 128 at 32x32):
+For each of `benchmarks/vs_pytorch.py`'s two steps (MobileNet-style, batch 32 at 64x64;
+the demo network, batch 128 at 32x32): `tj.jit` tunes the step into a fresh cache (the
+table: the tuner's timings of each bucket where ``direct_native`` is a candidate); copies
+of that cache set ``direct_native``'s winners back to the kernel the tuner would have
+chosen without it in every bucket ("current"), in the weight-gradient buckets ("window
+form only") or in the window buckets ("weight-gradient form only"); the tuned cache is
+"both forms". The four steps (each checked against `jax.jit`) in interleaved rounds
+("current" twice as A/A), by the wall clock and by this process's CPU time.
 
-1. `tj.jit` with kernel selection tunes the step into a fresh cache; every
-   conv bucket where ``direct_native`` is a candidate holds the tuner's
-   timings of it and of ``xla``, ``im2col``, ``window_matmul`` (the table:
-   each kernel's median over the tuner's rounds, and the chosen one).
-2. Copies of that cache have ``direct_native``'s winners set back to the
-   kernel the tuner would have chosen without it (its own rule on the other
-   kernels' ratios): in every bucket ("current", the family's winners before
-   this kernel), in the weight-gradient buckets only ("window form only") or
-   in the window buckets only ("weight-gradient form only"); the tuned cache
-   itself is "both forms".
-3. The four compiled steps (each checked against `jax.jit` on one step
-   first), timed in interleaved rounds ("current" timed twice as an A/A
-   control), by the wall clock and by this process's CPU time; each ratio is
-   the median of per-round ratios to "current".
+Then each dense-window bucket alone (`BUCKETS`): the applicable kernels (``fft`` and
+``pallas`` left out) in interleaved rounds, ratios to ``xla``'s.
 
-Then each dense-window bucket of the two steps alone (`BUCKETS`): the
-applicable kernels (``fft`` and ``pallas`` left out) in interleaved rounds,
-their times as ratios to ``xla``'s, ``xla`` timed twice as A/A.
-
-``--quick``: the smoke run's small steps, 2 rounds, one bucket alone. Prints
-its tables; writes no section.
+``--quick``: the smoke run's small steps, 2 rounds, one bucket alone. Prints its tables;
+writes no section.
 
 Run: `.venv/bin/python benchmarks/run.py direct_native [--quick]`.
 """
@@ -112,8 +102,7 @@ def measure(quick: bool = False) -> harness.Result:
     spec = BUCKETS[name]
     kernels = [k.name for k in _registry.applicable_kernels(spec, "cpu", "conv")
                if k.name in KERNELS]
-    result.timings[name], _ = nb.time_kernels(spec, kernels, baseline="xla", rounds=rounds,
-                                              rng=rng)
+    result.timings[name], _ = nb.time_kernels(spec, kernels, baseline="xla", rounds=rounds, rng=rng)
     alone.append(name)
   result.figures["alone"] = alone
   return result.done()

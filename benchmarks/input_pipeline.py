@@ -1,36 +1,17 @@
 """Input-pipeline throughput: grain's defaults, Paddle's rule, tunedjax's tuner, the oracle.
 
-Three pipelines, batch 16, read through `tunedjax.input_pipeline`'s grain
-recipe (records shuffled and batched on the MapDataset side):
-
-- light: a 64-float record, scaled (the reading overhead dominates);
-- decode: a PNG-like decode (zlib inflate, which releases the GIL, an
-  un-filter pass and per-channel normalisation in NumPy) of a 112x112x3
-  image, about 3 ms per record on an idle core;
-- python: a pure-Python word count and string hash (holds the GIL).
-
-For each, four `LoaderSettings` (worker processes, read threads, per-worker
-prefetch buffer):
-
-- grain defaults: `MapDataset.to_iter_dataset()` with its default
-  ReadOptions (16 threads, 500-element buffer), no worker processes;
-- Paddle's rule: the same hill climb over worker processes only, threads
-  left at 16 (Paddle's DataLoader autotune has no thread knob);
-- tuned: `tune_worker_count` over all three knobs (default budget 60 s and
-  `tuning_steps` 500, no cache), with the horizon it must pay back within
-  stated: `expected_batches=1000` (one 1,000-step epoch, the default) and
-  10,000 (ten epochs: what `Trainer.fit` passes for a 10-epoch fit);
-- oracle: the best fixed setting of a full sweep (every workers x threads,
-  the buffer at its default of 2).
-
-The settings are then timed side by side in interleaved rounds: each round
-starts every setting's iterator afresh, skips its warm-up (the prefetch
-buffers), and times a window of batches (at least 40 batches and
-`MIN_WINDOW_S`, so that a loaded host's scheduling averages out over a
-sub-millisecond pipeline); the table gives the median seconds
-per batch and the per-round ratio to grain's defaults, with the defaults timed
-twice as an A/A control. The tuning time is compared with a 1,000-step epoch
-at the tuned throughput. The machine is shared: the load average is printed.
+Three pipelines, batch 16, through `tunedjax.input_pipeline`'s grain recipe: light (a
+64-float record, scaled: the reading overhead dominates), decode (a PNG-like decode of a
+112x112x3 image: zlib inflate, which releases the GIL, an un-filter pass and NumPy
+normalisation; about 3 ms a record) and python (a pure-Python word count and hash: holds
+the GIL). For each, four `LoaderSettings` (worker processes, read threads, prefetch
+buffer): grain's defaults (16 threads, 500-element buffer, no workers); Paddle's rule
+(the same hill climb over worker processes only); tuned (`tune_worker_count` over all
+three knobs, horizon `expected_batches` 1,000 and 10,000); the oracle (the best setting
+of a full sweep). Then timed in interleaved rounds: each round starts every setting's
+iterator afresh, skips its warm-up and times a window of batches (at least 40 and
+`MIN_WINDOW_S`); ratios to grain's defaults, timed twice as the A/A control. The tuning
+time is compared with a 1,000-step epoch at the tuned throughput.
 
 Run: `.venv/bin/python benchmarks/run.py input_pipeline [--quick] [--write]`.
 """
@@ -126,8 +107,7 @@ def sweep(ds, grid, *, window: int) -> dict[LoaderSettings, float]:
 def run_pipeline(name, source, transforms, *, rounds, window, max_workers, quick):
   ds = _dataset.build(source, batch_size=BATCH, transforms=transforms, shuffle=True,
                       seed=0, num_epochs=None, drop_remainder=True)
-  tune_kwargs = dict(batch_size=BATCH, transforms=transforms, max_workers=max_workers,
-                     cache=False)
+  tune_kwargs = dict(batch_size=BATCH, transforms=transforms, max_workers=max_workers, cache=False)
   if quick:
     tune_kwargs.update(tuning_steps=60, budget_s=15)
   tuned, tuned_s = {}, {}

@@ -1,20 +1,16 @@
 """`tunedjax.jit` against `jax.jit`: per-call overhead, first-call time, end-to-end speed.
 
-Three tables, each timed in interleaved rounds with an A/A control (the
-baseline timed twice):
+Three tables, in interleaved rounds with an A/A control:
 
-1. Steady state: per-call time of a small MLP train step (host-bound, so the
-   dispatch overhead shows), `jax.jit` vs `tj.jit` at O0 and at O1 with every
-   tuner on (`set_config(None)`, warm caches; an MLP has no convolutions, so
-   the compiled programs are the same and the difference is tunedjax's
-   per-call work). Target (issue #7): within 2% or 10 us of `jax.jit`.
-2. First call (trace + passes + compile) with a warm tuning cache, for the MLP
-   and a ResNet-18 train step written in NCHW (a PyTorch port): a fresh
-   function object each round, so both compile from scratch. Target: no more
-   than 20% slower than `jax.jit`'s first call. Then where the ResNet's first
-   call's time goes: trace (with the passes), lowering, compiling.
-3. End to end: the ResNet-18 NCHW train step and a MobileNet-style train step
-   with each tuner alone and all together, against `jax.jit`.
+1. Steady state: per call, a small host-bound MLP train step, `jax.jit` vs `tj.jit` at
+   O0 and at O1 with every tuner on (warm caches; no convolutions, so the programs are
+   the same and the difference is tunedjax's per-call work). Target (issue #7): within 2%
+   or 10 us.
+2. First call (trace + passes + compile), warm tuning cache, fresh functions: the MLP and
+   a ResNet-18 train step written in NCHW. Target: at most 20% slower. Then where the
+   ResNet's first call goes: trace (with the passes), lowering, compiling.
+3. End to end: the ResNet-18 NCHW and a MobileNet-style train step with each tuner alone
+   and all together, against `jax.jit`.
 
 Run: `.venv/bin/python benchmarks/run.py jit_overhead [--quick] [--write]`.
 """
@@ -29,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import harness
@@ -56,21 +51,16 @@ def resnet_problem(image: int, batch: int = 8, *, quick: bool = False):
   rng = np.random.default_rng(0)
   if quick:  # a 5-conv NHWC ResNet-style net: a smoke run compiles in seconds
     params, loss = kernels_bench.resnet(rng)
-    x = jnp.asarray(rng.normal(size=(batch, image, image, 3)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-    return kernels_bench.sgd_step(loss), (params, x, y)
+    return kernels_bench.sgd_step(loss), (params, *kernels_bench.images(rng, batch, image))
   params = layout_bench.init_params(rng, classes=10)
-  x = jnp.asarray(rng.normal(size=(batch, 3, image, image)), jnp.float32)
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return layout_bench.make_train_step(channels_last=False), (params, x, y)
+  return (layout_bench.make_train_step(channels_last=False),
+          (params, *kernels_bench.images(rng, batch, image, nchw=True)))
 
 
 def mobilenet_problem(image: int, batch: int = 32):
   rng = np.random.default_rng(0)
   params, loss = kernels_bench.mobilenet(rng)
-  x = jnp.asarray(rng.normal(size=(batch, image, image, 3)), jnp.float32)
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return kernels_bench.sgd_step(loss), (params, x, y)
+  return kernels_bench.sgd_step(loss), (params, *kernels_bench.images(rng, batch, image))
 
 
 def _fresh(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,17 +99,10 @@ def first_call(step: Callable[..., Any], args: tuple[Any, ...], rounds: int) -> 
 
 def first_call_parts(step: Callable[..., Any], args: tuple[Any, ...],
                      rounds: int) -> dict[str, float]:
-  """Where the first call's time goes: trace (with the passes), lowering, compiling.
-
-  Fresh functions each round, `jax.jit` and `tj.jit` interleaved; each is
-  traced, lowered and compiled by hand (`.trace`, `.lower`, `.compile`:
-  what a first call does before it runs). Compiling is also given in CPU
-  seconds of the process (XLA:CPU compiles on several threads), which move
-  less with the machine's load than wall time. `tj.jit`'s trace is split
-  by its `SignatureReport.trace_s` (tracing the function and running the
-  passes) and the share the layout pass and kernel selection spend in their
-  own evaluations.
-  """
+  """Where the first call's time goes: fresh functions each round, `jax.jit` and `tj.jit`
+  interleaved, each traced (with the passes), lowered and compiled by hand; compiling also
+  in the process's CPU seconds (XLA:CPU compiles on several threads), which move less with
+  the machine's load than wall time."""
   parts: dict[str, list[float]] = {}
 
   def add(key: str, value: float) -> None:
@@ -177,10 +160,8 @@ def measure(quick: bool = False, *, rounds: int = 7, image: int = 64) -> harness
       result.timings["steady state"] = steady_state(rounds, calls)
       resnet_step, resnet_args = resnet_problem(image, quick=quick)
       result.timings["first call: MLP train step"] = first_call(*mlp_problem(), rounds)
-      result.timings[f"first call: {resnet}"] = first_call(resnet_step, resnet_args,
-                                                           first_rounds)
-      result.figures["first call parts"] = first_call_parts(resnet_step, resnet_args,
-                                                            first_rounds)
+      result.timings[f"first call: {resnet}"] = first_call(resnet_step, resnet_args, first_rounds)
+      result.figures["first call parts"] = first_call_parts(resnet_step, resnet_args, first_rounds)
     # The tuners off: each variant sets its own.
     for name, (step, args) in {
         resnet: resnet_problem(image, quick=quick),
@@ -231,36 +212,27 @@ def render(result: harness.Result) -> str:
   r_mlp, r_resnet = (firsts[k].ratio(WARM) for k in ("MLP train step", p["resnet"]))
   e2e = {k.removeprefix("end to end: "): v for k, v in t.items() if k.startswith("end to end: ")}
   return "\n".join([
-      "## `tunedjax.jit`: overhead and end-to-end speed",
-      "",
+      "## `tunedjax.jit`: overhead and end-to-end speed", "",
       f"`benchmarks/run.py jit_overhead{' --quick' if p['quick'] else ''}`: {p['rounds']} "
       "interleaved rounds; ratios are medians of per-round ratios to `jax.jit` (below 1 is "
-      f"faster). {result.machine} {result.load_line()}",
-      "",
-      f"### Steady state: per call, MLP train step ({p['calls']} calls per timed run)",
-      "",
-      _steady_table(steady, p["calls"]),
-      "",
+      f"faster). {result.machine} {result.load_line()}", "",
+      f"### Steady state: per call, MLP train step ({p['calls']} calls per timed run)", "",
+      _steady_table(steady, p["calls"]), "",
       f"Target: within 2% or 10 us of `jax.jit`: "
       f"{'met' if ratio <= 1.02 or extra_us <= 10.0 else 'NOT met'} "
       f"(ratio {ratio:.3f}, {extra_us:+.1f} us per call; A/A {steady.ratio(harness.CONTROL):.3f}).",
       "",
-      "### First call: trace + passes + compile, warm tuning cache, fresh functions",
-      "",
+      "### First call: trace + passes + compile, warm tuning cache, fresh functions", "",
       *[f"**{name}**\n\n{harness.ratio_table(ft, unit='s', scale=1.0)}\n"
         for name, ft in firsts.items()],
       f"Target: at most 1.20x `jax.jit`'s first call: "
       f"{'met' if max(r_mlp, r_resnet) <= 1.20 else 'NOT met'} "
-      f"(MLP {r_mlp:.2f}x, ResNet-18 {r_resnet:.2f}x).",
-      "",
+      f"(MLP {r_mlp:.2f}x, ResNet-18 {r_resnet:.2f}x).", "",
       f"Where the ResNet-18 first call's time goes ({p['first_rounds']} more interleaved "
       "rounds of fresh functions traced, lowered and compiled by hand, medians; compiling "
-      "also in CPU seconds of the process, which move less with the load):",
-      "",
-      _parts_table(result.figures["first call parts"]),
-      "",
-      "### End to end: each tuner alone and all together (steady-state step time)",
-      "",
+      "also in CPU seconds of the process, which move less with the load):", "",
+      _parts_table(result.figures["first call parts"]), "",
+      "### End to end: each tuner alone and all together (steady-state step time)", "",
       *[f"**{name}**\n\n{harness.ratio_table(et)}\n" for name, et in e2e.items()],
       *[_e2e_line(name, et) for name, et in e2e.items()],
   ])

@@ -1,33 +1,17 @@
 """Kernel priors: measure them, ship them, and measure how well they predict.
 
-Three steps:
-
-``collect`` (`measure`)
-    Tunes every kernel bucket of three networks exhaustively (``kernel.predict``
-    and ``kernel.payback`` off: every applicable candidate compiled and timed),
-    each into a cache folder of its own under ``work``: the demo's network
-    (`tunedjax.demo.DemoNet`, batch 128, 32x32, through the `Trainer`, so its
-    batch norms are sites too), the MobileNet-style train step of
-    ``kernels.py`` (batch 32, 64x64) and the ResNet-18 train step of
-    ``jit_overhead.py`` (batch 8, 64x64, written NCHW; the layout pass
-    re-lays it), the last two through `tunedjax.jit` with kernel selection
-    and layout on.
-``write_priors`` (``python benchmarks/kernel_priors.py``: all three steps)
-    Writes those measurements as each family's priors for this machine's class
-    (``src/tunedjax/ops/<family>/priors/<class>.json``, with the date, the
-    machine, the JAX version and this command as provenance).
-``evaluate`` (`measure`; `render`: the table)
-    How good the predictions are, from the exhaustive measurements: for each
-    bucket, the candidates a prediction would compile (`Prediction.could_win`,
-    the tuner's 10% margin, no horizon), the kernel the tuner would then
-    choose from their measured times, and that kernel's time over the
-    exhaustive winner's (the regret); also the predicted best's own time
-    over the winner's. Three settings: priors from the *other* networks only
-    (leave one network out: a machine that has measured nothing of this
-    network), the same plus the network's buckets measured earlier in the
-    run (as a first run sees them), and priors from all three networks
-    (in-sample: the shipped priors were measured on these very buckets, so
-    this figure flatters).
+``collect`` (`measure`): tunes every kernel bucket of three networks exhaustively
+(``kernel.predict`` and ``kernel.payback`` off), each into a cache folder of its own: the
+demo network (`DemoNet`, batch 128, 32x32, through the `Trainer`, so its batch norms are
+sites too), the MobileNet-style step of ``kernels.py`` (batch 32, 64x64) and the ResNet-18
+step of ``jit_overhead.py`` (batch 8, 64x64, NCHW, re-laid by the layout pass).
+``write_priors``: those measurements as each family's priors for this machine's class
+(``src/tunedjax/ops/<family>/priors/<class>.json``, with provenance).
+``evaluate`` (`render`: the table): per bucket, the candidates a prediction would compile
+(`Prediction.could_win`, 10% margin, no horizon), the kernel the tuner would then choose,
+and its time over the exhaustive winner's (the regret); also the predicted best's. Priors
+from the *other* networks only (leave one out), plus the network's buckets measured
+earlier in the run (as a first run sees them), and from all three (in-sample: flatters).
 
 Run: ``python benchmarks/run.py kernel_priors [--quick] [--write]`` measures and
 evaluates (the table; nothing under src/ changes); ``python

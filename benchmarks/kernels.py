@@ -1,18 +1,11 @@
 """Per-shape kernel selection: speedups over XLA per bucket and on whole train steps.
 
-For each convolution bucket of issue 6 (NHWC, float32) the selection pass
-tunes the forward convolution, and separately the forward + backward
-computation (the input- and weight-gradient convolutions are buckets of their
-own); then the selected function is timed against plain `jax.jit` in
-interleaved rounds (with an A/A control). Reported per bucket: the kernels
-chosen, the speedups (xla time / selected time, medians of per-round ratios),
-and the seconds spent tuning. A warm-cache re-run (a fresh cache object on
-the same folder, nothing tuned in memory) must tune nothing.
-
-Then the figure users feel: a whole MobileNet-style train step (depthwise 3x3
-+ BatchNorm + 1x1 blocks, 64x64 images, batch 32, SGD) through
-`select_kernels` against plain `jax.jit`, and a ResNet-style step (3x3 convs
-with BatchNorm) as the control.
+Each convolution bucket of issue 6 (NHWC, float32), forward and forward + backward
+(the gradient convolutions are buckets of their own), tuned by the selection pass and
+timed against plain `jax.jit` in interleaved rounds (A/A control): kernels chosen,
+speedups, tuning seconds. Then a whole MobileNet-style train step (depthwise 3x3 +
+BatchNorm + 1x1 blocks, 64x64, batch 32, SGD) and a ResNet-style control step; last, a
+warm-cache re-run (a fresh cache object on the same folder) must tune nothing.
 
 Run: `.venv/bin/python benchmarks/run.py kernels [--quick] [--write]`.
 """
@@ -27,11 +20,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 from jax import lax
 
 import harness
-from tunedjax import _tuning
+from tunedjax import _tuning, ops
 from tunedjax.autotune import _select
+from tunedjax.demo import DemoNet
+from tunedjax.ops.batch_norm import _family as _bn_family
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -64,8 +61,7 @@ BUCKETS = (
     Bucket("small spatial", 7, 512, 512, 3, target="faster"),
     Bucket("resnet", 56, 64, 64, 3, control=True, target=">= 0.9x"),
     Bucket("resnet", 28, 128, 128, 3, control=True, target=">= 0.9x"),
-    Bucket("stem", 112, 3, 64, 7, stride=2, control=True,
-           target=">= 0.9x"),
+    Bucket("stem", 112, 3, 64, 7, stride=2, control=True, target=">= 0.9x"),
 )
 
 
@@ -168,12 +164,59 @@ def sgd_step(loss: Callable[..., Any]) -> Callable[..., Any]:
   return step
 
 
+def images(rng: np.random.Generator, batch: int, size: int, *, nchw: bool = False
+           ) -> tuple[jax.Array, jax.Array]:
+  """A batch of random float32 images (NHWC, or NCHW) and int32 labels of 10 classes."""
+  shape = (batch, 3, size, size) if nchw else (batch, size, size, 3)
+  return _normal(rng, shape), jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
+
+
+def bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  # Batch norm as plain JAX code writes it, in primitive ops (two passes, rsqrt): no
+  # tunedjax call; under tj.jit the batch-norm family finds it as a pattern.
+  mean = x.mean(axis=(0, 1, 2))
+  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
+  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
+
+
+def bn_family(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+  """`_bn` through the batch-norm family's call site: under jax.jit the reference (the
+  same mean, var and normalisation), under tj.jit the tuned kernel."""
+  return _bn_family.batch_norm(x, g, b, epsilon=1e-5)
+
+
+def demo_step(width: int, *, torch_padding: bool = False, grads: bool = False):
+  """`DemoNet` (10 classes, seed 0) as (params, batch stats, its SGD step): the step
+  returns (loss, [gradients,] new params, new stats). `torch_padding`: the strided
+  depthwise convs pad one pixel on every side (PyTorch's padding=1)."""
+  model = DemoNet(10, width=width, seed=0)
+  for block in model.separable if torch_padding else ():
+    conv = block.depthwise.conv
+    if conv.strides not in (1, (1, 1)):
+      conv.padding = ((1, 1), (1, 1))
+  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+
+  # nnx.BatchNorm onto the batch-norm family under tj.jit (as the Trainer does); under
+  # jax.jit, outside kernel selection, Flax's own code.
+  @ops.batch_norm.route_batch_norm()
+  def loss(params, stats, x, y):
+    m = nnx.merge(graphdef, params, stats, copy=True)
+    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+    return value, nnx.state(m, nnx.BatchStat)
+
+  def step(params, stats, x, y):
+    (value, stats), g = jax.value_and_grad(loss, has_aux=True)(params, stats, x, y)
+    new = jax.tree.map(lambda p, g: p - 0.01 * g, params, g)
+    return (value, g, new, stats) if grads else (value, new, stats)
+
+  return params, stats, step
+
+
 # -- measuring -----------------------------------------------------------------------
 
 
 def _block(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[], Any]:
   return lambda: jax.block_until_ready(fn(*args))
-
 
 def _chosen(counts: dict[str, int]) -> str:
   names: dict[str, int] = {}
@@ -238,8 +281,7 @@ def measure(quick: bool = False, *, rounds: int = 9, batch: int = 8, budget: flo
   if steps:
     step_batch, size = (4, 32) if quick else (32, 64)
     result.params.update(step_batch=step_batch, size=size)
-    x = _normal(rng, (step_batch, size, size, 3))
-    y = jnp.asarray(rng.integers(0, 10, size=step_batch), jnp.int32)
+    x, y = images(rng, step_batch, size)
     for name, network, target in STEPS:
       params, loss = network(rng)
       result.timings[name], info = tune_and_time(sgd_step(loss), (params, x, y), **tune)
@@ -257,15 +299,13 @@ def _speedup(t: harness.Timings) -> float:
 def render(result: harness.Result) -> str:
   p, t = result.params, result.timings
   lines = [
-      "## Kernel selection: speedup over XLA per bucket",
-      "",
+      "## Kernel selection: speedup over XLA per bucket", "",
       f"`benchmarks/run.py kernels{' --quick' if p['quick'] else ''}`: NHWC float32, batch "
       f"{p['batch']}; each bucket tuned by `autotune.select_kernels` (tuner: "
       f"{p['tune_rounds']} rounds, {p['budget']:.0f} s budget per bucket, 10% margin), then "
       f"timed against `jax.jit` in {p['rounds']} interleaved rounds after 1 warm-up; speedup = "
       "xla time / selected time (median of per-round ratios), A/A = the xla baseline timed "
-      f"twice (1.00 is noise-free). {result.load_line()} {result.machine}",
-      "",
+      f"twice (1.00 is noise-free). {result.load_line()} {result.machine}", "",
       "| bucket | fwd: kernel | fwd speedup | fwd+bwd: kernels (fwd, dx, dw convs) | "
       "fwd+bwd speedup | xla fwd+bwd (ms) | tuning, 3 buckets (s) | A/A fwd / fwd+bwd | target |",
       "|---|---|---:|---|---:|---:|---:|---:|---|",
@@ -280,10 +320,8 @@ def render(result: harness.Result) -> str:
         f"{tb.ratio(harness.CONTROL):.2f} | {row['target']} |")
   if result.figures["steps"]:
     lines += [
-        "",
-        f"Whole train steps (batch {p['step_batch']}, {p['size']}x{p['size']} images, "
-        "value_and_grad + SGD) through `select_kernels` against plain `jax.jit`:",
-        "",
+        "", f"Whole train steps (batch {p['step_batch']}, {p['size']}x{p['size']} images, "
+        "value_and_grad + SGD) through `select_kernels` against plain `jax.jit`:", "",
         "| train step | kernels chosen (all convs, forward and backward) | speedup | "
         "jax.jit (ms) | selected (ms) | tuning (s) | A/A | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
@@ -294,10 +332,7 @@ def render(result: harness.Result) -> str:
                    f"{1e3 * ts.median('xla'):.1f} | {1e3 * ts.median('selected'):.1f} | "
                    f"{r['tuning_s']:.1f} | {ts.ratio(harness.CONTROL):.2f} | {r['target']} |")
   w = result.figures["warm rerun"]
-  lines += [
-      "",
-      f"Warm-cache re-run (same cache folder, a fresh `Cache` object, nothing tuned in "
-      f"memory): {w['tuning_s']:.1f} s tuning, {w['hits']} hits, {w['misses']} misses "
-      f"(hit rate {w['hits'] / max(w['hits'] + w['misses'], 1):.0%}).",
-  ]
+  lines += ["", f"Warm-cache re-run (same cache folder, a fresh `Cache` object, nothing tuned "
+            f"in memory): {w['tuning_s']:.1f} s tuning, {w['hits']} hits, {w['misses']} "
+            f"misses (hit rate {w['hits'] / max(w['hits'] + w['misses'], 1):.0%})."]
   return "\n".join(lines)

@@ -1,36 +1,19 @@
 """Layout pass: a ResNet-18 written in NCHW, re-laid to NHWC, against hand-written NHWC.
 
-A ResNet-18 as a PyTorch port would be written (NCHW activations, OIHW
-kernels, lax ops: 7x7/2 stem, 3x3/2 max pool, 8 basic blocks with batch-stat
-BatchNorm and 1x1/2 projection shortcuts, global average pool, dense head),
-batch 8, forward and SGD train step. Variants, interleaved in one run:
+A ResNet-18 as a PyTorch port would be written (NCHW activations, OIHW kernels, lax ops;
+batch-stat BatchNorm, 1x1/2 projection shortcuts), batch 8, forward and SGD train step,
+checked to agree, then interleaved: NCHW under jax.jit (the baseline) and under
+`layout.optimize`; the same network hand-written NHWC (same weights), fed HWIO or the OIHW
+kernels transposed inside the step (what any NHWC execution of the port must pay: the
+function's inputs keep their layout); `layout.optimize` on the NHWC network (should change
+nothing). Target (issue #4): optimized NCHW within 5% of hand-written NHWC and faster than
+plain NCHW.
 
-- NCHW, jax.jit: the port as written (the baseline);
-- NCHW, layout.optimize: `jax.jit(layout.optimize(f))`, target auto;
-- NHWC, hand-written: the same network written channels-last (same weights);
-- NHWC, hand-written, OIHW params: the NHWC network fed the PyTorch (OIHW)
-  kernels, transposed inside the step: what any NHWC execution of the port
-  must pay, since the function's inputs keep their layout;
-- NHWC, layout.optimize: the pass on the NHWC network (should change nothing
-  and cost nothing);
-- A/A control: the baseline timed twice.
-
-Target (issue #4): optimized NCHW within 5% of hand-written NHWC and faster
-than plain NCHW. Checks that every variant computes the same outputs first.
-
-Then the same two networks as Flax nnx modules trained by `tunedjax.Trainer`
-(layout pass on, kernel selection off, SGD with momentum), timed per step
-(`fit` over pre-made batches) and per `predict` call:
-
-- NHWC model: the hand-written channels-last network, HWIO parameters (the baseline);
-- NCHW model: the PyTorch port, OIHW parameters; the Trainer keeps its
-  kernels (and their momentum) stored HWIO between steps, so no step
-  transposes them;
-- NCHW model, kernels not re-laid: the same with that storage switched off
-  (each step transposes the OIHW kernels, as `layout.optimize` alone does).
-
-Target (issue #18): the NCHW model within 5% of the NHWC model, train step
-and forward.
+Then both networks as Flax nnx modules trained by `tunedjax.Trainer` (layout pass on, kernel
+selection off, SGD with momentum), per step (`fit`) and per `predict`: the NHWC model (the
+baseline), the NCHW model (the Trainer keeps its kernels and their momentum stored HWIO
+between steps), and the NCHW model with that storage off (each step transposes the
+kernels). Target (issue #18): the NCHW model within 5% of the NHWC model.
 
 Run: `.venv/bin/python benchmarks/run.py layout [--quick] [--write]` (112x112 images,
 9 rounds; `measure(image=224, dtype="bfloat16", ...)` for other sizes).
@@ -227,8 +210,7 @@ def trainer_timings(p_nchw: dict, x_nchw: jax.Array, y: jax.Array, *, rounds: in
                                 rounds=rounds, warmup=1)
   fwd_t = harness.interleaved({n: (lambda n=n: predict(n)) for n in made}, baseline=TR_NHWC,
                               rounds=rounds, warmup=1)
-  per_step = harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()},
-                             TR_NHWC)
+  per_step = harness.Timings({n: [v / steps for v in r] for n, r in train_t.runs.items()}, TR_NHWC)
   return per_step, fwd_t, dict(made[TR_NCHW][0].history.tuning.get(_relayout.KEY, {}))
 
 
@@ -284,21 +266,16 @@ def measure(quick: bool = False, *, image: int = 112, rounds: int = 9, batch: in
   return result
 
 
-def _vs(t: harness.Timings, a: str, b: str) -> float:
-  """Median over rounds of `a`'s time over `b`'s."""
-  return harness.Timings(t.runs, b).ratio(a)
-
-
 def _table(t: harness.Timings) -> str:
   return harness.ratio_table(t, notes={
-      OPT: f"{_vs(t, OPT, HAND):.3f}x hand-written NHWC, {_vs(t, OPT, OIHW):.3f}x NHWC with "
-           "OIHW params",
-      OIHW: f"{_vs(t, OIHW, HAND):.3f}x hand-written NHWC",
-      OPT_NHWC: f"{_vs(t, OPT_NHWC, HAND):.3f}x hand-written NHWC"})
+      OPT: f"{t.ratio_to(OPT, HAND):.3f}x hand-written NHWC, {t.ratio_to(OPT, OIHW):.3f}x NHWC "
+           "with OIHW params",
+      OIHW: f"{t.ratio_to(OIHW, HAND):.3f}x hand-written NHWC",
+      OPT_NHWC: f"{t.ratio_to(OPT_NHWC, HAND):.3f}x hand-written NHWC"})
 
 
 def _verdict(t: harness.Timings) -> str:
-  opt, fair = _vs(t, OPT, HAND), _vs(t, OPT, OIHW)
+  opt, fair = t.ratio_to(OPT, HAND), t.ratio_to(OPT, OIHW)
   within = "met" if opt <= 1.05 else "NOT met"
   faster = "met" if t.ratio(OPT) < 1.0 else "NOT met"
   return (f"Target: optimized NCHW / hand-written NHWC = {opt:.3f} (within 5%: {within}; "
@@ -318,32 +295,20 @@ def render(result: harness.Result) -> dict[str, str]:
   p, t, e = result.params, result.timings, result.figures["explain"]
   nchw, step, nhwc = e["forward NCHW"], e["train step NCHW"], e["forward NHWC"]
   lines = [
-      "## Layout pass: ResNet-18 NCHW vs NHWC",
-      "",
+      "## Layout pass: ResNet-18 NCHW vs NHWC", "",
       f"`benchmarks/run.py layout{' --quick' if p['quick'] else ''}`: ResNet-18 written in NCHW "
       f"with lax ops (as a PyTorch port), batch {p['batch']}, {p['image']}x{p['image']} images, "
       f"{p['dtype']}. {p['rounds']} interleaved rounds after a warm-up; ratios are medians of "
       "per-round ratios to plain `jax.jit` on the NCHW model. "
       f"{result.machine} {result.load_line()}",
-      "",
-      "Forward:",
-      "",
-      _table(t["forward"]),
-      "",
-      _verdict(t["forward"]),
-      "",
-      "Train step (loss, gradients and SGD update inside `layout.optimize`):",
-      "",
-      _table(t["train step"]),
-      "",
-      _verdict(t["train step"]),
-      "",
+      "", "Forward:", "", _table(t["forward"]), "", _verdict(t["forward"]), "",
+      "Train step (loss, gradients and SGD update inside `layout.optimize`):", "",
+      _table(t["train step"]), "", _verdict(t["train step"]), "",
       f"What the pass did (`layout.explain`): forward NCHW: {nchw['summary']}, transposes "
       f"{nchw['before']} -> {nchw['after']} (activations: 1 in; the rest are kernels); train "
       f"step NCHW: {step['re-laid']} of {step['convolutions']} convolutions re-laid, "
       f"transposes {step['before']} -> {step['after']}; forward NHWC: {nhwc['summary']}, "
-      f"transposes {nhwc['before']} -> {nhwc['after']}.",
-      "",
+      f"transposes {nhwc['before']} -> {nhwc['after']}.", "",
       f"Reading: the port's OIHW kernels ({result.figures['kernel weights'] / 1e6:.1f}M weights) "
       "are inputs of the function, and the pass keeps inputs in their layout, so every call "
       "transposes them to HWIO (as XLA:CPU does itself for plain NCHW). 'NHWC, hand-written, "
@@ -353,27 +318,17 @@ def render(result: harness.Result) -> dict[str, str]:
   if "trainer step" in t:
     storage = result.figures["trainer storage"]
     lines += [
-        "",
-        "### The Trainer: NCHW model against the same model written NHWC",
-        "",
+        "", "### The Trainer: NCHW model against the same model written NHWC", "",
         "Both as Flax nnx modules trained by `tunedjax.Trainer` (layout pass on, kernel "
         "selection off, SGD with momentum, the same batch); ratios to the NHWC model. "
         f"Train step: `fit` over {p['trainer_steps']} steps per timed run, divided per step. "
         f"The Trainer's record of the storage: {storage.get('weights', 0)} kernels and "
         f"{storage.get('optimizer_leaves', 0)} momentum leaves kept for "
-        f"{storage.get('target', '-')}.",
-        "",
-        "Train step:",
-        "",
-        harness.ratio_table(t["trainer step"]),
-        "",
-        _trainer_verdict(t["trainer step"], "train step"),
-        "",
-        "Forward (`Trainer.predict` on one batch):",
-        "",
-        harness.ratio_table(t["trainer forward"]),
-        "",
-        _trainer_verdict(t["trainer forward"], "forward"),
-    ]
+        f"{storage.get('target', '-')}.", ""]
+    for what, key, table in (("Train step:", "trainer step", "train step"),
+                             ("Forward (`Trainer.predict` on one batch):", "trainer forward",
+                              "forward")):
+      lines += [what, "", harness.ratio_table(t[key]), "", _trainer_verdict(t[key], table)]
+      lines += [""] if key == "trainer step" else []
   suffix = "" if p["dtype"] == "float32" else f"_{p['dtype']}"
   return {f"layout_{p['backend']}{suffix}": "\n".join(lines)}

@@ -1,18 +1,11 @@
 """float32 against mixed bfloat16 (`tunedjax.mixed_precision.wrap`) training.
 
-Two models, each trained with optax Adam, float32 against the same model
-wrapped with `mp.wrap(model, "mixed_bfloat16")` (level O1: float32 master
-weights, matmuls and convolutions in bfloat16 with float32 accumulation,
-norms and reductions in float32):
-
-- (a) a Transformer block (linen: LayerNorm, 4-head self-attention, MLP);
-- (b) a small CNN (nnx: three convolutions with BatchNorm, a linear head).
-
-For each: the step time (interleaved rounds, median of per-round ratios, an
-A/A control of the float32 step), the bytes `compiled.memory_analysis()`
-reports for the step's arguments (parameters, optimizer state, batch) and
-temporaries, and the loss after the same number of steps from the same
-initialization and data.
+Two models trained with optax Adam, float32 against `mp.wrap(model, "mixed_bfloat16")`
+(O1: float32 master weights, matmuls and convolutions in bfloat16 with float32
+accumulation): (a) a Transformer block (linen: LayerNorm, 4-head self-attention, MLP);
+(b) a small CNN (nnx: three convolutions with BatchNorm, a linear head). For each: the
+step time (interleaved rounds, A/A control), the bytes `compiled.memory_analysis()`
+reports for arguments and temporaries, and the loss after the same number of steps.
 
 Run: `.venv/bin/python benchmarks/run.py mixed_precision [--quick] [--write]`.
 """
@@ -75,8 +68,7 @@ def transformer_steps(quick: bool):
   for name, module in ((BASELINE, block), (MIXED, mp.wrap(block, "mixed_bfloat16"))):
     def step(state, x, y, module=module):
       params, opt_state = state
-      loss, grads = jax.value_and_grad(
-          lambda p: jnp.mean((module.apply(p, x) - y) ** 2))(params)
+      loss, grads = jax.value_and_grad(lambda p: jnp.mean((module.apply(p, x) - y) ** 2))(params)
       updates, opt_state = opt.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
     out[name] = (jax.jit(step), (params, opt.init(params)))
@@ -135,8 +127,7 @@ def _one_model(steps: dict, batch, params, *, rounds: int, train_steps: int) -> 
       jax.block_until_ready(loss)
     return run
 
-  t = harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE,
-                          rounds=rounds, warmup=2)
+  t = harness.interleaved({n: runner(n) for n in steps}, baseline=BASELINE, rounds=rounds, warmup=2)
   return {"timings": t, "memory": memory, "losses": losses, "params_bytes": nbytes(params)}
 
 
@@ -184,25 +175,21 @@ def render(result: harness.Result) -> str:
   texts = [_model_text(title, result.timings[title], result.figures[title], p["train_steps"])
            for title, _ in MODELS]
   return "\n".join([
-      "## Mixed precision: float32 vs mixed bfloat16 training step",
-      "",
+      "## Mixed precision: float32 vs mixed bfloat16 training step", "",
       "`benchmarks/run.py mixed_precision`" + (" --quick" if p["quick"] else "") +
       ": one Adam training step, float32 against `mp.wrap(model, \"mixed_bfloat16\")` "
       f"(O1). {p['rounds']} interleaved rounds after 2 warm-up rounds; ratios are medians of "
       "per-round ratios (below 1 is faster). Memory from `compiled.memory_analysis()` "
       "(arguments: parameters, optimizer state and batch; temporaries: activations and "
-      "intermediates). " + result.machine + " " + result.load_line(),
-      "",
+      "intermediates). " + result.machine + " " + result.load_line(), "",
       *[text + "\n" for text, _ in texts],
-      *[verdict for _, verdict in texts],
-      "",
+      *[verdict for _, verdict in texts], "",
       "What limits the gain here: `wrap` at O1 runs the autocast op lists, so only the "
       "matmuls and convolutions run in bfloat16 (with float32 accumulation). Ops that "
       "follow them take the widest dtype of their inputs, and Flax adds float32 biases "
       "and norm scales after each matmul, so most elementwise work goes back to float32 "
       "behind a convert; on this CPU a bfloat16 convolution is no faster than a float32 "
-      "one. Parameters and optimizer state take the same bytes (float32 master weights).",
-      "",
+      "one. Parameters and optimizer state take the same bytes (float32 master weights).", "",
       "No GPU was available for this run, so the ResNet-50 throughput comparison the "
       "issue asks for on GPU is not here.",
   ])

@@ -1,24 +1,17 @@
 """`matmul_1x1_native` against the kernels it would replace: per bucket and in the whole step.
 
-Two measurements, both in interleaved rounds (`harness.interleaved`), medians
-of per-round ratios, the old kernel timed twice as an A/A control:
+In interleaved rounds, the old kernel timed twice as an A/A control:
 
-* buckets: each 1x1 convolution of the demo and MobileNet-style steps in its
-  three train-step forms (forward, weight gradient, input gradient), each
-  kernel jitted alone: ``xla``, ``matmul_1x1`` (forward and input gradient)
-  or ``window_matmul`` (weight gradient) and ``matmul_1x1_native``; every
-  kernel checked against xla first.
-* the step: the whole tuned train step (`vs_pytorch.py`'s demo and
-  MobileNet steps), tuned into a fresh cache, then compiled from copies of
-  that cache: ``new`` (the tuner's choice: it may pick
-  ``matmul_1x1_native``), ``old`` (each ``matmul_1x1_native`` winner set back
-  to what the tuner would have chosen without it, so every other bucket runs
-  the same kernel in both) and ``wgrad only`` (set back but in the
-  weight-gradient buckets). Each checked against `jax.jit` (loss and every
-  gradient).
+* buckets: each 1x1 convolution of the demo and MobileNet-style steps in its three forms
+  (forward, weight and input gradients), each kernel jitted alone (``xla``,
+  ``matmul_1x1`` or ``window_matmul``, ``matmul_1x1_native``), checked against xla first;
+* the step (`vs_pytorch.py`'s), tuned into a fresh cache, then compiled from copies of
+  it: ``new`` (the tuner's choice), ``old`` (``matmul_1x1_native``'s winners set back to
+  what the tuner would have chosen without it) and ``wgrad only`` (set back but in the
+  weight-gradient buckets), each checked against `jax.jit`.
 
-``--quick`` (`make test`'s smoke run): tiny buckets, 2 rounds; the step is
-not run. Prints its tables; writes no section.
+``--quick`` (`make test`'s smoke run): tiny buckets, 2 rounds; the step is not run.
+Prints its tables; writes no section.
 
 Run: `.venv/bin/python benchmarks/run.py pointwise_native [--quick]`.
 """

@@ -1,20 +1,12 @@
 """What each program hands XLA, by export, on CPU: convolutions, converts, transposes, custom calls.
 
-No GPU or TPU is needed: each train step is exported with `jax.export` for
-CUDA and for TPU, and the StableHLO module's ops are counted:
-
-- the Flax ImageNet example's ResNet-50 step (`_gpu_models.resnet50`, linen,
-  BatchNorm), under `jax.jit` in float32 and with the example's
-  ``dtype=jnp.bfloat16`` (the expert's mixed precision);
-- a miniGPT LM step (``nnx.MultiHeadAttention`` with a ``jnp.tril`` mask), and
-  the same model with its attention written by hand (einsum, tril, softmax);
-- a ResNet written NCHW in lax ops (`_gpu_models.functional_resnet`, as a
-  PyTorch port writes it);
-
-each under `jax.jit` and under `tj.jit` with each tuner alone (mixed
-precision, layout, kernel selection) and all of them on. Convolutions are
-tabulated by operand and result dtype (``bf16 x bf16 -> bf16``), custom calls
-by target.
+No GPU or TPU is needed: each train step is exported with `jax.export` for CUDA and for
+TPU and its StableHLO ops counted: the Flax ImageNet example's ResNet-50 step
+(`_gpu_models.resnet50`) under `jax.jit` in float32 and with the example's
+``dtype=jnp.bfloat16``; a miniGPT LM step (``nnx.MultiHeadAttention`` with a ``jnp.tril``
+mask), and the same with its attention written by hand; a ResNet written NCHW in lax ops
+(`_gpu_models.functional_resnet`); each also under `tj.jit` with each tuner alone and
+all of them on. Convolutions by operand and result dtype, custom calls by target.
 
 Run: ``python benchmarks/run.py program_audit [--quick] [--write]``: small models,
 every variant (``--quick``: CUDA only, mixed precision alone and everything on);
@@ -59,15 +51,9 @@ _SHORT = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f6
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
-  """The ops of one exported module that matter to XLA's choices.
-
-  Attributes:
-    convolutions: ``{"bf16 x bf16 -> bf16": n}``, by operand and result dtype.
-    converts: `stablehlo.convert` ops.
-    transposes: `stablehlo.transpose` ops.
-    custom_calls: ``{target: n}``.
-    ops: every op of the module.
-  """
+  """The ops of one exported module that matter to XLA's choices: convolutions by operand
+  and result dtype (``{"bf16 x bf16 -> bf16": n}``), converts, transposes, custom calls by
+  target, and every op."""
 
   convolutions: dict[str, int]
   converts: int
@@ -104,8 +90,7 @@ def count_ops(text: str) -> Counts:
     elif kind == "custom_call":
       target = re.search(r"custom_call\s*@([\w$.\-]+)", line)
       calls[target.group(1) if target else "?"] += 1
-  return Counts(dict(convs), kinds["convert"], kinds["transpose"], dict(calls),
-                sum(kinds.values()))
+  return Counts(dict(convs), kinds["convert"], kinds["transpose"], dict(calls), sum(kinds.values()))
 
 
 # -- the programs: (step, args), built once per size ----------------------------------------

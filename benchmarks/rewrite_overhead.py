@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -99,17 +98,14 @@ def render(result: harness.Result) -> str:
       "make_jaxpr + rewrite (one rule on `add`)": f"rule fires on {p['adds']} `add` equations"})
   worst = max(t.ratio(k) for k in t.runs if k != "jax.make_jaxpr")
   return "\n".join([
-      "## Rewrite engine: tracing overhead",
-      "",
+      "## Rewrite engine: tracing overhead", "",
       f"`benchmarks/run.py rewrite_overhead`: trace a Flax nnx train step (CNN, depth "
       f"{p['depth']}, BatchNorm, Dropout, optax Adam; {p['equations']} equations counting "
       f"sub-jaxprs) with `jax.make_jaxpr`, against tracing it through "
       f"`tunedjax.rewrite.transform`. {p['rounds']} interleaved rounds after 2 warm-up "
       "rounds; ratios are medians of per-round ratios. " + result.machine + " "
-      + result.load_line(),
-      "",
-      table,
-      "",
+      + result.load_line(), "",
+      table, "",
       f"Target: the rewrite adds under 50% to tracing time (ratio < 1.5): "
       f"{'met' if worst < 1.5 else 'NOT met'} (worst variant {worst:.2f}).",
   ])

@@ -30,27 +30,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import harness
+from kernels import _conv, bn_plain as _bn
 import tunedjax as tj
 from tunedjax import autotune
 
 PERTURBATION = 1e-7
 FULL = {"batch": 32, "size": 64, "widths": (64, 128, 128, 256), "strides": (1, 2, 1, 2)}
 QUICK = {"batch": 8, "size": 32, "widths": (32, 64), "strides": (1, 2)}
-
-
-def _conv(x, w, stride=1, groups=1):
-  return lax.conv_general_dilated(x, w, (stride, stride), "SAME",
-                                  dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                  feature_group_count=groups)
-
-
-def _bn(x, g, b):  # batch norm as plain JAX writes it: two passes, rsqrt
-  mean = x.mean(axis=(0, 1, 2))
-  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
-  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
 
 
 def network(rng: np.random.Generator, widths, c0: int = 32) -> dict[str, np.ndarray]:

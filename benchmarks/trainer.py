@@ -1,33 +1,23 @@
 """`tunedjax.Trainer`: its per-step overhead, `steps_per_execution`, logging and autotune.
 
-Each table is timed in interleaved rounds with an A/A control (the baseline
-timed twice). Section ``trainer``:
+Each table is timed in interleaved rounds with an A/A control. Section ``trainer``:
 
-1. `Trainer.fit` (``autotune=False``, ``progress=False``, one device) against
-   the loop a good JAX user writes by hand, on the same Flax nnx CNN (Adam)
-   and pre-made NumPy batches, at 16x16 (a few ms a step) and 32x32. The
-   hand-written loop splits the model once, jits a pure step with donation,
-   `device_put`s each batch and reads each loss one step late, as the Trainer
-   does: the baseline. Three more bound it: the loss read at once, never read
-   (a lower bound), and no `device_put` (jit's own transfer, as the Trainer's
-   on a one-device mesh). A timed run is ``fit(batches, steps=trainer.step +
-   N)``: `fit`'s fixed costs are charged to its N steps. Target: within 3%.
-2. ``steps_per_execution=8`` against 1 on a tiny host-bound MLP (8 steps in
-   one compiled `lax.scan` per dispatch). Target: at least 1.5x faster a step.
-3. `fit` with the `tunedjax.callbacks.TensorBoard` callback writing every step
-   (and `CSVLogger`) against `fit` alone, on the CNN at batch 48, 16x16
-   (about 2 ms a step). Target: within 3%.
+1. `Trainer.fit` (``autotune=False``, ``progress=False``, one device) against the loop a
+   good JAX user writes by hand (split once, a jitted pure step with donation,
+   `device_put` each batch, each loss read one step late: the baseline), on the same Flax
+   nnx CNN (Adam) and pre-made NumPy batches, at 16x16 and 32x32; bounded by the loss read
+   at once, never read, and no `device_put`. A timed run is ``fit(batches,
+   steps=trainer.step + N)``. Target: within 3%.
+2. ``steps_per_execution=8`` against 1 on a tiny host-bound MLP. Target: at least 1.5x.
+3. `fit` with the `TensorBoard` callback writing every step (and `CSVLogger`) against
+   `fit` alone, on the CNN at batch 48, 16x16 (about 2 ms a step). Target: within 3%.
 
-Section ``trainer_autotune``: ``Trainer(autotune=True)`` against ``False`` in
-steady state on an MLP, a MobileNet-style CNN, the demo network and a
-Transformer LM (each Trainer first fits `WARM_STEPS` steps, where tuning and
-the whole-program check happen; then a timed run is `fit` of N more steps;
-target: at most 1.0x within the A/A control's noise), and the fixed cost
-where nothing can be gained: the README's Trainer example scaled up (an MLP,
-4096 records, batch 64, 5 epochs), a fresh Trainer and a whole `fit` a run,
-``autotune=True`` on a warm tuning cache (the benchmark's own unless
-``TUNEDJAX_CACHE_DIR`` is set) against ``False`` (target: within 5% + 0.1 s);
-the same for the MobileNet-style CNN.
+Section ``trainer_autotune``: ``Trainer(autotune=True)`` against ``False`` in steady state
+on an MLP, a MobileNet-style CNN, the demo network and a Transformer LM (after
+`WARM_STEPS` steps that tune and check; target: at most 1.0x within the A/A control's
+noise), and the fixed cost of a fresh Trainer's whole `fit` on a warm tuning cache (the
+benchmark's own unless ``TUNEDJAX_CACHE_DIR`` is set): the README's example scaled up
+(an MLP, 4096 records, batch 64, 5 epochs; target: within 5% + 0.1 s) and the CNN.
 
 Run: ``.venv/bin/python benchmarks/run.py trainer [--quick] [--write]``.
 """
@@ -341,8 +331,7 @@ def measure(quick: bool = False) -> harness.Result:
   for image, steps in p["cnn_sizes"]:
     t[f"cnn {image}"] = trainer_vs_hand(rounds, steps, image)
   cpu = {}
-  t["steps_per_execution"], cpu["steps_per_execution"] = steps_per_execution(
-      rounds, p["mlp_steps"])
+  t["steps_per_execution"], cpu["steps_per_execution"] = steps_per_execution(rounds, p["mlp_steps"])
   t["logging"], cpu["logging"] = logging_overhead(rounds, p["log_steps"])
   result.figures = {"cpu": cpu, "checks": {}, "utc": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                     time.gmtime())}
@@ -361,10 +350,6 @@ def measure(quick: bool = False) -> harness.Result:
 
 
 # --- rendering ------------------------------------------------------------------------------
-
-
-def _ratio_to(t: harness.Timings, name: str, baseline: str) -> float:
-  return harness.Timings(t.runs, baseline).ratio(name)
 
 
 def _table(t: harness.Timings, steps: int, cpu: dict[str, list[float]] | None = None) -> str:
@@ -405,9 +390,9 @@ def _cnn_lines(result: harness.Result) -> tuple[list[str], list[str], dict[int, 
         f"- {image}x{image} ({hand_ms:.1f} ms per step): {_met(s['ratio'] <= 1.03)} (ratio "
         f"{s['ratio']:.3f}, {trainer_ms:.2f} ms against {hand_ms:.2f} ms per step, "
         f"{s['extra_us']:+.0f} us; per-round range {lo:.2f}-{hi:.2f}; A/A "
-        f"{s['control']:.3f}). Against the synchronous loop {_ratio_to(t, TRAINER, HAND_SYNC):.3f}"
-        f", against the lower bound {_ratio_to(t, TRAINER, HAND_NONE):.3f}, against the "
-        f"hand-written loop without `device_put` {_ratio_to(t, TRAINER, HAND_HOST):.3f}.")
+        f"{s['control']:.3f}). Against the synchronous loop {t.ratio_to(TRAINER, HAND_SYNC):.3f}"
+        f", against the lower bound {t.ratio_to(TRAINER, HAND_NONE):.3f}, against the "
+        f"hand-written loop without `device_put` {t.ratio_to(TRAINER, HAND_HOST):.3f}.")
   return tables, targets, stats
 
 
@@ -420,8 +405,7 @@ def _logging_lines(result: harness.Result) -> list[str]:
   host_extra = host[BOARD] - host[PLAIN]
   lo, hi = t.spread(BOARD)
   return [
-      f"### Logging: the TensorBoard callback ({steps} steps per timed run)",
-      "",
+      f"### Logging: the TensorBoard callback ({steps} steps per timed run)", "",
       f"The CNN of the first table at batch {LOG_BATCH}, {LOG_IMAGE}x{LOG_IMAGE}x3 "
       f"({plain_ms:.2f} ms per step without callbacks), Adam; "
       f"`fit(batches, steps=trainer.step + {steps}, callbacks=[...])` on one trainer with "
@@ -430,10 +414,8 @@ def _logging_lines(result: harness.Result) -> list[str]:
       f"batches at epoch ends, every 1000 steps or 10 s, and at the end of `fit`), against the "
       f"same `fit` without callbacks; `CSVLogger` (every step) for "
       f"reference. {rounds} interleaved rounds; one event file for all of them (the callback "
-      f"keeps it open from one `fit` to the next and flushes it at each `fit`'s end).",
-      "",
-      _table(t, steps, cpu),
-      "",
+      f"keeps it open from one `fit` to the next and flushes it at each `fit`'s end).", "",
+      _table(t, steps, cpu), "",
       f"Target: the TensorBoard callback within 3% of a ~2 ms step: {_met(ratio <= 1.03)} "
       f"(ratio {ratio:.3f}, {(t.median(BOARD) - t.median(PLAIN)) / steps * 1e6:+.0f} us per "
       f"step; per-round range {lo:.2f}-{hi:.2f}; CSVLogger {t.ratio(CSV):.3f}; A/A "
@@ -460,45 +442,34 @@ def _trainer_section(result: harness.Result) -> str:
   slower = " and ".join(f"{s['slower_rounds']} of {s['rounds']}" for s in cnn.values())
   control = max(abs(s["control"] - 1) for s in cnn.values()) * 100
   return "\n".join([
-      "## `tunedjax.Trainer`: per-step overhead and `steps_per_execution`",
-      "",
+      "## `tunedjax.Trainer`: per-step overhead and `steps_per_execution`", "",
       f"`benchmarks/run.py trainer{' --quick' if p['quick'] else ''}`: {rounds} interleaved "
       f"rounds after a compiling warm-up; ratios are medians of per-round ratios to the "
       f"baseline (below 1 is faster). One device (`jax.device_count()` = {p['devices']}; "
       f"both loops on a one-device mesh), the same pre-made list of NumPy batches for every "
-      f"variant, so data loading is not measured. {result.machine} {result.load_line()}",
-      "",
-      "### Trainer against a hand-written `jax.jit` + optax loop",
-      "",
+      f"variant, so data loading is not measured. {result.machine} {result.load_line()}", "",
+      "### Trainer against a hand-written `jax.jit` + optax loop", "",
       f"Flax nnx CNN (3x3 conv 16 ch + BatchNorm + ReLU, strided 3x3 conv 32 ch + BatchNorm + "
       f"ReLU, mean, Linear 10), Adam, softmax cross-entropy, float32. The Trainer runs "
       f"`fit(batches, steps=trainer.step + N)` with `autotune=False, progress=False` (its "
       f"fixed per-`fit` costs are included, spread over the N steps). The hand-written loop "
       f"`nnx.split`s the model once and calls a `jax.jit(donate_argnums=(0, 1, 2))` step "
       f"`(params, rest, opt_state, batch)` on `jax.device_put(batch)`; the baseline reads each "
-      f"loss with `float` one step late, as the Trainer does.",
-      "",
+      f"loss with `float` one step late, as the Trainer does.", "",
       *tables,
-      "Target: the Trainer within 3% of the hand-written loop:",
-      "",
-      *targets,
-      "",
-      f"### `steps_per_execution={K}` against 1 ({steps} steps per timed run)",
-      "",
+      "Target: the Trainer within 3% of the hand-written loop:", "",
+      *targets, "",
+      f"### `steps_per_execution={K}` against 1 ({steps} steps per timed run)", "",
       "Flax nnx MLP 16-32-1, Adam, batch 32, squared error: host-bound (a step's compute is "
       "microseconds; dispatch, the batch's transfer and bookkeeping dominate). \"host ... us "
       "CPU\": the CPU time of the host thread per step (`time.thread_time`: dispatch, "
-      "transfers, bookkeeping), which moves less with the machine's load than wall time.",
-      "",
-      _table(t, steps, result.figures["cpu"]["steps_per_execution"]),
-      "",
+      "transfers, bookkeeping), which moves less with the machine's load than wall time.", "",
+      _table(t, steps, result.figures["cpu"]["steps_per_execution"]), "",
       f"Target: `steps_per_execution={K}` at least 1.5x faster per step: "
       f"{_met(speedup >= 1.5)} ({speedup:.2f}x: {sunk_us:.0f} us against {one_us:.0f} us per "
       f"step; per-round range of the ratio {t.spread(sunk)[0]:.2f}-{t.spread(sunk)[1]:.2f}; "
-      f"A/A {t.ratio(CONTROL):.3f}).",
-      "",
-      *_logging_lines(result),
-      "",
+      f"A/A {t.ratio(CONTROL):.3f}).", "",
+      *_logging_lines(result), "",
       f"Reading (load average {result.load[0]:.1f}-{result.load[-1]:.1f} on "
       f"{os.cpu_count()} cores): the 3% target is {verdict}. The Trainer took {gaps} over the "
       f"hand-written loop, and was the slower of the two in {slower} rounds; the A/A control "
@@ -508,7 +479,7 @@ def _trainer_section(result: harness.Result) -> str:
       f"shapes with those already checked, hands a one-device mesh's NumPy batch to the "
       f"jitted step as it is (jit transfers it; the baseline `device_put`s it first), reads "
       f"the loss and finiteness flag one step late and records them. On the host-bound MLP, "
-      f"with one step per dispatch, the Trainer takes {_ratio_to(t, one, HAND):.2f}x the "
+      f"with one step per dispatch, the Trainer takes {t.ratio_to(one, HAND):.2f}x the "
       f"hand-written loop's time per step ({one_us:.0f} us against {hand_us:.0f} us), and its "
       f"host thread {host[one]:.0f} us of CPU per step against {host[HAND]:.0f} us "
       f"({host[HAND_HOST]:.0f} us for the hand-written loop without `device_put`); "

@@ -1,34 +1,29 @@
 """tunedjax against PyTorch on CPU: the same CNN train steps, weights and batch.
 
-Each as one SGD train step (forward, backward, update): the MobileNet-style
-step of `benchmarks/kernels.py` (batch 32, 64x64; its batch norms call the
-batch-norm family's call site: the reference under `jax.jit`, the tuned kernel
-under `tj.jit`) and the demo network (`tunedjax.demo.DemoNet`, width 32, batch
-128, 32x32; Flax's `nnx.BatchNorm`, routed to the family under `tj.jit` by
-`ops.batch_norm.route_batch_norm`, as the Trainer does), in idiomatic PyTorch
-(`nn.Conv2d` with `groups`, `nn.BatchNorm2d`, `torch.optim.SGD`; eager NCHW and
-channels_last, `torch.compile` of both, eager with batch norm in primitive ops
-as JAX computes it) against `jax.jit` and `tj.jit` with kernel selection. The
-strided convolutions pad one pixel on every side on both sides, so one set of
-weights gives the same step. Section ``vs_pytorch_plain_auto``: the
-MobileNet-style step in plain JAX (batch norm in primitive ops; under `tj.jit`
-the family finds each one as a pattern), host memory ``auto``.
+One SGD train step (forward, backward, update) of the MobileNet-style network of
+`benchmarks/kernels.py` (batch 32, 64x64; batch norm through the batch-norm family's call
+site: the reference under `jax.jit`, the tuned kernel under `tj.jit`) and of the demo
+network (`tunedjax.demo.DemoNet`, width 32, batch 128, 32x32; `nnx.BatchNorm` routed to the
+family under `tj.jit` by `ops.batch_norm.route_batch_norm`, as the Trainer does), in
+idiomatic PyTorch (eager NCHW and channels_last, `torch.compile` of both, eager with batch
+norm in primitive ops as JAX computes it) against `jax.jit` and `tj.jit` with kernel
+selection. Strided convolutions pad one pixel on every side on both sides, so one set of
+weights gives the same step. Section ``vs_pytorch_plain_auto``: the MobileNet-style step in
+plain JAX (batch norm in primitive ops; `tj.jit` finds each as a pattern), host memory
+``auto``.
 
-Each section runs in a worker process (`harness.workers`). One step is checked
-first: the loss and every gradient against `jax.jit` (`agreement`; bound 2e-2).
-The variants are then timed interleaved (`harness.interleaved`; baseline
-PyTorch eager channels_last, timed twice as an A/A control; each round a
-variant runs `prime` untimed steps, then `steps` timed ones whose mean is its
-time: a training loop's steady state, not the first calls after idle that
-`after_idle.py` measures). Then where the time goes: `torch.profiler` (self
-CPU time per aten op) and `jax.profiler`'s thunk time per HLO instruction,
-grouped by what the instruction is, the top ones traced back to forward or
-backward, kernel and model line through the module's stack-frame tables; and
-tunedjax's kernel buckets (`autotune.explain`).
+Each section runs in a worker process (`harness.workers`). One step is checked first (loss
+and every gradient against `jax.jit`, `agreement`, bound 2e-2); then the variants are timed
+interleaved (baseline PyTorch eager channels_last, A/A control; each round a variant runs
+`prime` untimed steps, then `steps` timed ones: a training loop's steady state, not the
+first calls after idle of `after_idle.py`). Then where the time goes: `torch.profiler`
+(self CPU time per aten op) and `jax.profiler`'s thunk time per HLO instruction, grouped by
+kind, the top ones traced to forward or backward, kernel and model line; and tunedjax's
+kernel buckets (`autotune.explain`).
 
-torch is an optional extra: the workers run on this interpreter when it has
-torch, else on ``.venv-torch/bin/python`` where that exists, else JAX only.
-The CPU build (plain ``pip install torch`` gives a CUDA build, 5x slower here):
+torch is optional: the workers run on this interpreter when it has torch, else on
+``.venv-torch/bin/python`` where that exists, else JAX only. The CPU build (plain ``pip
+install torch`` gives a CUDA build, 5x slower here):
 
   python3.11 -m venv .venv-torch
   .venv-torch/bin/pip install -e '.[bench-torch]' \\
@@ -68,18 +63,13 @@ except ImportError:  # the JAX side only
   torch = None
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax import lax
 
 import harness
 import kernels as kernels_bench
 from harness import workers
-from tunedjax import autotune, ops
-from tunedjax.demo import DemoNet
-from tunedjax.ops.batch_norm import _family as _bn_family
+from tunedjax import autotune
 
 TORCH_PYTHON = pathlib.Path(__file__).resolve().parent.parent / ".venv-torch" / "bin" / "python"
 BASELINE = "PyTorch eager, channels_last"
@@ -102,44 +92,6 @@ def _conv(x, w, stride=1, groups=1):
   p = w.shape[0] // 2  # PyTorch's padding=k//2 on every side
   return lax.conv_general_dilated(x, w, (stride, stride), ((p, p), (p, p)),
                                   dimension_numbers=DN, feature_group_count=groups)
-
-
-def _bn(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-  # kernels.py's `_bn` through the batch-norm family's call site: under jax.jit the
-  # reference (the same mean, var and normalisation), under tj.jit the tuned kernel.
-  return _bn_family.batch_norm(x, g, b, epsilon=1e-5)
-
-
-def _bn_plain(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-  # Batch norm as plain JAX code writes it, in primitive ops (two passes, rsqrt): no
-  # tunedjax call; under tj.jit the batch-norm family finds it as a pattern.
-  mean = x.mean(axis=(0, 1, 2))
-  var = ((x - mean) ** 2).mean(axis=(0, 1, 2))
-  return (x - mean) * lax.rsqrt(var + 1e-5) * g + b
-
-
-def demo_jax(width: int, classes: int = 10):
-  """DemoNet split into (graphdef, params, batch stats) and its SGD step."""
-  model = DemoNet(classes, width=width, seed=0)
-  for block in model.separable:  # the strided depthwise convs: PyTorch's padding=1
-    conv = block.depthwise.conv
-    if conv.strides not in (1, (1, 1)):
-      conv.padding = ((1, 1), (1, 1))
-  graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-
-  # nnx.BatchNorm onto the batch-norm family under tj.jit (as the Trainer does); under
-  # jax.jit, outside kernel selection, Flax's own code.
-  @ops.batch_norm.route_batch_norm()
-  def loss(params, stats, x, y):
-    m = nnx.merge(graphdef, params, stats, copy=True)
-    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-    return value, nnx.state(m, nnx.BatchStat)
-
-  def step(params, stats, x, y):
-    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params, stats, x, y)
-    return value, grads, jax.tree.map(lambda p, g: p - LR * g, params, grads), stats
-
-  return params, stats, step
 
 
 def flat_names(tree: Any) -> dict[str, np.ndarray]:
@@ -171,7 +123,8 @@ def net_problem(net: str, quick: bool = False) -> NetProblem:
     plain = net == "mobilenet-plain"
     # kernels.py's network with PyTorch's padding and batch norm through the family's call
     # site, or in plain JAX
-    params, loss = kernels_bench.mobilenet(rng, conv=_conv, bn=_bn_plain if plain else _bn)
+    params, loss = kernels_bench.mobilenet(
+        rng, conv=_conv, bn=kernels_bench.bn_plain if plain else kernels_bench.bn_family)
     state = (params,)
 
     def step(params, x, y):
@@ -182,12 +135,10 @@ def net_problem(net: str, quick: bool = False) -> NetProblem:
              else "MobileNet-style step (`benchmarks/kernels.py`)")
   else:
     width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-    params, stats, step = demo_jax(width)
+    params, stats, step = kernels_bench.demo_step(width, torch_padding=True, grads=True)
     state = (params, stats)
     label = f"demo network (`DemoNet`, width {width})"
-  x = jnp.asarray(rng.normal(size=(batch, size, size, 3)).astype(np.float32))
-  y = jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32)
-  return NetProblem(step, (*state, x, y), width, label)
+  return NetProblem(step, (*state, *kernels_bench.images(rng, batch, size)), width, label)
 
 
 # -- the PyTorch side -------------------------------------------------------------------------
@@ -206,8 +157,7 @@ if torch is not None:
   class TorchMobileNet(nn.Module):
     """The MobileNet-style network in PyTorch, names as the JAX params'."""
 
-    def __init__(self, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), c0=32,
-                 primitive_bn=False):
+    def __init__(self, widths=(64, 128, 128, 256), strides=(1, 2, 1, 2), c0=32, primitive_bn=False):
       super().__init__()
       self.primitive_bn = primitive_bn
       self.stem = nn.Conv2d(3, c0, 3, 2, 1, bias=False)
@@ -395,7 +345,9 @@ _FRAME_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 # Frames that say nothing about which kernel or layer an instruction belongs to.
 _PLUMBING = ("/jax/", "/jaxlib/", "tunedjax/_jit/", "tunedjax/_pipeline.py",
              "autotune/_select.py", "autotune/_tuner.py", "autotune/_bn_family.py",
-             "autotune/_bn_flax.py", "benchmarks/vs_pytorch.py")
+             "autotune/_bn_flax.py", "benchmarks/vs_pytorch.py",
+             "benchmarks/kernels.py:bn_family", "benchmarks/kernels.py:bn_plain",
+             "benchmarks/kernels.py:demo_step")
 
 
 def hlo_call_stacks(hlo_text: str) -> dict[str, list[tuple[str, str, int]]]:
@@ -446,7 +398,7 @@ def where(name: str, hlo_text: str, stacks: Mapping[str, list[tuple[str, str, in
   parts = ["bwd" if "transpose(" in op else "fwd"] if op else []
   if op.endswith("/while") or "/while/" in op:
     parts.append("loop")
-  frames = [f for f in stacks.get(name, []) if not any(p in f[0] for p in _PLUMBING)]
+  frames = [f for f in stacks.get(name, []) if not any(p in f"{f[0]}:{f[1]}" for p in _PLUMBING)]
   kernel = [f for f in frames if "/autotune/_" in f[0]]
   model = [f for f in frames if "/autotune/_" not in f[0]]
   model = [f for f in model if "site-packages" not in f[0]] or model  # the user's layer
@@ -580,8 +532,7 @@ def _torch_variants(net: str, problem: NetProblem, o: dict[str, Any], check: Cal
   named = flat_names(params)
   xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
   yt = torch.from_numpy(np.asarray(y).astype(np.int64))
-  kinds = [("channels_last", False, False), ("NCHW", False, False),
-           ("channels_last", True, False)]
+  kinds = [("channels_last", False, False), ("NCHW", False, False), ("channels_last", True, False)]
   if o["compile"]:
     kinds += [("channels_last", False, True), ("NCHW", False, True)]
   variants = {}

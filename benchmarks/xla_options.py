@@ -1,25 +1,14 @@
 """XLA:CPU compiler options, per compiled program: does any beat the defaults?
 
-`jax.jit(f).lower(*args).compile(compiler_options={...})` takes XLA's
-DebugOptions per executable. This script compiles three train steps with
-each candidate option set that keeps float semantics (no fast math, no
-fast min/max, no flush-to-zero), checks each against the default program's
-outputs, and times the candidates against the default in interleaved rounds
-(the default timed twice: the A/A control):
-
-- the MobileNet-style step of `benchmarks/kernels.py` through `tunedjax.jit`
-  with kernel selection on (its batch norms through the batch-norm family),
-  batch 32 at 64x64;
-- the demo network (`tunedjax.demo.DemoNet`, width 32, batch 128 at 32x32)
-  through `tunedjax.jit`, its `nnx.BatchNorm` layers routed to the family;
-- the control: the ResNet-style step of `benchmarks/kernels.py` under plain
-  `jax.jit`, batch 16 at 32x32.
-
-A candidate that chooses fusions (the library fusion types) whose compiled
-HLO is the default's is reported as "no effect" and not timed (a library this
-jaxlib was built without, or one that does not apply to the program); the
-others act below the HLO (code generation, scheduling, threads) and are
-always timed.
+Each candidate option set that keeps float semantics (no fast math, fast min/max or
+flush-to-zero), passed as `lower(*args).compile(compiler_options={...})`, checked
+against the default program's outputs and timed against it in interleaved rounds (the
+default timed twice: the A/A control), on three train steps: the MobileNet-style step of
+`benchmarks/kernels.py` (batch 32, 64x64) and the demo network (`DemoNet`, width 32,
+batch 128, 32x32) through `tunedjax.jit` with kernel selection (batch norms through the
+family), and the control: `kernels.py`'s ResNet-style step under `jax.jit` (batch 16,
+32x32). A fusion-level candidate whose compiled HLO is the default's is reported as "no
+effect" and not timed; the others act below the HLO and are always timed.
 
 ``--quick``: the smoke run's small steps, one fusion-level and one code-generation
 candidate (`QUICK`), 2 rounds of 1 step. Prints its tables; writes no section.
@@ -36,16 +25,11 @@ from typing import Any
 
 import harness
 import jax
-import jax.numpy as jnp
 import kernels as kernels_bench
 import numpy as np
-import optax
-from flax import nnx
 
 import tunedjax as tj
-from tunedjax import autotune, ops
-from tunedjax.ops.batch_norm import _family as _bn_family
-from tunedjax.demo import DemoNet
+from tunedjax import autotune
 
 BOUND = 1e-4  # largest relative error against the default program (float32 rounding)
 
@@ -78,10 +62,6 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 QUICK = ("YNNPACK + elementwise fusions", "512-bit vectors")
 
 
-def _normal(rng, shape, scale=1.0):
-  return jnp.asarray((scale * rng.normal(size=shape)).astype(np.float32))
-
-
 def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...]]]:
   """name -> (lowered program, args)."""
   rng = np.random.default_rng(0)
@@ -90,11 +70,9 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
 
   # MobileNet-style step, tunedjax.
   batch, size = (4, 32) if quick else (32, 64)
-  params, loss = kernels_bench.mobilenet(
-      rng, bn=lambda x, g, b: _bn_family.batch_norm(x, g, b, epsilon=1e-5))
+  params, loss = kernels_bench.mobilenet(rng, bn=kernels_bench.bn_family)
   step = kernels_bench.sgd_step(loss)
-  args = (params, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  args = (params, *kernels_bench.images(rng, batch, size))
   with tj.config_context(config):
     f = tj.jit(step, session=autotune.TuningSession())
     jax.block_until_ready(f(*args))  # tunes
@@ -102,21 +80,8 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
 
   # DemoNet step, tunedjax, BatchNorm routed to the family.
   width, batch, size = (8, 8, 16) if quick else (32, 128, 32)
-  graphdef, dparams, stats = nnx.split(DemoNet(10, width=width, seed=0), nnx.Param,
-                                       nnx.BatchStat)
-
-  @ops.batch_norm.route_batch_norm()
-  def demo_loss(params, stats, x, y):
-    m = nnx.merge(graphdef, params, stats, copy=True)
-    value = optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-    return value, nnx.state(m, nnx.BatchStat)
-
-  def demo_step(params, stats, x, y):
-    (value, stats), grads = jax.value_and_grad(demo_loss, has_aux=True)(params, stats, x, y)
-    return value, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), stats
-
-  args = (dparams, stats, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  dparams, stats, demo_step = kernels_bench.demo_step(width)
+  args = (dparams, stats, *kernels_bench.images(rng, batch, size))
   with tj.config_context(config):
     f = tj.jit(demo_step, session=autotune.TuningSession())
     jax.block_until_ready(f(*args))
@@ -125,8 +90,7 @@ def programs(quick: bool, cache_dir: str) -> dict[str, tuple[Any, tuple[Any, ...
   # Control: ResNet-style step, plain jax.jit.
   batch, size = (4, 16) if quick else (16, 32)
   params, loss = kernels_bench.resnet(rng)
-  args = (params, _normal(rng, (batch, size, size, 3)),
-          jnp.asarray(rng.integers(0, 10, size=batch), jnp.int32))
+  args = (params, *kernels_bench.images(rng, batch, size))
   out[f"control: ResNet-style step (jax.jit), batch {batch} at {size}x{size}"] = (
       jax.jit(kernels_bench.sgd_step(loss)).lower(*args), args)
   return out

@@ -1,18 +1,11 @@
 """Every benchmark, in one place: the Makefile's `bench` target, the smoke tests
 (tests/test_docs.py) and BENCHMARKS.md's sections all read this list.
 
-A `Benchmark` names a module of benchmarks/ and says:
-
-- `sections`: the BENCHMARKS.md sections it writes (between
-  ``<!-- name:start -->`` and ``<!-- name:end -->``); default its name.
-- `smoke`: where its ``--quick`` run is checked: ``"test"`` (`make test`; under
-  a minute), ``"bench-smoke"`` (`make bench-smoke`; worker processes, kernel
-  tuning, minutes) or ``"own"`` (a test file of its own, which also checks what
-  it writes).
-- `writes`: False for a benchmark that prints its tables and writes none.
-- `bench`: whether `make bench` (``run.py all``) runs it: every benchmark that
-  writes a section, but `gpu` (it needs a device; BENCHMARKS.md, "GPU", gives
-  its command).
+A `Benchmark` names a module of benchmarks/: `sections`, the BENCHMARKS.md sections it
+writes (default its name); `smoke`, where its ``--quick`` run is checked (``"test"``:
+`make test`, under a minute; ``"bench-smoke"``: `make bench-smoke`, minutes; ``"own"``: a
+test file of its own); `writes`, False for one that only prints its tables; `bench`,
+whether `make bench` (``run.py all``) runs it: every one that writes, but `gpu`.
 """
 
 from __future__ import annotations

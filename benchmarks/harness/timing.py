@@ -57,6 +57,10 @@ class Timings:
     base = self.runs[self.baseline]
     return statistics.median(t / b for t, b in zip(self.runs[name], base))
 
+  def ratio_to(self, name: str, other: str) -> float:
+    """`ratio` with `other` as the baseline."""
+    return Timings(self.runs, other).ratio(name)
+
   def spread(self, name: str) -> tuple[float, float]:
     """The smallest and largest per-round ratio."""
     base = self.runs[self.baseline]
