@@ -21,8 +21,11 @@ width 256, 8 heads, feed-forward 256, vocabulary 512, 1,024 tokens, batch 2,
 AdamW) through ``tj.Trainer(autotune=True)`` (its first `fit` tunes; then timed
 in its steady state), against the same model in PyTorch as its users write it
 (one qkv ``Linear``, ``F.scaled_dot_product_attention(is_causal=True)``,
-``torch.optim.AdamW``), interleaved with an A/A control: each round runs a few
-steps of each.
+``torch.optim.AdamW``), interleaved with an A/A control: each round, each side
+runs 2 steps and then 5 timed back to back (the Trainer's in one `fit`, timed
+by a callback from the end of its second step to the end of its last, each
+waited for), so neither is charged for a loop's start and end: a 3-step `fit`
+took 360-470 ms a step where a 20-step one took 270-300.
 
 Part 4, where the miniGPT step's time goes: the Trainer's compiled step (tuned,
 as part 3 runs it) under `jax.profiler` and the PyTorch step under
@@ -209,19 +212,45 @@ def trainer_for(sizes: Mapping[str, int]) -> Any:
                     progress=False)
 
 
+UNTIMED = 2  # steps of each round's run before its timed steps (the loop's ramp-up)
+
+
+class StepClock(tj.callbacks.Callback):
+  """Ends `fit` after `untimed` + `timed` steps; `seconds` per step of the timed ones,
+  each end waited for (the steady state of a training loop, not `fit`'s start and end)."""
+
+  def __init__(self, untimed: int, timed: int):
+    self.untimed, self.timed, self.seen, self.marks = untimed, timed, 0, []
+
+  def on_step_end(self, trainer: Any, step: int, logs: Any) -> None:
+    self.seen += 1
+    if self.seen in (self.untimed, self.untimed + self.timed):
+      jax.block_until_ready(trainer.state)
+      self.marks.append(time.perf_counter())
+    if self.seen >= self.untimed + self.timed:
+      trainer.stop_training = True
+
+  @property
+  def seconds(self) -> float:
+    return (self.marks[1] - self.marks[0]) / self.timed
+
+
 def trainer_steps(sizes: Mapping[str, int], steps: int) -> tuple[Callable[[], Any], dict]:
-  """``Trainer(autotune=True)``'s `fit` of `steps` steps, after a first fit that tunes;
-  the tuning history's attention buckets."""
+  """``run()``: `UNTIMED` + `steps` steps of ``Trainer(autotune=True)``'s `fit`, returning
+  seconds per timed step, after a first fit that tunes; the tuning history's attention
+  buckets."""
   trainer = trainer_for(sizes)
   batches = lm_batches(sizes)
   horizon = 10_000  # a long run: tuning pays back within it
 
-  def run(k: int = steps) -> None:
-    trainer.fit(batches, steps=trainer.step + horizon, callbacks=[StopAfter(k)])
+  def run(k: int = steps) -> float:
+    clock = StepClock(UNTIMED, k)
+    trainer.fit(batches, steps=trainer.step + horizon, callbacks=[clock])
     jax.block_until_ready(trainer.state)
+    return clock.seconds
 
   start = time.perf_counter()
-  run(3)
+  run(1)  # 3 steps
   first = time.perf_counter() - start
   return run, {"first_fit_s": first, "attention": trainer.history.tuning.get("attention"),
                "trainer": trainer}
@@ -264,8 +293,8 @@ def torch_lm_steps(torch: Any, sizes: Mapping[str, int], steps: int) -> Callable
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=1e-4)
   ids = [torch.tensor(b["ids"]).long() for b in lm_batches(sizes)]
 
-  def run() -> None:
-    for i in range(steps):
+  def run(count: int = steps) -> None:
+    for i in range(count):
       batch = ids[i % len(ids)]
       logits = model(batch[:, :-1])
       loss = F.cross_entropy(logits.reshape(-1, sizes["vocab"]), batch[:, 1:].reshape(-1))
@@ -278,14 +307,24 @@ def torch_lm_steps(torch: Any, sizes: Mapping[str, int], steps: int) -> Callable
 
 
 def time_lm(quick: bool, rounds: int, torch: Any, steps: int) -> tuple[harness.Timings, dict]:
-  """Part 3: the Trainer's steady state (after it tuned) against PyTorch, interleaved."""
+  """Part 3: the Trainer's steady state (after it tuned) against PyTorch, interleaved:
+  per round each side runs `UNTIMED` steps and then `steps` timed back to back."""
   sizes = lm_sizes(quick)
   run, info = trainer_steps(sizes, steps)
   variants = {}
   if torch is not None:
-    variants[TORCH] = torch_lm_steps(torch, sizes, steps)
+    torch_run = torch_lm_steps(torch, sizes, steps)
+
+    def torch_steady() -> float:
+      torch_run(UNTIMED)
+      start = time.perf_counter()
+      torch_run(steps)
+      return (time.perf_counter() - start) / steps
+
+    variants[TORCH] = torch_steady
   variants["tj.Trainer(autotune=True)"] = run
-  return harness.interleaved(variants, baseline=next(iter(variants)), rounds=rounds), info
+  return harness.interleaved(variants, baseline=next(iter(variants)), rounds=rounds,
+                             self_timed=True), info
 
 
 # -- part 4: where the miniGPT step's time goes -----------------------------------------
@@ -424,7 +463,7 @@ def _shape_name(shape) -> str:
 
 
 def measure(quick: bool = False, *, rounds: int = 5, parts: tuple[str, ...] = PARTS,
-            shapes: tuple[tuple[int, int, int, int], ...] = SHAPES, lm_steps: int = 3
+            shapes: tuple[tuple[int, int, int, int], ...] = SHAPES, lm_steps: int = 5
             ) -> harness.Result:
   """The parts asked for, in a fresh tuning cache; without torch, no PyTorch rows."""
   if quick:
@@ -494,9 +533,11 @@ def render(result: harness.Result) -> str:
     lines += [f"**miniGPT train step** ({sizes['layers']} post-LayerNorm blocks, width "
               f"{sizes['width']}, {sizes['heads']} heads, feed-forward {sizes['hidden']}, "
               f"vocabulary {sizes['vocab']}, {sizes['tokens']} tokens, batch {sizes['batch']}, "
-              f"AdamW, float32), ms per step (rounds of {steps} steps); the Trainer's first "
-              f"fit (3 steps, tuning included) took {info['first_fit_s']:.1f} s:", "",
-              *_speed_table(result.timings["lm"], per=steps), "",
+              f"AdamW, float32), ms per step (each round, each side: {UNTIMED} steps, then "
+              f"{steps} timed back to back, the last waited for; the Trainer's in one `fit`); "
+              f"the Trainer's first fit (3 steps, tuning included) took "
+              f"{info['first_fit_s']:.1f} s:", "",
+              *_speed_table(result.timings["lm"]), "",
               f"Attention buckets the Trainer tuned: `{info['attention']}`.", ""]
   if "profile" in result.figures:
     lines += _profile_lines(result.figures["profile"])

@@ -70,7 +70,7 @@ class Timings:
 
 def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
                 rounds: int = 7, warmup: int = 1, prime: bool | int = False,
-                burst: int = 1, cpu_time: bool = False) -> Timings:
+                burst: int = 1, cpu_time: bool = False, self_timed: bool = False) -> Timings:
   """Times each variant once per round, rotating the order each round.
 
   The baseline is also timed a second time under the name `CONTROL`, as an
@@ -90,6 +90,9 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
       next few calls run up to 1.6x slower on these machines).
     burst: consecutive calls timed per round; the round's time is their mean.
     cpu_time: also record each run's process CPU time (`Timings.cpu_time`).
+    self_timed: each callable times its own steady part and returns its
+      seconds (a training loop timed inside, after its first steps); what
+      it returns is recorded instead of its wall time.
   """
   names = [*variants, CONTROL]
   fns = {**variants, CONTROL: variants[baseline]}
@@ -101,10 +104,10 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
       for _ in range(int(prime)):
         fns[name]()
       start_cpu = time.process_time() if cpu_time else 0.0
-      start = time.perf_counter()
+      start, own = time.perf_counter(), 0.0
       for _ in range(burst):
-        fns[name]()
-      elapsed = (time.perf_counter() - start) / burst
+        own += fns[name]() if self_timed else 0.0
+      elapsed = (own if self_timed else time.perf_counter() - start) / burst
       if r >= warmup:
         runs[name].append(elapsed)
         if cpu_time:
