@@ -299,10 +299,14 @@ def test_gradients_all_reduced_in_bfloat16_halve_the_wire_and_train_alike(mesh8)
     _nnx_trainer(allreduce_dtype="compute")
 
 
-def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_apply(tmp_path):
+def test_kernels_are_tuned_even_when_an_earlier_run_left_the_step_counter_in_apply(
+    tmp_path, request):
   # The loader tuner's consumer compiles the step before the first step: it must
   # do so in step 0's phase, or the apply-phase program (misses use xla) would be
   # reused by the tune phase and no kernel would ever be tuned.
+  # The default session is the process's: the tests run after this one in the same
+  # process must not find its step counter in apply (they would tune nothing).
+  request.addfinalizer(tj.autotune.default_session().reset)
   rng = np.random.default_rng(0)
   data = {"x": rng.normal(size=(48, 8, 8, 3)).astype(np.float32),
           "y": rng.normal(size=(48,)).astype(np.float32)}
