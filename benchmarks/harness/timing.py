@@ -106,7 +106,8 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], *, baseline: str,
       start_cpu = time.process_time() if cpu_time else 0.0
       start, own = time.perf_counter(), 0.0
       for _ in range(burst):
-        own += fns[name]() if self_timed else 0.0
+        seconds = fns[name]()
+        own += seconds if self_timed else 0.0
       elapsed = (own if self_timed else time.perf_counter() - start) / burst
       if r >= warmup:
         runs[name].append(elapsed)
