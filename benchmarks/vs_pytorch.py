@@ -668,7 +668,7 @@ def measure(quick: bool = False, **options: Any) -> harness.Result:
     env = {**tunedjax_env, **({"TUNEDJAX_HOST_MEMORY": host_memory} if host_memory else {})}
     proc = workers.spawn(workers.command(__file__, python, nets=nets, options=o),
                          workers.user_env(**env))
-    workers.reply(proc)
+    proc.reply()
     result.figures[section] = workers.run_rounds({section: proc}, 1)[section][0]
     for net, got in zip(nets, result.figures[section]["nets"]):
       result.timings[net] = harness.Timings(got.pop("runs"), got.pop("baseline"))
