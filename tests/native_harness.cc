@@ -1,6 +1,6 @@
 // Calls a native kernel's XLA FFI handler as XLA:CPU would, on buffers the
 // caller owns (tests/native_harness.py). It builds the XLA_FFI_CallFrame the
-// handler decodes (buffers, int64 attributes sorted by name, the execute
+// handler decodes (buffers, scalar attributes sorted by name, the execute
 // stage) and an XLA_FFI_Api of its own with the calls the handlers make:
 // errors, and the intra-op thread pool, whose tasks run on threads started
 // here and joined before the call returns. Only c_api.h is needed, so the
@@ -82,7 +82,9 @@ std::vector<XLA_FFI_Buffer> Buffers(int64_t count, const int32_t* dtypes,
 }  // namespace
 
 // Runs handler(call frame) with `threads` pool threads (0: a pool of none,
-// whose tasks would run on the caller). Attributes are int64 scalars, their names sorted.
+// whose tasks would run on the caller). Attributes are scalars, their names
+// sorted: attr_dtypes[i] is an XLA_FFI_DataType (S64, F32 or F64) and
+// attr_values[i] holds its bits (an F32 in the slot's first four bytes).
 // Returns 0, or 1 with the handler's error message copied into `message`.
 extern "C" int tj_harness_call(void* handler, int64_t threads, int64_t nargs,
                                const int32_t* arg_dtypes, void* const* arg_data,
@@ -91,8 +93,8 @@ extern "C" int tj_harness_call(void* handler, int64_t threads, int64_t nargs,
                                void* const* ret_data, const int64_t* ret_ranks,
                                int64_t* ret_dims, int64_t nattrs,
                                const char* const* attr_names,
-                               int64_t* attr_values, char* message,
-                               int64_t message_size) {
+                               const int32_t* attr_dtypes, int64_t* attr_values,
+                               char* message, int64_t message_size) {
   static const XLA_FFI_Api api = MakeApi();
   std::vector<XLA_FFI_Buffer> args =
       Buffers(nargs, arg_dtypes, arg_data, arg_ranks, arg_dims);
@@ -110,7 +112,7 @@ extern "C" int tj_harness_call(void* handler, int64_t threads, int64_t nargs,
   for (int64_t i = 0; i < nattrs; ++i) {
     names[i] = {attr_names[i], std::strlen(attr_names[i])};
     name_ptrs.push_back(&names[i]);
-    scalars[i] = {XLA_FFI_DataType_S64, &attr_values[i]};
+    scalars[i] = {static_cast<XLA_FFI_DataType>(attr_dtypes[i]), &attr_values[i]};
     attr_ptrs.push_back(&scalars[i]);
   }
   Pool pool;

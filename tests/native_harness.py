@@ -2,7 +2,7 @@
 
 `call` runs one handler of a built native library (``tunedjax._native``)
 through ``native_harness.cc``, a few lines of C++ that build the
-``XLA_FFI_CallFrame`` XLA:CPU would (buffers, int64 attributes, a thread
+``XLA_FFI_CallFrame`` XLA:CPU would (buffers, scalar attributes, a thread
 pool) around buffers this module owns. Each output lies in a larger buffer
 filled with a canary bit pattern: after the call, every element around the
 output must still hold it (nothing written out of bounds) and none inside
@@ -46,6 +46,7 @@ CANARY = {np.dtype(np.float32): np.uint32(0x7FA5A5A5),
 """Signalling-NaN bit patterns no handler writes (compared as bits)."""
 
 _FFI_DTYPE = {np.dtype(np.float32): 11, np.dtype(np.float64): 12}  # XLA_FFI_DataType
+_FFI_S64 = 5
 GEOMETRY = ("stride_h", "stride_w", "pad_h", "pad_w", "lhs_dil_h", "lhs_dil_w",
             "rhs_dil_h", "rhs_dil_w")
 
@@ -98,6 +99,22 @@ def _buffers(arrays: Sequence[np.ndarray]):
   return dtypes, data, ranks, dims
 
 
+def _attr_scalars(values: Sequence[int | float]):
+  """The harness's attribute dtypes (XLA_FFI_DataType) and 8-byte value slots (their bits)."""
+  dtypes, slots = [], []
+  for value in values:
+    if isinstance(value, np.float32):
+      dtypes.append(_FFI_DTYPE[np.dtype(np.float32)])
+      slots.append(int(np.array([value, 0], np.float32).view(np.int64)[0]))
+    elif isinstance(value, (float, np.floating)):
+      dtypes.append(_FFI_DTYPE[np.dtype(np.float64)])
+      slots.append(int(np.array([value], np.float64).view(np.int64)[0]))
+    else:
+      dtypes.append(_FFI_S64)
+      slots.append(int(value))
+  return _ints(dtypes, ctypes.c_int32), _ints(slots)
+
+
 def guarded(shape: Sequence[int], dtype, guard: int = GUARD) -> tuple[np.ndarray, np.ndarray]:
   """A canary-filled buffer of ``size + 2 * guard`` elements and the output view inside it."""
   dtype = np.dtype(dtype)
@@ -125,7 +142,7 @@ def check_guards(name: str, whole: np.ndarray, out: np.ndarray, guard: int = GUA
 
 
 def call(source: str, symbol: str, args: Sequence[np.ndarray],
-         out_shapes: Sequence[Sequence[int]], attrs: dict[str, int] | None = None, *,
+         out_shapes: Sequence[Sequence[int]], attrs: dict[str, int | float] | None = None, *,
          threads: int = 3) -> list[np.ndarray]:
   """Runs handler `symbol` of ``csrc/<source>.cc`` on `args`; returns its outputs.
 
@@ -134,7 +151,8 @@ def call(source: str, symbol: str, args: Sequence[np.ndarray],
     symbol: the handler's exported name, e.g. ``"TjDepthwiseConvF32"``.
     args: the operands, all of the handler's dtype (copied to exact-size C arrays).
     out_shapes: the results' shapes, in the handler's dtype.
-    attrs: int64 attributes by name.
+    attrs: scalar attributes by name: an int is an int64, a float a float64 (double),
+      a `np.float32` a float32.
     threads: the thread pool's size the handler sees (0: no pool).
 
   Returns:
@@ -158,7 +176,7 @@ def call(source: str, symbol: str, args: Sequence[np.ndarray],
       ctypes.c_int64(len(outs)), *_buffers([o for _, o in outs]),
       ctypes.c_int64(len(names)),
       (ctypes.c_char_p * max(1, len(names)))(*[n.encode() for n in names]),
-      _ints([int(attrs[n]) for n in names]), message, ctypes.c_int64(len(message)))
+      *_attr_scalars([attrs[n] for n in names]), message, ctypes.c_int64(len(message)))
   if status != 0:
     for whole, _ in outs:
       if np.any(whole.view(CANARY[dtype].dtype) != CANARY[dtype]):
