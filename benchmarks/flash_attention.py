@@ -342,7 +342,7 @@ _FRAME_PARTS = (
     ("softmax cross-entropy", r"optax/losses/|cross_entropy|log_softmax"),
     ("optimizer (AdamW)", r"optax/|adam"),
     ("attention", r"ops/attention/_(?:native_flash|kernels|causal)\.py|dot_product_attention"),
-    ("LayerNorm", r"nn/normalization\.py|layernorm"),
+    ("LayerNorm", r"nn/normalization\.py|layernorm|ops/layer_norm/"),
     ("matmuls", r"nn/linear\.py"),
 )
 
@@ -446,9 +446,14 @@ def profile_lm(quick: bool, torch: Any, steps: int, trainer: Any = None
     hlo = programs.train_step.lower(trainer.state, batch).compile().as_text()
     parts = hlo_parts(hlo)
     jax_parts, jax_top = vs_pytorch.jax_profile(
+        step, (), hlo, steps, group=lambda name, kind: parts.get(name, RUNTIME),
+        shared_wall=True)
+    thunk_parts, _ = vs_pytorch.jax_profile(
         step, (), hlo, steps, group=lambda name, kind: parts.get(name, RUNTIME))
+  thunk_parts.pop(RUNTIME, 0.0)
   out = {"sizes": sizes, "steps": steps, "tunedjax_runtime": jax_parts.pop(RUNTIME, 0.0),
-         "tunedjax": jax_parts, "tunedjax_top": [r for r in jax_top if r[0] in parts],
+         "tunedjax": jax_parts, "tunedjax_thunks": thunk_parts,
+         "tunedjax_top": [r for r in jax_top if r[0] in parts],
          "pytorch": None, "pytorch_top": None,
          "check": (programs.train_step.verification() or {}).get("outcome"), "threads": None}
   if torch is not None:
@@ -549,26 +554,32 @@ def _profile_lines(prof: Mapping[str, Any]) -> list[str]:
   sizes, jax_ms, torch_ms = prof["sizes"], prof["tunedjax"], prof["pytorch"]
   lines = [f"**Where the miniGPT step's time goes** (the step of part 3 at {sizes['tokens']} "
            f"tokens, width {sizes['width']}, {sizes['layers']} blocks; {prof['steps']} "
-           "steps profiled): ms per step by part, tunedjax's from `jax.profiler` (the thunk "
-           "time of each instruction of the Trainer's compiled step, by its kind, op name "
-           "and Python frames), PyTorch's from `torch.profiler` (self CPU time of each aten "
+           "steps profiled): ms per step by part, tunedjax's from `jax.profiler` (each "
+           "instruction of the Trainer's compiled step by its kind, op name and Python "
+           "frames; its share of the wall time: where XLA runs k instructions side by side, "
+           "each is charged 1/k of that time; beside it the instructions' own durations, "
+           "which add up to more than the step), PyTorch's from `torch.profiler` (self CPU "
+           "time of each aten "
            "op, by its name and the autograd or optimizer event it ran in; the optimizer's "
            "Python time in `Optimizer.step` included); the Trainer's whole-program check: "
            f"{prof.get('check') or 'not started'}"
            + (f"; PyTorch on {prof['threads']} threads:" if prof.get("threads") else ":"), "",
-           "| part | tunedjax ms per step | PyTorch ms per step | tunedjax / PyTorch |",
-           "|---|---:|---:|---:|"]
+           "| part | tunedjax ms per step (wall share) | tunedjax ms (own durations) | "
+           "PyTorch ms per step | tunedjax / PyTorch |",
+           "|---|---:|---:|---:|---:|"]
   behind = []
+  thunks = prof.get("tunedjax_thunks") or {}
   for part in (*PROFILE_PARTS, "sum"):
     j = sum(jax_ms.values()) if part == "sum" else jax_ms.get(part, 0.0)
+    own = sum(thunks.values()) if part == "sum" else thunks.get(part, 0.0)
     t = None if torch_ms is None else (sum(torch_ms.values()) if part == "sum"
                                        else torch_ms.get(part, 0.0))
     ratio = f"{j / t:.2f}x" if t else "n/a"
     if t is not None and part != "sum" and t > 0 and j > BEHIND * t:
       behind.append(f"{part} ({ratio})")
     name = f"**{part}**" if part == "sum" else part
-    lines.append(f"| {name} | {j:.2f} | {'not run' if t is None else f'{t:.2f}'} | "
-                 f"{ratio} |")
+    lines.append(f"| {name} | {j:.2f} | {own:.2f} | {'not run' if t is None else f'{t:.2f}'} "
+                 f"| {ratio} |")
   lines.append("")
   if prof.get("tunedjax_runtime"):
     lines.append(f"Left out of tunedjax's side: {prof['tunedjax_runtime']:.2f} ms per step of "

@@ -419,13 +419,39 @@ _JAX_GROUP = {"convolution": "convolutions", "dot": "matmuls (dot)",
               "custom-call": "tunedjax's native kernels (C++: convolutions, batch-norm sums)"}
 
 
+def wall_shares(spans: list[tuple[int, int, str]]) -> dict[str, float]:
+  """Each name's share of the wall time, in the spans' unit: where k spans overlap,
+  each is charged 1/k of that time (XLA:CPU runs independent instructions side by
+  side, so their own durations add up to more than the step took).
+
+  Example:
+    >>> wall_shares([(0, 4, "a"), (2, 6, "b")])
+    {'a': 3.0, 'b': 3.0}
+  """
+  edges = sorted({t for start, end, _ in spans for t in (start, end)})
+  shares: collections.Counter[str] = collections.Counter()
+  starts = sorted(spans)
+  active: list[tuple[int, int, str]] = []
+  i = 0
+  for lo, hi in zip(edges, edges[1:]):
+    while i < len(starts) and starts[i][0] <= lo:
+      active.append(starts[i])
+      i += 1
+    active = [s for s in active if s[1] > lo]
+    for _, _, name in active:
+      shares[name] += (hi - lo) / len(active)
+  return dict(shares)
+
+
 def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
-                steps: int, group: Callable[[str, str], str] | None = None
+                steps: int, group: Callable[[str, str], str] | None = None,
+                shared_wall: bool = False
                 ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
   """ms per step by group, and the top instructions (name, kind, ms per step).
 
   `group(name, kind)`: the group of an entry instruction (`hlo_kinds`' kind);
-  by default its kind's (`_JAX_GROUP`).
+  by default its kind's (`_JAX_GROUP`). With `shared_wall`, an instruction's
+  ms are its share of the wall time (`wall_shares`) rather than its duration.
   """
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(fn(*args))
@@ -434,7 +460,7 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
     for _ in range(steps):
       jax.block_until_ready(fn(*args))
   (path,) = glob.glob(folder + "/**/*.xplane.pb", recursive=True)
-  totals: collections.Counter[str] = collections.Counter()
+  spans = []
   for plane in ProfileData.from_file(path).planes:
     for line in plane.lines:
       if line.name == "python":
@@ -443,7 +469,13 @@ def jax_profile(fn: Callable[..., Any], args: tuple[Any, ...], hlo_text: str,
         # "$file:line function": Python frames the tracer put on other
         # threads (a waiting thread's whole wait), not work of the step.
         if not e.name.startswith(_SKIP_EVENTS) and not e.name.startswith("$"):
-          totals[e.name] += e.duration_ns / 1e6 / steps
+          spans.append((e.start_ns, e.start_ns + e.duration_ns, e.name))
+  totals: collections.Counter[str] = collections.Counter()
+  if shared_wall:
+    totals.update({n: ns / 1e6 / steps for n, ns in wall_shares(spans).items()})
+  else:
+    for start, end, name in spans:
+      totals[name] += (end - start) / 1e6 / steps
   kinds = hlo_kinds(hlo_text)
   stacks = hlo_call_stacks(hlo_text)
   groups: collections.Counter[str] = collections.Counter()

@@ -160,7 +160,7 @@ def _code_strings(tree: ast.AST) -> list[ast.Constant]:
           and isinstance(n.value, str) and id(n) not in docstrings]
 
 
-@pytest.mark.parametrize("family", ["conv", "batch_norm", "attention"])
+@pytest.mark.parametrize("family", ["conv", "batch_norm", "layer_norm", "attention"])
 def test_the_tuning_core_names_no_op_family_in_its_code(family):
   """Outside docstrings and error-message examples, the core never says a family's name."""
   for module, (path, _) in MODULES.items():
@@ -173,7 +173,7 @@ def test_the_tuning_core_names_no_op_family_in_its_code(family):
 def test_each_op_family_is_one_package_that_imports_no_other_family():
   graph = import_graph()
   families = {m.split(".")[2] for m in MODULES if m.startswith(f"{PACKAGE}.ops.")}
-  assert families == {"conv", "batch_norm", "attention"}
+  assert families == {"conv", "batch_norm", "layer_norm", "attention"}
   for module, targets in graph.items():
     if module.startswith(f"{PACKAGE}.ops."):
       own = module.split(".")[2]

@@ -52,6 +52,8 @@ BENCHMARKS = (
     # What tunedjax hands XLA for CUDA and TPU, counted by export (no device needed).
     Benchmark("program_audit"),
     Benchmark("flash_attention"),
+    # The layer_norm family alone and in the miniGPT step, against PyTorch.
+    Benchmark("layer_norm"),
     # A training step's update error against float64, each family pinned to each kernel.
     Benchmark("step_accuracy", writes=False),
     # The native kernels' per-bucket and whole-step timings: printed, not written.

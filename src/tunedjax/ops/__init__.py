@@ -1,4 +1,4 @@
-"""The op families tunedjax ships, one package each: `conv`, `batch_norm`, `attention`.
+"""The op families tunedjax ships, one package each: `conv`, `batch_norm`, `layer_norm`, `attention`.
 
 A family package holds everything of one kind of operation: its spec and
 bucket key, its kernels (with their C++ sources in ``csrc/``), its Flax
@@ -17,7 +17,7 @@ Example:
 
 import importlib as _importlib
 
-_FAMILIES = ("attention", "batch_norm", "conv")
+_FAMILIES = ("attention", "batch_norm", "conv", "layer_norm")
 
 
 def __getattr__(name: str):
@@ -31,4 +31,4 @@ def __dir__():
   return sorted([*globals(), *_FAMILIES])
 
 
-__all__ = ["attention", "batch_norm", "conv"]
+__all__ = ["attention", "batch_norm", "conv", "layer_norm"]
