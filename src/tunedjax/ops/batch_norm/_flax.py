@@ -36,26 +36,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, Self
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-_lock = threading.Lock()
-_local = threading.local()
-_installed = {"count": 0, "original": None}
-
-
-def _routing() -> bool:
-  """Whether this thread is inside `route_batch_norm` with kernel selection active."""
-  if not getattr(_local, "depth", 0):
-    return False
-  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
-  return _select.active_selection() is not None
+from tunedjax.autotune import _layer_route
 
 
 def _as_written(x: Any, epsilon: float) -> bool:
@@ -78,10 +64,10 @@ def _feature_last(axis: Any, ndim: int) -> bool:
 
 def _nnx_call(self: Any, x: Any, use_running_average: bool | None = None, *,
               mask: Any = None) -> Any:
-  original = _installed["original"]
+  original = _ROUTE.original
   use_ra = use_running_average if use_running_average is not None \
       else self.use_running_average
-  if (use_ra is not False or mask is not None or not _routing()
+  if (use_ra is not False or mask is not None or not _ROUTE.routing()
       or self.axis_name is not None or not _feature_last(self.axis, jnp.ndim(x))):
     return original(self, x, use_running_average, mask=mask)
   scale = self.scale[...] if self.scale is not None else None
@@ -111,23 +97,6 @@ def _stats_call(x: Any, scale: Any, bias: Any, epsilon: float) -> tuple[Any, Any
   return _bn_family.batch_norm_stats(x, scale, bias, epsilon=float(epsilon))
 
 
-def _install() -> None:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  with _lock:
-    if _installed["count"] == 0:
-      _installed["original"] = nnx.BatchNorm.__call__
-      nnx.BatchNorm.__call__ = _nnx_call
-    _installed["count"] += 1
-
-
-def _uninstall() -> None:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  with _lock:
-    _installed["count"] -= 1
-    if _installed["count"] == 0:
-      nnx.BatchNorm.__call__ = _installed["original"]
-
-
 # -- linen --------------------------------------------------------------------------------------
 
 
@@ -136,7 +105,7 @@ def _linen_interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, A
   from flax import linen as nn  # pylint: disable=import-outside-toplevel
   module = context.module
   if (context.method_name != "__call__" or not isinstance(module, nn.BatchNorm)
-      or type(module).__call__ is not nn.BatchNorm.__call__ or not _routing()):
+      or type(module).__call__ is not nn.BatchNorm.__call__ or not _ROUTE.routing()):
     return next_fun(*args, **kwargs)
   x, *rest = args
   use_running_average = rest[0] if rest else kwargs.get("use_running_average")
@@ -167,20 +136,15 @@ def _linen_interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, A
 # -- the context --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _routed() -> Iterator[None]:
-  from flax import linen as nn  # pylint: disable=import-outside-toplevel
-  _install()
-  _local.depth = getattr(_local, "depth", 0) + 1
-  try:
-    with nn.intercept_methods(_linen_interceptor):
-      yield
-  finally:
-    _local.depth -= 1
-    _uninstall()
+def _nnx_class() -> type:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return nnx.BatchNorm
 
 
-class route_batch_norm:  # pylint: disable=invalid-name  # used like a function
+_ROUTE = _layer_route.LayerRoute(_nnx_class, _nnx_call, _linen_interceptor)
+
+
+class route_batch_norm(_layer_route.RouteContext):  # pylint: disable=invalid-name
   """Routes Flax's `BatchNorm` layers in training mode to the tuned batch-norm family.
 
   Inside it (or inside a function it decorates), each ``flax.nnx.BatchNorm``
@@ -216,23 +180,4 @@ class route_batch_norm:  # pylint: disable=invalid-name  # used like a function
     ['batch_norm fused (hint)']
   """
 
-  def __enter__(self) -> Self:
-    context = _routed()
-    context.__enter__()  # pylint: disable=unnecessary-dunder-call
-    # Per thread, not on this object: one instance may be entered by several threads.
-    _local.contexts = [*getattr(_local, "contexts", []), context]
-    return self
-
-  def __exit__(self, *exc: object) -> bool:
-    context = _local.contexts.pop()
-    return bool(context.__exit__(*exc))
-
-  def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, run inside the context on every call."""
-
-    @functools.wraps(fn)
-    def routed(*args: Any, **kwargs: Any) -> Any:
-      with _routed():
-        return fn(*args, **kwargs)
-
-    return routed
+  route = _ROUTE

@@ -39,25 +39,11 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, Self
+from typing import Any
 
 import jax.numpy as jnp
 
-_lock = threading.Lock()
-_local = threading.local()
-_installed = {"count": 0, "original": None}
-
-
-def _routing() -> bool:
-  """Whether this thread is inside `route_layer_norm` with kernel selection active."""
-  if not getattr(_local, "depth", 0):
-    return False
-  from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
-  return _select.active_selection() is not None
+from tunedjax.autotune import _layer_route
 
 
 def _last_axis_only(axes: Any, ndim: int) -> bool:
@@ -77,7 +63,7 @@ def _covered(x: Any, reduction_axes: Any, feature_axes: Any, axis_name: Any,
   """Whether the family computes this layer's call: float32, the last axis alone, no
   ``axis_name``, and kernel selection routes it (measured, hinted or cached)."""
   ndim = jnp.ndim(x)
-  if not (_routing() and axis_name is None and _float32(jnp.result_type(x), *dtypes)
+  if not (_ROUTE.routing() and axis_name is None and _float32(jnp.result_type(x), *dtypes)
           and _last_axis_only(reduction_axes, ndim) and _last_axis_only(feature_axes, ndim)):
     return False
   from tunedjax.autotune import _select  # pylint: disable=import-outside-toplevel
@@ -98,7 +84,7 @@ def _family_call(x: Any, scale: Any, bias: Any, epsilon: float) -> Any:
 
 
 def _nnx_call(self: Any, x: Any, *, mask: Any = None) -> Any:
-  original = _installed["original"]
+  original = _ROUTE.original
   if mask is not None:
     return original(self, x, mask=mask)
   scale = self.scale[...] if self.scale else None
@@ -111,23 +97,6 @@ def _nnx_call(self: Any, x: Any, *, mask: Any = None) -> Any:
   return _family_call(xp, scale, bias, self.epsilon)
 
 
-def _install() -> None:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  with _lock:
-    if _installed["count"] == 0:
-      _installed["original"] = nnx.LayerNorm.__call__
-      nnx.LayerNorm.__call__ = _nnx_call
-    _installed["count"] += 1
-
-
-def _uninstall() -> None:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  with _lock:
-    _installed["count"] -= 1
-    if _installed["count"] == 0:
-      nnx.LayerNorm.__call__ = _installed["original"]
-
-
 # -- linen --------------------------------------------------------------------------------------
 
 
@@ -137,7 +106,7 @@ def _linen_interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, A
   module = context.module
   if (context.method_name != "__call__" or not isinstance(module, nn.LayerNorm)
       or type(module).__call__ is not nn.LayerNorm.__call__ or len(args) != 1
-      or kwargs.get("mask") is not None or not _routing() or module.is_initializing()):
+      or kwargs.get("mask") is not None or not _ROUTE.routing() or module.is_initializing()):
     return next_fun(*args, **kwargs)
   x = jnp.asarray(args[0])
   if not _covered(x, module.reduction_axes, module.feature_axes, module.axis_name,
@@ -154,20 +123,15 @@ def _linen_interceptor(next_fun: Any, args: tuple[Any, ...], kwargs: dict[str, A
 # -- the context --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _routed() -> Iterator[None]:
-  from flax import linen as nn  # pylint: disable=import-outside-toplevel
-  _install()
-  _local.depth = getattr(_local, "depth", 0) + 1
-  try:
-    with nn.intercept_methods(_linen_interceptor):
-      yield
-  finally:
-    _local.depth -= 1
-    _uninstall()
+def _nnx_class() -> type:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return nnx.LayerNorm
 
 
-class route_layer_norm:  # pylint: disable=invalid-name  # used like a function
+_ROUTE = _layer_route.LayerRoute(_nnx_class, _nnx_call, _linen_interceptor)
+
+
+class route_layer_norm(_layer_route.RouteContext):  # pylint: disable=invalid-name
   """Routes Flax's `LayerNorm` layers to the tuned layer-norm family.
 
   Inside it (or inside a function it decorates), each ``flax.nnx.LayerNorm``
@@ -201,23 +165,4 @@ class route_layer_norm:  # pylint: disable=invalid-name  # used like a function
     ['layer_norm fused (hint)']
   """
 
-  def __enter__(self) -> Self:
-    context = _routed()
-    context.__enter__()  # pylint: disable=unnecessary-dunder-call
-    # Per thread, not on this object: one instance may be entered by several threads.
-    _local.contexts = [*getattr(_local, "contexts", []), context]
-    return self
-
-  def __exit__(self, *exc: object) -> bool:
-    context = _local.contexts.pop()
-    return bool(context.__exit__(*exc))
-
-  def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, run inside the context on every call."""
-
-    @functools.wraps(fn)
-    def routed(*args: Any, **kwargs: Any) -> Any:
-      with _routed():
-        return fn(*args, **kwargs)
-
-    return routed
+  route = _ROUTE
