@@ -218,7 +218,7 @@ def test_the_running_package_declares_the_families_its_build_installs():
   assert "entry_points.txt" in project["tool"]["setuptools"]["package-data"]["tunedjax"]
   own = {e.name: e.value for e in reg.own_entry_points()}
   assert own == {"conv": "tunedjax.ops.conv", "batch_norm": "tunedjax.ops.batch_norm",
-                 "attention": "tunedjax.ops.attention"}
+                 "layer_norm": "tunedjax.ops.layer_norm", "attention": "tunedjax.ops.attention"}
 
 
 _SOURCE_TREE_SCRIPT = """
@@ -296,5 +296,5 @@ def test_a_source_tree_without_metadata_loads_its_families_and_plugins_still_loa
   assert out["installed"] == ["0.0.1"]  # only the stale one: this copy has no metadata
   assert out["found"]["conv"][0] == "xla" and "tj_toy_conv" in out["found"]["conv"]
   assert "cudnn" in out["found"]["attention"] and "fused" in out["found"]["batch_norm"]
-  assert out["families"] == ["attention", "batch_norm", "conv", "tj_toy"]
+  assert out["families"] == ["attention", "batch_norm", "conv", "layer_norm", "tj_toy"]
   assert not [w for w in out["warnings"] if "op family" in w], out["warnings"]

@@ -31,7 +31,7 @@ Example:
   >>> [k.name for k in applicable_kernels(spec, "tpu")]
   ['xla', 'matmul_1x1']
   >>> [f.name for f in op_families()]
-  ['attention', 'batch_norm', 'conv']
+  ['attention', 'batch_norm', 'conv', 'layer_norm']
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def own_entry_points(group: str = ENTRY_POINT_GROUP) -> list[importlib.metadata.
 
   Example:
     >>> sorted(e.name for e in own_entry_points())
-    ['attention', 'batch_norm', 'conv']
+    ['attention', 'batch_norm', 'conv', 'layer_norm']
   """
   try:
     text = importlib.resources.files(_PACKAGE).joinpath(_OWN_ENTRY_POINTS).read_text(
