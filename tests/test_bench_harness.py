@@ -18,6 +18,16 @@ def _work(calls: list[str], name: str):
   return run
 
 
+import pytest  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order
+
+
+@pytest.fixture(autouse=True)
+def _no_collections(monkeypatch):
+  """`interleaved` collects garbage before each variant; in a test worker that has
+  built many programs one collection takes about a second, and these tests time nothing."""
+  monkeypatch.setattr(timing.gc, "collect", lambda *args: 0)
+
+
 def test_every_variant_runs_and_is_timed_each_round_in_a_rotated_order():
   calls: list[str] = []
   t = timing.interleaved({"a": _work(calls, "a"), "b": _work(calls, "b")}, baseline="a",
