@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tunedjax import rewrite
@@ -57,6 +57,7 @@ def _inputs(shape, seed):
           jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32))
 
 
+@settings(max_examples=12)  # two compiles an example: the suite's budget
 @given(program=programs, shape=shapes, seed=st.integers(0, 2**16))
 def test_identity_is_bitwise_on_random_programs(program, shape, seed):
   fn, x, w = _build(program), *_inputs(shape, seed)
@@ -66,6 +67,7 @@ def test_identity_is_bitwise_on_random_programs(program, shape, seed):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@settings(max_examples=12)  # two compiles an example: the suite's budget
 @given(program=programs, shape=shapes, seed=st.integers(0, 2**16))
 def test_value_preserving_rule_matches_within_rounding(program, shape, seed):
   fn, x, w = _build(program), *_inputs(shape, seed)
