@@ -110,13 +110,3 @@ def _cold_tuner_families(monkeypatch):
   from tunedjax.autotune import _tuner  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(_tuner, "_WARM", set())
 
-
-# The files that take longest, collected first: `make test`'s workers take whole files in
-# collection order (--dist loadfile), and the notebooks (a minute and more together) came
-# last, leaving one worker running them while the other had nothing left to do.
-LONGEST_FIRST = ("test_notebooks.py",)
-
-
-def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
-  """Moves the tests of `LONGEST_FIRST` to the front, the rest in their order."""
-  items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
