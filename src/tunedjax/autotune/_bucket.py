@@ -17,6 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from tunedjax._config import BUCKETS
+from tunedjax._errors import BAD_CHOICE, ConfigError, format_choices
+
 KEY_VERSION = 1
 
 
@@ -28,6 +31,38 @@ def pow2(n: int) -> int:
     [1, 4, 8, 16]
   """
   return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def last_axis_exact(shape: Iterable[int], bucket: str) -> list[int]:
+  """A shape as a bucket key holds it: exact, or with ``bucket="pow2"`` every axis but
+  the last (channels, features) rounded up to a power of two.
+
+  Raises:
+    ConfigError: `bucket` is not one of `tunedjax._config.BUCKETS`.
+
+  Example:
+    >>> last_axis_exact((3, 5, 6, 10), "pow2"), last_axis_exact((3, 5), "exact")
+    ([4, 8, 8, 10], [3, 5])
+  """
+  if bucket not in BUCKETS:
+    raise ConfigError(BAD_CHOICE.format(key="kernel.bucket",
+                                        choices=format_choices(BUCKETS), value=bucket))
+  shape = [int(d) for d in shape]
+  return [pow2(d) for d in shape[:-1]] + shape[-1:] if bucket == "pow2" else shape
+
+
+def others_presumed(key: Mapping[str, Any], ratio: float | None,
+                    default: str = "xla") -> dict[str, float]:
+  """A family's rule that presumes every candidate but `default` takes `ratio` times its
+  time (none where `ratio` is None): the default first until something is measured.
+
+  Example:
+    >>> others_presumed({"candidates": {"xla": "", "fused": ""}}, 1.5)
+    {'fused': 1.5}
+  """
+  if ratio is None:
+    return {}
+  return {name: ratio for name in key.get("candidates", {}) if name != default}
 
 
 def plain(value: Any) -> Any:

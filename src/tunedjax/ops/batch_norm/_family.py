@@ -33,15 +33,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from tunedjax._config import BUCKETS
-from tunedjax._errors import BAD_CHOICE, AutotuneError, ConfigError, format_choices
+from tunedjax._errors import AutotuneError
 from tunedjax._tuning import random_array
 from tunedjax import autotune
 from tunedjax.ops.batch_norm import _kernels as _bn_kernels
 from tunedjax.ops.batch_norm import _native_kernel
 from tunedjax.ops.batch_norm import _pattern as _bn_pattern
 from tunedjax.ops.batch_norm._spec import BatchNormSpec
-from tunedjax.autotune._bucket import pow2
+from tunedjax.autotune._bucket import last_axis_exact, others_presumed
 
 NAME = "batch_norm"
 
@@ -53,13 +52,8 @@ def bn_key(spec: BatchNormSpec, bucket: str = "exact") -> dict[str, Any]:
     >>> bn_key(BatchNormSpec((3, 5, 5, 8), "float32"), "pow2")["shape"]
     [4, 8, 8, 8]
   """
-  if bucket not in BUCKETS:
-    raise ConfigError(BAD_CHOICE.format(key="kernel.bucket",
-                                        choices=format_choices(BUCKETS), value=bucket))
-  shape = list(spec.shape)
-  if bucket == "pow2":
-    shape = [pow2(d) for d in shape[:-1]] + shape[-1:]
-  return {"shape": shape, "dtype": spec.dtype, "epsilon": float(spec.epsilon)}
+  return {"shape": last_axis_exact(spec.shape, bucket), "dtype": spec.dtype,
+          "epsilon": float(spec.epsilon)}
 
 
 def describe_bn(key: Mapping[str, Any]) -> str:
@@ -111,10 +105,7 @@ def bn_presumed(key: Mapping[str, Any], platform: str) -> dict[str, float]:
     >>> bn_presumed({"candidates": {"xla": "", "fused": ""}}, "gpu")
     {'fused': 1.5}
   """
-  ratio = PRESUMED.get(platform)
-  if ratio is None:
-    return {}
-  return {name: ratio for name in key.get("candidates", {}) if name != "xla"}
+  return others_presumed(key, PRESUMED.get(platform))
 
 
 FAMILY = autotune.OpFamily(

@@ -31,11 +31,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from tunedjax._config import BUCKETS
-from tunedjax._errors import BAD_CHOICE, ConfigError, ShapeError, format_choices
+from tunedjax._errors import ShapeError
 from tunedjax._tuning import random_array
 from tunedjax import autotune
-from tunedjax.autotune._bucket import pow2
+from tunedjax.autotune._bucket import last_axis_exact, others_presumed
 from tunedjax.ops.layer_norm import _kernels as _ln_kernels
 from tunedjax.ops.layer_norm import _native_kernel
 from tunedjax.ops.layer_norm._spec import LayerNormSpec
@@ -50,13 +49,8 @@ def ln_key(spec: LayerNormSpec, bucket: str = "exact") -> dict[str, Any]:
     >>> ln_key(LayerNormSpec((3, 100, 64), "float32"), "pow2")["shape"]
     [4, 128, 64]
   """
-  if bucket not in BUCKETS:
-    raise ConfigError(BAD_CHOICE.format(key="kernel.bucket",
-                                        choices=format_choices(BUCKETS), value=bucket))
-  shape = list(spec.shape)
-  if bucket == "pow2":
-    shape = [pow2(d) for d in shape[:-1]] + shape[-1:]
-  return {"shape": shape, "dtype": spec.dtype, "epsilon": float(spec.epsilon)}
+  return {"shape": last_axis_exact(spec.shape, bucket), "dtype": spec.dtype,
+          "epsilon": float(spec.epsilon)}
 
 
 def describe_ln(key: Mapping[str, Any]) -> str:
@@ -106,10 +100,7 @@ def ln_presumed(key: Mapping[str, Any], platform: str) -> dict[str, float]:
     >>> ln_presumed({"candidates": {"xla": "", "fused": ""}}, "gpu")
     {'fused': 1.5}
   """
-  ratio = PRESUMED.get(platform)
-  if ratio is None:
-    return {}
-  return {name: ratio for name in key.get("candidates", {}) if name != "xla"}
+  return others_presumed(key, PRESUMED.get(platform))
 
 
 FAMILY = autotune.OpFamily(
