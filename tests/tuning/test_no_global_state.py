@@ -38,7 +38,6 @@ ALLOWED = {
     ("tunedjax._native", "_LIBRARIES"): "the compiled libraries loaded (code, by source digest)",
     ("tunedjax._native", "_PREBUILD_TRIED"): "the sources a build was started for, once per "
                                              "process (code, not a measurement)",
-    ("tunedjax.ops.batch_norm._flax", "_installed"): "the Flax hook installed (code)",
     ("tunedjax.autotune._routes", "_ROUTES"): "the families' routes, registered as they "
                                               "load (code)",
     ("tunedjax.autotune._tuner", "_WARM"): "the families that made a timed call in this "
